@@ -1,0 +1,71 @@
+"""The one attention core: softmax(q k^T * scale + bias, masked) v, with two backends.
+
+``eager``  the reference: explicit fp32 scores, bias, mask and softmax (returns weights).
+``sdpa``   ``torch.nn.functional.scaled_dot_product_attention`` with the bias folded into a
+           float mask (or ``is_causal`` when there is no bias and no padding).
+
+Masks follow transformers' sdpa convention: a boolean (B,1,Tq,Tk) tensor where True means
+"may attend", or ``None`` for a plain causal mask. Query ``i`` of ``Tq`` sits at key index
+``Tk - Tq + i`` (bottom-right aligned), which is how a KV cache lays them out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("sdpa", "eager")
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, T, D) -> (B, Hkv*groups, T, D), each KV head serving ``groups`` query heads."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, Tq, Tk) bool, bottom-right aligned causal mask."""
+    q_index = torch.arange(k_len - q_len, k_len, device=device)
+    return (torch.arange(k_len, device=device)[None, :] <= q_index[:, None])[None, None]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scaling: float,
+    dropout_p: float = 0.0,
+    backend: str = "sdpa",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if mask is None and q_len > 1:
+        if bias is None and backend == "sdpa" and q_len == k_len:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling)
+            return out.transpose(1, 2), None
+        mask = causal_mask(q_len, k_len, q.device)
+
+    if backend == "eager":
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling  # (B, Hq, Tq, Tk)
+        if bias is not None:
+            scores = scores + bias
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+        weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
+        return torch.matmul(weights, v).transpose(1, 2), weights
+
+    attn_mask = mask
+    if bias is not None:
+        attn_mask = bias.to(q.dtype)
+        if mask is not None:
+            attn_mask = attn_mask.masked_fill(~mask, torch.finfo(q.dtype).min)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scaling)
+    return out.transpose(1, 2), None

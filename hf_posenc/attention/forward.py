@@ -1,0 +1,77 @@
+"""The forward installed on every patched attention module: composes the encoding's stages.
+
+    hidden ─ layer_input ─> project q,k,v ─ rotate ─> KV cache ─ score_bias ─> attend ─> output
+
+One instance per attention module; it holds the module, its layer index, the family
+adapter and the shared :class:`~hf_posenc.runtime.PatchRuntime`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..positions import bind_arguments
+from .core import attend
+
+if TYPE_CHECKING:
+    from ..runtime import PatchRuntime
+
+
+class PatchedAttentionForward:
+    """Callable used as ``module.forward`` while a model is patched."""
+
+    def __init__(self, module: nn.Module, layer_idx: int, runtime: PatchRuntime) -> None:
+        self.module = module
+        self.layer_idx = layer_idx
+        self.runtime = runtime
+        self.signature = inspect.signature(type(module).forward)
+        # drop ``self`` so calls bind as they arrive at the bound method
+        params = list(self.signature.parameters.values())[1:]
+        self.signature = self.signature.replace(parameters=params)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        call = bind_arguments(self.signature, args, kwargs)
+        hidden: torch.Tensor = call["hidden_states"]  # (B, T, hidden)
+        mask = call.get("attention_mask")
+        cache = call.get("past_key_values")
+        runtime, module, layer = self.runtime, self.module, self.layer_idx
+        encoding, adapter, memo = runtime.encoding, runtime.adapter, runtime.memo
+        context = runtime.context_for(call.get("position_ids"), hidden)
+        positions = context.positions  # (B, T)
+
+        x_qk = x_v = hidden
+        if runtime.stages.layer_input:
+            x_qk, x_v = encoding.layer_input(layer, hidden, positions, memo)
+        q, k, v = adapter.project(module, x_qk, x_v)  # (B,Hq,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
+
+        rotate = runtime.stages.rotate
+        if rotate and not encoding.rotates_after_cache:
+            q, k = encoding.rotate(layer, q, k, positions, positions, memo)
+        if cache is not None:
+            k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
+        if rotate and encoding.rotates_after_cache:
+            key_positions = context.key_positions[:, -k.shape[-2] :]
+            q, k = encoding.rotate(layer, q, k, positions, key_positions, memo)
+
+        bias = None
+        if runtime.stages.score_bias:
+            bias = encoding.score_bias(layer, q.shape[-2], k.shape[-2], q.device, memo)  # (Hq,Tq,Tk)
+
+        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+            raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
+        out, weights = attend(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            scaling=module.scaling,
+            dropout_p=adapter.dropout_p(module),
+            backend=runtime.backend,
+        )
+        out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
+        return adapter.output(module, out), weights

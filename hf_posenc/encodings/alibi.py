@@ -1,0 +1,57 @@
+"""ALiBi: attention with linear biases (Press et al., 2022, "Train Short, Test Long").
+
+    <q_i, k_j> = q_i^T k_j - m_h * (i - j)
+
+Head slopes m_h form the geometric sequence 2^(-8/H), 2^(-16/H), ..., 2^(-8) for H a power
+of two. Otherwise the slopes of the closest smaller power of two are followed by every
+other slope of twice that count (the original ``get_slopes``, as BLOOM's
+``build_alibi_tensor``). The bias has no parameters; with GQA it is per query head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..config import EncodingConfig
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding, query_key_distance
+
+
+@dataclasses.dataclass
+class ALiBiConfig(EncodingConfig):
+    encoding = "alibi"
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """(num_heads,) fp32 slopes, per Press et al.'s reference ``get_slopes``."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(closest)
+    if closest != num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+@register_encoding
+class ALiBi(Encoding):
+    name = "alibi"
+    aliases = ("linear_bias",)
+    config_class = ALiBiConfig
+    paper = "Press et al. 2022, arXiv:2108.12409"
+    summary = "fixed per-head linear penalty on query-key distance"
+
+    def score_bias(self, layer_idx, q_len, k_len, device, memo: ForwardMemo) -> torch.Tensor:
+        def build() -> torch.Tensor:
+            distance = query_key_distance(q_len, k_len, device).float()  # (Tq, Tk)
+            slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
+            return -slopes[:, None, None] * distance  # (Hq, Tq, Tk)
+
+        return memo.get(("alibi", q_len, k_len, device), build)

@@ -1,0 +1,58 @@
+"""ExPE: exact positional encodings (Datseris et al., 2025, "ExPE: Exact Positional
+Encodings for Generative Transformer Models with Extrapolating Capabilities", eq. 3).
+
+    phi(x, n) = (p_n, p_{n+1}, ..., p_{n+l-1}, x_{l+1}, ..., x_d),   p_n = S + theta * n
+
+applied in every layer to the hidden state entering the query and key projections (the
+value input too when ``override_value``): its first ``l`` dimensions are overwritten by
+an exact, linearly growing code of the token position n. The residual stream keeps the
+overwritten values. ``scaling={'type': 'linear', 'factor': f}`` divides the position-
+dependent part: p = S + theta * (n + j) / f (the paper's "scaled by 0.5" is f = 2).
+
+Defaults follow the paper's large-scale setup: l = d_model / 8, S = 0, theta = 1/2048.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import check_number
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .expe_common import ExactPositionConfig, override_leading
+
+
+@dataclasses.dataclass
+class ExPEConfig(ExactPositionConfig):
+    encoding = "expe"
+    theta: float = 1 / 2048
+
+    def validate(self) -> None:
+        super().validate()
+        check_number(self.encoding, "theta", self.theta, low=0.0, low_inclusive=False)
+
+
+def expe_values(positions: torch.Tensor, l: int, S: float, theta: float, factor: float) -> torch.Tensor:  # noqa: E741, N803
+    """positions (B,T) -> (B,T,l) fp32 with value S + theta * (n + j) / factor at [b, t, j]."""
+    offsets = torch.arange(l, device=positions.device, dtype=torch.float64)  # (l,)
+    n = positions.to(torch.float64)[..., None]  # (B, T, 1)
+    return (S + theta * (n + offsets) / factor).float()
+
+
+@register_encoding
+class ExPE(Encoding):
+    name = "expe"
+    aliases = ("exact", "exact_positional")
+    config_class = ExPEConfig
+    paper = "Datseris et al. 2025, ExPE (eq. 3)"
+    summary = "overrides the first l dims of each layer's q/k input with S + theta*(n+j)"
+
+    def layer_input(self, layer_idx, hidden, positions, memo: ForwardMemo):
+        cfg = self.config
+        values = memo.get(
+            ("expe",), lambda: expe_values(positions, cfg.l, cfg.S, cfg.theta, cfg.factor)
+        )  # (B, T, l)
+        return override_leading(hidden, values, cfg.override_value)

@@ -1,0 +1,81 @@
+"""Learned absolute positions (Vaswani et al., 2017; GPT-2's ``wpe``; BERT).
+
+    h_n^(0) = e_n + P[n],   P in R^{max_positions x d} trained with the model
+
+The table has a hard length limit: a position at or past ``max_positions`` raises
+:class:`~hf_posenc.errors.PositionRangeError` instead of indexing out of range.
+``init`` chooses the starting table: ``zeros`` (the patched model starts as NoPE),
+``sinusoidal`` (starts as the sinusoidal encoding), or ``native`` (copy GPT-2's ``wpe``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..config import EncodingConfig, check_choice, check_number
+from ..errors import InvalidParameterError, PositionRangeError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .sinusoidal import sinusoidal_table
+
+
+@dataclasses.dataclass
+class LearnedConfig(EncodingConfig):
+    encoding = "learned"
+    max_positions: int | None = None  # default: the model's max_position_embeddings
+    init: str = "zeros"
+
+    def validate(self) -> None:
+        if self.max_positions is not None:
+            check_number(self.encoding, "max_positions", self.max_positions, low=1, integer=True)
+        check_choice(self.encoding, "init", self.init, ("zeros", "sinusoidal", "native"))
+
+    def resolve(self, geometry) -> LearnedConfig:
+        out = dataclasses.replace(self)
+        if out.max_positions is None:
+            out.max_positions = geometry.max_position_embeddings
+        if out.init == "native" and geometry.family != "gpt2":
+            raise InvalidParameterError(
+                f"learned: init='native' copies GPT-2's wpe table, but this is a {geometry.family} model; "
+                "use init='zeros' or init='sinusoidal'"
+            )
+        return out
+
+
+@register_encoding
+class Learned(Encoding):
+    name = "learned"
+    aliases = ("learned_absolute", "absolute", "ape")
+    config_class = LearnedConfig
+    paper = "Vaswani et al. 2017, arXiv:1706.03762; Radford et al. 2019 (GPT-2)"
+    summary = "trainable table of absolute position vectors added to the token embeddings"
+
+    def __init__(self, config: LearnedConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        table = torch.zeros(config.max_positions, geometry.hidden_size)  # (max_positions, hidden)
+        if config.init == "sinusoidal":
+            table = sinusoidal_table(torch.arange(config.max_positions), geometry.hidden_size, 10000.0)
+        self.table = nn.Parameter(table)
+
+    def initialise_from_model(self, model: nn.Module, adapter) -> None:
+        """``init='native'``: start from GPT-2's ``wpe`` (the model's own table is left untouched)."""
+        if self.config.init != "native":
+            return
+        wpe = adapter.base_model(model).wpe.weight
+        rows = min(wpe.shape[0], self.table.shape[0])
+        with torch.no_grad():
+            self.table[:rows].copy_(wpe[:rows])
+
+    def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
+        limit = self.table.shape[0]
+        top = int(positions.max()) if positions.numel() else 0
+        if top >= limit:
+            raise PositionRangeError(
+                f"learned: position {top} is past the learned table (max_positions={limit}, positions "
+                f"0..{limit - 1}); shorten the input or patch with a larger max_positions"
+            )
+        return self.table[positions].float()  # (B, T, hidden)

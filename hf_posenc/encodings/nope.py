@@ -1,0 +1,30 @@
+"""NoPE: no positional encoding (Kazemnejad et al., 2023, "The Impact of Positional Encoding
+on Length Generalization in Transformers"; Haviv et al., 2022).
+
+    <q_i, k_j> = q_i^T k_j
+
+Causal masking alone lets a decoder infer order. Patching removes the model's own
+encoding (Llama/Mistral RoPE, GPT-2 ``wpe``) and adds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import EncodingConfig
+from ..registry import register_encoding
+from .base import Encoding
+
+
+@dataclasses.dataclass
+class NoPEConfig(EncodingConfig):
+    encoding = "nope"
+
+
+@register_encoding
+class NoPE(Encoding):
+    name = "nope"
+    aliases = ("none", "no_pe")
+    config_class = NoPEConfig
+    paper = "Kazemnejad et al. 2023, arXiv:2305.19466"
+    summary = "no positional encoding; causal attention only"

@@ -1,0 +1,125 @@
+"""Rotary position embedding (Su et al., 2021, "RoFormer", arXiv:2104.09864).
+
+    q_m -> R_{Theta,m} q_m,  k_n -> R_{Theta,n} k_n,  so  <q_m, k_n> = q_m^T R_{Theta,n-m} k_n
+
+R rotates dimension pairs by angles m*omega_i with omega_i = theta^(-2i/d_rot). Pairs are
+(i, i + d_rot/2), the layout of Llama/Mistral checkpoints (``rotate_half``), so
+``patch_model(llama, "rope")`` reproduces the native model exactly. Only the first
+``d_rot = head_dim * partial_rotary_factor`` dimensions rotate. ``scaling`` selects a
+context-extension schedule (see :mod:`.rope_scaling`): ``linear``, ``ntk``, ``dynamic``,
+``yarn`` or ``llama3``.
+
+Dynamic NTK changes the frequencies with the sequence length, which breaks a cache of
+already-rotated keys. Here keys are cached un-rotated and rotated at every step with the
+frequencies for the current length, so a cached decode step gives exactly the logits a
+full forward over the same tokens gives for its last position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import EncodingConfig, check_number
+from ..errors import InvalidParameterError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .rope_scaling import inverse_frequencies, resolve_scaling, validate_scaling
+
+
+@dataclasses.dataclass
+class RoPEConfig(EncodingConfig):
+    encoding = "rope"
+    theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
+    partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
+    scaling: dict | None = None
+
+    def validate(self) -> None:
+        if self.theta is not None:
+            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
+        if self.partial_rotary_factor is not None:
+            check_number(
+                self.encoding, "partial_rotary_factor", self.partial_rotary_factor, low=0.0, high=1.0,
+                low_inclusive=False,
+            )
+        validate_scaling(self.encoding, self.scaling)
+
+    def resolve(self, geometry) -> RoPEConfig:
+        out = dataclasses.replace(self)
+        if out.theta is None:
+            out.theta = float(geometry.rope_theta)
+        if out.partial_rotary_factor is None:
+            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
+        rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        return out
+
+
+def rotary_dim(encoding: str, head_dim: int, fraction: float) -> int:
+    """Number of rotated dimensions; raises unless it is even and at least 2."""
+    dim = int(head_dim * fraction)
+    if dim < 2 or dim % 2:
+        raise InvalidParameterError(
+            f"{encoding}: rotary dimension head_dim * partial_rotary_factor = {head_dim} * {fraction} -> {dim} "
+            "is not allowed; allowed: an even number >= 2 (rotations act on pairs of dimensions)"
+        )
+    return dim
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B,T) -> cos, sin (B,1,T,d_rot) in ``dtype``."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (B, T, d_rot/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, d_rot)
+    cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first d_rot dims of x (B,H,T,D) by cos/sin (B,1,T,d_rot); pass the rest."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :dim], x[..., dim:]
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
+
+
+@register_encoding
+class RoPE(Encoding):
+    name = "rope"
+    aliases = ("rotary", "roformer")
+    config_class = RoPEConfig
+    paper = "Su et al. 2021, arXiv:2104.09864"
+    summary = "rotates q/k dimension pairs by position-proportional angles; optional context scaling"
+
+    def __init__(self, config: RoPEConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        self.rotates_after_cache = bool(config.scaling and config.scaling["type"] == "dynamic")
+
+    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
+        cfg = self.config
+        seq_len = int(k_positions.max()) + 1 if self.rotates_after_cache else None
+
+        def frequencies():
+            inv_freq, factor = inverse_frequencies(self.dim, cfg.theta, cfg.scaling, seq_len, q.device)
+            return inv_freq, factor
+
+        inv_freq, factor = memo.get(("rope_freq", seq_len, q.device), frequencies)
+        cos_q, sin_q = memo.get(("rope_q", q.dtype), lambda: cos_sin(q_positions, inv_freq, factor, q.dtype))
+        if k_positions is q_positions:
+            cos_k, sin_k = cos_q, sin_q
+        else:
+            cos_k, sin_k = memo.get(
+                ("rope_k", q.dtype, k.shape[-2]), lambda: cos_sin(k_positions, inv_freq, factor, q.dtype)
+            )
+        return apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)

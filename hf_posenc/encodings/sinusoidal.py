@@ -1,0 +1,53 @@
+"""Sinusoidal absolute positions (Vaswani et al., 2017, "Attention Is All You Need").
+
+    P[n, 2i]   = scale * sin(n / base^(2i/d))
+    P[n, 2i+1] = scale * cos(n / base^(2i/d))        h_n^(0) = e_n + P[n]
+
+Added once to the token embeddings (sin/cos interleaved, as in the paper and seeds 000/001).
+``scale`` lets a pretrained model whose embeddings are small (Llama's ~0.02) receive a
+vector of comparable size; 1.0 is the paper's value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import EncodingConfig, check_number
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+
+
+@dataclasses.dataclass
+class SinusoidalConfig(EncodingConfig):
+    encoding = "sinusoidal"
+    base: float = 10000.0
+    scale: float = 1.0
+
+    def validate(self) -> None:
+        check_number(self.encoding, "base", self.base, low=1.0, low_inclusive=False)
+        check_number(self.encoding, "scale", self.scale, low=0.0, low_inclusive=False)
+
+
+def sinusoidal_table(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """positions (...,) -> (..., dim) fp32 with sin at even and cos at odd indices."""
+    pair = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64)  # 2i
+    inv_freq = base ** (-pair / dim)  # (ceil(dim/2),)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., ceil(dim/2))
+    table = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., 2*ceil(dim/2))
+    return table[..., :dim].float()
+
+
+@register_encoding
+class Sinusoidal(Encoding):
+    name = "sinusoidal"
+    aliases = ("sincos", "sinusoid", "absolute_sinusoidal")
+    config_class = SinusoidalConfig
+    paper = "Vaswani et al. 2017, arXiv:1706.03762"
+    summary = "fixed sin/cos vectors added to the token embeddings"
+
+    def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
+        cfg = self.config
+        return cfg.scale * sinusoidal_table(positions, self.geometry.hidden_size, cfg.base)  # (B, T, hidden)

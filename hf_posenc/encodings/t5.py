@@ -1,0 +1,84 @@
+"""T5 relative position bias (Raffel et al., 2020, "Exploring the Limits of Transfer
+Learning with a Unified Text-to-Text Transformer"), causal form.
+
+    <q_i, k_j> = q_i^T k_j + b_h[bucket(i - j)]
+
+    bucket(n) = n                                                  if n < B/2
+              = B/2 + floor( log(n / (B/2)) / log(D / (B/2)) * B/2 )   if B/2 <= n < D
+              = B - 1                                              if n >= D
+
+with B = ``num_buckets``, D = ``max_distance``, B/2 taken as floor(B/2) and future keys
+(n < 0) in bucket 0. For even B this is HF T5's ``_relative_position_bucket(bidirectional=
+False)``; for B=5, D=6 it reproduces the worked table of seed 001. ``b`` holds one learned
+scalar per head and bucket, shared by all layers unless ``shared_across_layers=False``,
+initialised to zero so the patched model starts as NoPE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from ..config import EncodingConfig, check_bool, check_number
+from ..errors import InvalidParameterError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding, query_key_distance
+
+
+@dataclasses.dataclass
+class T5Config(EncodingConfig):
+    encoding = "t5"
+    num_buckets: int = 32
+    max_distance: int = 128
+    shared_across_layers: bool = True
+
+    def validate(self) -> None:
+        check_number(self.encoding, "num_buckets", self.num_buckets, low=2, integer=True)
+        check_number(self.encoding, "max_distance", self.max_distance, low=1, integer=True)
+        check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
+        if self.max_distance <= self.num_buckets // 2:
+            raise InvalidParameterError(
+                f"t5: parameter max_distance={self.max_distance!r} is not allowed; allowed: an integer greater "
+                f"than num_buckets // 2 = {self.num_buckets // 2}"
+            )
+
+
+def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """distance ``i - j`` (any int shape) -> bucket index in [0, num_buckets)."""
+    n = distance.clamp(min=0)
+    exact = num_buckets // 2
+    # n is >= exact wherever the log branch is used; clamp avoids log(0) elsewhere
+    log_ratio = torch.log(n.clamp(min=exact).float() / exact) / math.log(max_distance / exact)
+    large = exact + (log_ratio * exact).long()
+    large = large.clamp(max=num_buckets - 1)
+    return torch.where(n < exact, n, large)
+
+
+@register_encoding
+class T5Bias(Encoding):
+    name = "t5"
+    aliases = ("t5_bias", "relative", "t5_relative")
+    config_class = T5Config
+    paper = "Raffel et al. 2020, arXiv:1910.10683"
+    summary = "learned per-head scalar bias per log-spaced relative-distance bucket"
+
+    def __init__(self, config: T5Config, geometry) -> None:
+        super().__init__(config, geometry)
+        tables = 1 if config.shared_across_layers else geometry.num_layers
+        # tables[layer]: (num_buckets, Hq) scalars, zero-initialised
+        self.tables = nn.ModuleList(nn.Embedding(config.num_buckets, geometry.num_heads) for _ in range(tables))
+        for table in self.tables:
+            nn.init.zeros_(table.weight)
+
+    def score_bias(self, layer_idx, q_len, k_len, device, memo: ForwardMemo) -> torch.Tensor:
+        cfg = self.config
+        buckets = memo.get(
+            ("t5_buckets", q_len, k_len, device),
+            lambda: relative_position_bucket(query_key_distance(q_len, k_len, device), cfg.num_buckets, cfg.max_distance),
+        )  # (Tq, Tk)
+        table = self.tables[0 if cfg.shared_across_layers else layer_idx]
+        return table(buckets).permute(2, 0, 1).float()  # (Hq, Tq, Tk)

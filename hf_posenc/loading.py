@@ -1,0 +1,96 @@
+"""``from_pretrained``: load a checkpoint saved from a patched model and re-apply the patch.
+
+``save_pretrained`` on a patched model writes ``config.posenc`` (encoding name and resolved
+parameters) and the encoding's tensors under the ``posenc.`` prefix. Loading builds the
+model with transformers, patches it from ``config.posenc`` and loads those tensors, so
+the reloaded model gives the same logits. A plain transformers load of the same folder
+reports the ``posenc.*`` keys as unexpected, so the patch is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compat import ignore_unexpected_keys, resolve_checkpoint_file
+from .patch import CONFIG_KEY, MODULE_NAME, patch_model
+
+HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def _checkpoint_tensors(path: str, prefix: str, hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor whose name starts with ``prefix`` (prefix removed), from safetensors or .bin files."""
+    for index_name, single_name, reader in (
+        ("model.safetensors.index.json", "model.safetensors", _read_safetensors),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin", _read_torch),
+    ):
+        index = resolve_checkpoint_file(path, index_name, **hub_kwargs)
+        if index is not None:
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted({file for key, file in weight_map.items() if key.startswith(prefix)})
+            paths = [resolve_checkpoint_file(path, file, **hub_kwargs) for file in files]
+        else:
+            single = resolve_checkpoint_file(path, single_name, **hub_kwargs)
+            paths = [single] if single is not None else []
+            if not paths:
+                continue
+        tensors: dict[str, torch.Tensor] = {}
+        for file in paths:
+            tensors.update(reader(file, prefix))
+        return tensors
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or their index) found in {path!r}")
+
+
+def _read_safetensors(file: str, prefix: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return {key[len(prefix):]: f.get_tensor(key) for key in f.keys() if key.startswith(prefix)}
+
+
+def _read_torch(file: str, prefix: str) -> dict[str, torch.Tensor]:
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+
+
+def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:
+    """Load a causal LM saved from a patched model and re-apply its encoding.
+
+    ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``,
+    ``revision``, ...). Raises ``ValueError`` if the checkpoint carries no ``posenc`` entry.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path, **hub_kwargs)
+    posenc = getattr(config, CONFIG_KEY, None)
+    if not posenc:
+        raise ValueError(
+            f"{path!r} was not saved from a model patched by hf_posenc (its config has no 'posenc' entry); "
+            "load it with transformers and call hf_posenc.patch_model(model, name)"
+        )
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with ignore_unexpected_keys(model_class, rf"^{MODULE_NAME}\."):
+        model = AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
+    saved = dict(getattr(model.config, CONFIG_KEY))
+    delattr(model.config, CONFIG_KEY)
+    try:
+        patch_model(model, saved, _reloading=True)
+    except BaseException:
+        setattr(model.config, CONFIG_KEY, saved)
+        raise
+    state = _checkpoint_tensors(path, f"{MODULE_NAME}.", hub_kwargs)
+    encoding = getattr(model, MODULE_NAME)
+    missing = sorted(set(encoding.state_dict()) - set(state))
+    if missing:
+        raise ValueError(
+            f"{path!r} names encoding {saved.get('encoding')!r} but lacks its tensors {missing}; "
+            "the checkpoint is incomplete"
+        )
+    encoding.load_state_dict(state, strict=True)
+    return model

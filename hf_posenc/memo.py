@@ -1,0 +1,35 @@
+"""A per-forward memo for tensors that every layer shares (biases, cos/sin, bucket indices).
+
+Only tensors that carry no gradient belong here: they are pure functions of positions and
+shapes, so reusing them across layers (and in gradient-checkpoint recomputation) is exact.
+The memo empties itself whenever a new forward pass starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+class ForwardMemo:
+    def __init__(self) -> None:
+        self._owner: object | None = None
+        self._values: dict[Hashable, torch.Tensor] = {}
+
+    def start(self, owner: object) -> None:
+        """Begin a new forward pass identified by ``owner`` (its position tensor)."""
+        if owner is not self._owner:
+            self._owner = owner
+            self._values = {}
+
+    def get(self, key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        value = self._values.get(key)
+        if value is None:
+            value = compute()
+            self._values[key] = value
+        return value
+
+    def clear(self) -> None:
+        self._owner = None
+        self._values = {}

@@ -1,0 +1,75 @@
+"""GPT-2 adapter: fused Conv1D ``c_attn``, learned absolute positions in ``wpe``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from .base import FamilyAdapter, ModelGeometry, Undo, freeze_parameters, replace_forward
+
+
+class GPT2Adapter(FamilyAdapter):
+    family = "gpt2"
+    model_types = ("gpt2",)
+
+    def check_supported(self, model: nn.Module) -> None:
+        if getattr(model.config, "add_cross_attention", False):
+            raise UnsupportedModelError(
+                "gpt2 with add_cross_attention=True is not supported: only decoder-only self-attention "
+                "can be patched"
+            )
+
+    def geometry(self, config: Any) -> ModelGeometry:
+        heads = config.n_head
+        return ModelGeometry(
+            family=self.family,
+            hidden_size=config.n_embd,
+            num_layers=config.n_layer,
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=config.n_embd // heads,
+            max_position_embeddings=config.n_positions,
+            rope_theta=10000.0,
+            partial_rotary_factor=1.0,
+        )
+
+    def base_model(self, model: nn.Module) -> nn.Module:
+        return model.transformer
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [block.attn for block in self.base_model(model).h]
+
+    def neutralize_native_positions(self, model: nn.Module) -> list[Undo]:
+        wpe = self.base_model(model).wpe
+
+        def zero_positions(position_ids: torch.Tensor) -> torch.Tensor:
+            return wpe.weight.new_zeros(())  # broadcasts against the token embeddings
+
+        # wpe keeps its weights (saved, reloaded, restored by unpatch) but gets no gradient.
+        return [replace_forward(wpe, zero_positions), freeze_parameters(wpe)]
+
+    def project(self, module, x_qk, x_v):
+        weight, bias = module.c_attn.weight, module.c_attn.bias  # Conv1D: (hidden, 3*hidden)
+        d = module.split_size
+        shape = (*x_qk.shape[:-1], -1, module.head_dim)  # (B, T, H, D)
+        if x_qk is x_v:
+            q, k, v = module.c_attn(x_qk).split(d, dim=-1)
+        else:
+            qk = torch.addmm(bias[: 2 * d], x_qk.reshape(-1, x_qk.shape[-1]), weight[:, : 2 * d])
+            q, k = qk.view(*x_qk.shape[:-1], 2 * d).split(d, dim=-1)
+            v = torch.addmm(bias[2 * d :], x_v.reshape(-1, x_v.shape[-1]), weight[:, 2 * d :])
+            v = v.view(*x_v.shape[:-1], d)
+        return (
+            q.reshape(shape).transpose(1, 2),
+            k.reshape(shape).transpose(1, 2),
+            v.reshape(shape).transpose(1, 2),
+        )
+
+    def output(self, module, attn):
+        return module.resid_dropout(module.c_proj(attn))
+
+    def dropout_p(self, module) -> float:
+        return module.attn_dropout.p if module.training else 0.0

@@ -1,0 +1,102 @@
+"""One source of truth for encodings (with aliases) and model families."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from .encodings.base import Encoding
+from .errors import UnknownEncodingError, UnsupportedModelError
+from .models import GPT2Adapter, LlamaAdapter, MistralAdapter
+from .models.base import FamilyAdapter
+
+_ENCODINGS: dict[str, type[Encoding]] = {}
+_ALIASES: dict[str, str] = {}
+_FAMILIES: dict[str, FamilyAdapter] = {}
+
+
+def register_encoding(cls: type[Encoding]) -> type[Encoding]:
+    """Class decorator: register an encoding under its ``name`` and ``aliases``."""
+    for key in (cls.name, *cls.aliases):
+        owner = _ENCODINGS.get(key) or _ENCODINGS.get(_ALIASES.get(key, ""))
+        if owner is not None and owner is not cls:
+            raise ValueError(f"encoding name {key!r} is already registered by {owner.__name__}")
+    _ENCODINGS[cls.name] = cls
+    for alias in cls.aliases:
+        _ALIASES[alias] = cls.name
+    return cls
+
+
+def canonical_name(name: str) -> str:
+    key = str(name).strip().lower().replace("-", "_")
+    if key in _ENCODINGS:
+        return key
+    if key in _ALIASES:
+        return _ALIASES[key]
+    known = sorted(_ENCODINGS)
+    close = difflib.get_close_matches(key, known + sorted(_ALIASES), n=3, cutoff=0.5)
+    close = list(dict.fromkeys(_ALIASES.get(c, c) for c in close))
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise UnknownEncodingError(f"unknown encoding {name!r}.{hint} Known encodings: {', '.join(known)}")
+
+
+def get_encoding(name: str) -> type[Encoding]:
+    return _ENCODINGS[canonical_name(name)]
+
+
+def encoding_names() -> list[str]:
+    return sorted(_ENCODINGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodingInfo:
+    """What :func:`hf_posenc.list_encodings` returns for one encoding."""
+
+    name: str
+    aliases: tuple[str, ...]
+    stages: tuple[str, ...]
+    parameters: dict[str, Any]
+    summary: str
+    paper: str
+
+
+def list_encodings() -> list[EncodingInfo]:
+    """Every registered encoding: name, aliases, stages, parameters with defaults, paper."""
+    return [
+        EncodingInfo(
+            name=cls.name,
+            aliases=tuple(cls.aliases),
+            stages=tuple(cls.stages()),
+            parameters=cls.config_class.parameter_defaults(),
+            summary=cls.summary,
+            paper=cls.paper,
+        )
+        for _, cls in sorted(_ENCODINGS.items())
+    ]
+
+
+def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
+    for model_type in adapter.model_types:
+        _FAMILIES[model_type] = adapter
+    return adapter
+
+
+def supported_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def adapter_for(model: Any) -> FamilyAdapter:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    adapter = _FAMILIES.get(model_type)
+    if adapter is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"supported families: {', '.join(supported_families())}"
+        )
+    return adapter
+
+
+for _adapter in (LlamaAdapter(), MistralAdapter(), GPT2Adapter()):
+    register_family(_adapter)

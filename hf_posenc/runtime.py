@@ -1,0 +1,92 @@
+"""State shared by the pieces of one patch: encoding, adapter, memo and positions.
+
+``before_base_forward`` runs as a forward pre-hook on the decoder stack: it computes the
+positions once (see :mod:`hf_posenc.positions`), hands them to the model as
+``position_ids`` so every layer receives the same tensor, and applies the ``embed`` stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .encodings.base import Encoding
+from .memo import ForwardMemo
+from .models.base import FamilyAdapter
+from .positions import ForwardContext, bind_arguments, compute_context
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    embed: bool
+    layer_input: bool
+    rotate: bool
+    score_bias: bool
+
+
+class PatchRuntime:
+    def __init__(self, encoding: Encoding, adapter: FamilyAdapter, base: nn.Module, backend: str) -> None:
+        self.encoding = encoding
+        self.adapter = adapter
+        self.backend = backend
+        self.stages = Stages(**{s: encoding.implements(s) for s in ("embed", "layer_input", "rotate", "score_bias")})
+        self.memo = ForwardMemo()
+        self.context: ForwardContext | None = None
+        params = list(inspect.signature(type(base).forward).parameters.values())[1:]
+        self._base_signature = inspect.Signature(params)
+
+    def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        call = bind_arguments(self._base_signature, args, kwargs)
+        input_ids = call.get("input_ids")
+        inputs_embeds = call.get("inputs_embeds")
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference is None:
+            return args, kwargs  # let the model raise its own error
+        context = compute_context(
+            batch=reference.shape[0],
+            length=reference.shape[1],
+            device=reference.device,
+            attention_mask=call.get("attention_mask"),
+            position_ids=call.get("position_ids"),
+            past_key_values=call.get("past_key_values"),
+            want_key_positions=self.encoding.rotates_after_cache,
+        )
+        call["position_ids"] = context.positions
+        self.context = context
+        self.memo.start(context.positions)
+        if self.stages.embed:
+            if inputs_embeds is None:
+                inputs_embeds = base.get_input_embeddings()(input_ids)  # (B, T, hidden)
+                call["input_ids"] = None
+            added = self.encoding.embed(context.positions, self.memo)  # (B, T, hidden) fp32
+            call["inputs_embeds"] = inputs_embeds + added.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
+        return (), call
+
+    def context_for(self, position_ids: torch.Tensor | None, hidden: torch.Tensor) -> ForwardContext:
+        """The context of the running forward; rebuilt from ``position_ids`` when called outside it."""
+        context = self.context
+        if context is not None and (position_ids is None or position_ids is context.positions):
+            return context
+        batch, length = hidden.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(length, device=hidden.device)[None]
+        positions = position_ids.to(hidden.device).expand(batch, -1)
+        self.memo.start(position_ids)
+        return ForwardContext(positions=positions, key_positions=positions)
+
+    def reset(self) -> None:
+        self.context = None
+        self.memo.clear()
+
+
+def call_hook(runtime: PatchRuntime):
+    """A forward pre-hook (``with_kwargs=True``) bound to ``runtime``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        return runtime.before_base_forward(module, args, kwargs)
+
+    return hook
