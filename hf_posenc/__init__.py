@@ -1,11 +1,11 @@
 """hf_posenc: switch the positional encoding of a pretrained Llama, Mistral or GPT-2 model.
 
-    import hf_posenc
-    hf_posenc.patch_model(model, "alibi")        # in place; returns the model
-    hf_posenc.unpatch_model(model)               # exact restore
-    with hf_posenc.patched(model, "t5"): ...     # temporary
-    hf_posenc.list_encodings()                   # names, aliases, parameters
-    model = hf_posenc.from_pretrained(directory) # reload a saved patched model
+import hf_posenc
+hf_posenc.patch_model(model, "alibi")        # in place; returns the model
+hf_posenc.unpatch_model(model)               # exact restore
+with hf_posenc.patched(model, "t5"): ...     # temporary
+hf_posenc.list_encodings()                   # names, aliases, parameters
+model = hf_posenc.from_pretrained(directory) # reload a saved patched model
 """
 
 __version__ = "0.1.0"

@@ -49,12 +49,12 @@ def _read_safetensors(file: str, prefix: str) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(file, framework="pt") as f:
-        return {key[len(prefix):]: f.get_tensor(key) for key in f.keys() if key.startswith(prefix)}
+        return {key[len(prefix) :]: f.get_tensor(key) for key in f.keys() if key.startswith(prefix)}  # noqa: SIM118
 
 
 def _read_torch(file: str, prefix: str) -> dict[str, torch.Tensor]:
     state = torch.load(file, map_location="cpu", weights_only=True)
-    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
 
 
 def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:

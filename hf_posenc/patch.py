@@ -72,8 +72,14 @@ def _model_dtype_device(model: nn.Module):
     return embeddings.weight.dtype, embeddings.weight.device
 
 
-def patch_model(model: nn.Module, encoding: str | EncodingConfig | Mapping[str, Any], /, *,
-                backend: str = "sdpa", **params: Any) -> nn.Module:
+def patch_model(
+    model: nn.Module,
+    encoding: str | EncodingConfig | Mapping[str, Any],
+    /,
+    *,
+    backend: str = "sdpa",
+    **params: Any,
+) -> nn.Module:
     """Switch ``model``'s positional encoding to ``encoding`` in place and return the model.
 
     ``encoding`` is a name from :func:`list_encodings` (or an alias), an encoding config
@@ -93,7 +99,9 @@ def patch_model(model: nn.Module, encoding: str | EncodingConfig | Mapping[str, 
     if backend not in BACKENDS:
         raise InvalidParameterError(f"backend={backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
     if MODULE_NAME in model._modules or hasattr(type(model), MODULE_NAME):
-        raise UnsupportedModelError(f"the model already has an attribute {MODULE_NAME!r}; cannot attach the encoding")
+        raise UnsupportedModelError(
+            f"the model already has an attribute {MODULE_NAME!r}; cannot attach the encoding"
+        )
 
     cls, config = _encoding_config(encoding, params)
     geometry = adapter.geometry(model.config)
@@ -119,12 +127,16 @@ def patch_model(model: nn.Module, encoding: str | EncodingConfig | Mapping[str, 
         previous_impl = get_attn_implementation(model.config)
         set_attn_implementation(model.config, ATTN_IMPLEMENTATION)
         undo.append(lambda: set_attn_implementation(model.config, previous_impl))
-        setattr(model.config, CONFIG_KEY, {
-            "encoding": cls.name,
-            "params": config.to_dict(),
-            "format_version": FORMAT_VERSION,
-            "hf_posenc_version": __version__,
-        })
+        setattr(
+            model.config,
+            CONFIG_KEY,
+            {
+                "encoding": cls.name,
+                "params": config.to_dict(),
+                "format_version": FORMAT_VERSION,
+                "hf_posenc_version": __version__,
+            },
+        )
         undo.append(lambda: delattr(model.config, CONFIG_KEY))
         undo.append(runtime.reset)
     except BaseException:
@@ -147,7 +159,9 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module, encoding: str | EncodingConfig | Mapping[str, Any], /, **params: Any) -> Iterator[nn.Module]:
+def patched(
+    model: nn.Module, encoding: str | EncodingConfig | Mapping[str, Any], /, **params: Any
+) -> Iterator[nn.Module]:
     """Context manager: the model is patched inside the block and restored after it."""
     patch_model(model, encoding, **params)
     try:

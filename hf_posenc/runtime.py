@@ -33,7 +33,9 @@ class PatchRuntime:
         self.encoding = encoding
         self.adapter = adapter
         self.backend = backend
-        self.stages = Stages(**{s: encoding.implements(s) for s in ("embed", "layer_input", "rotate", "score_bias")})
+        self.stages = Stages(
+            **{s: encoding.implements(s) for s in ("embed", "layer_input", "rotate", "score_bias")}
+        )
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
         params = list(inspect.signature(type(base).forward).parameters.values())[1:]
@@ -63,7 +65,9 @@ class PatchRuntime:
                 inputs_embeds = base.get_input_embeddings()(input_ids)  # (B, T, hidden)
                 call["input_ids"] = None
             added = self.encoding.embed(context.positions, self.memo)  # (B, T, hidden) fp32
-            call["inputs_embeds"] = inputs_embeds + added.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
+            call["inputs_embeds"] = inputs_embeds + added.to(
+                device=inputs_embeds.device, dtype=inputs_embeds.dtype
+            )
         return (), call
 
     def context_for(self, position_ids: torch.Tensor | None, hidden: torch.Tensor) -> ForwardContext:

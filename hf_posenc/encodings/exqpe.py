@@ -41,7 +41,12 @@ class ExQPEConfig(ExactPositionConfig):
 
 
 def exqpe_values(
-    positions: torch.Tensor, l: int, S: float, theta1: float, theta2: float, factor: float  # noqa: E741, N803
+    positions: torch.Tensor,
+    l: int,  # noqa: E741
+    S: float,
+    theta1: float,
+    theta2: float,
+    factor: float,  # noqa: E741, N803
 ) -> torch.Tensor:
     """positions (B,T) -> (B,T,l) fp32 per the closed form above."""
     j = torch.arange(l, device=positions.device)  # (l,)

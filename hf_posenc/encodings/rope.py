@@ -41,7 +41,11 @@ class RoPEConfig(EncodingConfig):
             check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
         if self.partial_rotary_factor is not None:
             check_number(
-                self.encoding, "partial_rotary_factor", self.partial_rotary_factor, low=0.0, high=1.0,
+                self.encoding,
+                "partial_rotary_factor",
+                self.partial_rotary_factor,
+                low=0.0,
+                high=1.0,
                 low_inclusive=False,
             )
         validate_scaling(self.encoding, self.scaling)

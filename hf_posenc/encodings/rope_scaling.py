@@ -29,7 +29,14 @@ SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "ntk": ("factor",),
     "dynamic": ("factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "truncate",
+    ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
 }
 SCALING_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -53,20 +60,29 @@ def validate_scaling(encoding: str, scaling: Any) -> None:
     check_number(encoding, "scaling['factor']", scaling["factor"], low=low, low_inclusive=inclusive)
     if scaling.get("original_max_position_embeddings") is not None:
         check_number(
-            encoding, "scaling['original_max_position_embeddings']", scaling["original_max_position_embeddings"],
-            low=1, integer=True,
+            encoding,
+            "scaling['original_max_position_embeddings']",
+            scaling["original_max_position_embeddings"],
+            low=1,
+            integer=True,
         )
     for key in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
         if key in scaling:
             check_number(encoding, f"scaling[{key!r}]", scaling[key], low=0.0, low_inclusive=False)
     if scaling.get("attention_factor") is not None:
-        check_number(encoding, "scaling['attention_factor']", scaling["attention_factor"], low=0.0, low_inclusive=False)
+        check_number(
+            encoding, "scaling['attention_factor']", scaling["attention_factor"], low=0.0, low_inclusive=False
+        )
     if "truncate" in scaling:
         check_bool(encoding, "scaling['truncate']", scaling["truncate"])
-    if kind == "llama3" and "low_freq_factor" in scaling and "high_freq_factor" in scaling:
-        if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            raise fail(encoding, "scaling['high_freq_factor']", scaling["high_freq_factor"],
-                       f"a number greater than low_freq_factor={scaling['low_freq_factor']}")
+    low_ff, high_ff = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
+    if kind == "llama3" and low_ff is not None and high_ff is not None and high_ff <= low_ff:
+        raise fail(
+            encoding,
+            "scaling['high_freq_factor']",
+            scaling["high_freq_factor"],
+            f"a number greater than low_freq_factor={scaling['low_freq_factor']}",
+        )
 
 
 def resolve_scaling(scaling: dict | None, max_positions: int) -> dict | None:
@@ -75,7 +91,10 @@ def resolve_scaling(scaling: dict | None, max_positions: int) -> dict | None:
         return None
     kind = scaling["type"]
     out = {"type": kind, **SCALING_DEFAULTS.get(kind, {}), **scaling}
-    if "original_max_position_embeddings" in SCALING_KEYS[kind] and out.get("original_max_position_embeddings") is None:
+    if (
+        "original_max_position_embeddings" in SCALING_KEYS[kind]
+        and out.get("original_max_position_embeddings") is None
+    ):
         out["original_max_position_embeddings"] = max_positions
     out["factor"] = float(out["factor"])
     return out
@@ -87,7 +106,11 @@ def base_inv_freq(dim: int, theta: float, device: torch.device | None = None) ->
 
 
 def inverse_frequencies(
-    dim: int, theta: float, scaling: dict | None, seq_len: int | None = None, device: torch.device | None = None
+    dim: int,
+    theta: float,
+    scaling: dict | None,
+    seq_len: int | None = None,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq (dim/2,), attention_factor) for a resolved ``scaling`` (``seq_len`` for dynamic)."""
     if scaling is None:

@@ -70,7 +70,9 @@ class T5Bias(Encoding):
         super().__init__(config, geometry)
         tables = 1 if config.shared_across_layers else geometry.num_layers
         # tables[layer]: (num_buckets, Hq) scalars, zero-initialised
-        self.tables = nn.ModuleList(nn.Embedding(config.num_buckets, geometry.num_heads) for _ in range(tables))
+        self.tables = nn.ModuleList(
+            nn.Embedding(config.num_buckets, geometry.num_heads) for _ in range(tables)
+        )
         for table in self.tables:
             nn.init.zeros_(table.weight)
 
@@ -78,7 +80,9 @@ class T5Bias(Encoding):
         cfg = self.config
         buckets = memo.get(
             ("t5_buckets", q_len, k_len, device),
-            lambda: relative_position_bucket(query_key_distance(q_len, k_len, device), cfg.num_buckets, cfg.max_distance),
+            lambda: relative_position_bucket(
+                query_key_distance(q_len, k_len, device), cfg.num_buckets, cfg.max_distance
+            ),
         )  # (Tq, Tk)
         table = self.tables[0 if cfg.shared_across_layers else layer_idx]
         return table(buckets).permute(2, 0, 1).float()  # (Hq, Tq, Tk)
