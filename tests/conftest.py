@@ -1,0 +1,90 @@
+"""Tiny models built from configs (no downloads) and the encoding x family matrix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
+from transformers.utils import logging as hf_logging
+
+import hf_posenc
+
+hf_logging.set_verbosity_error()
+
+VOCAB = 101
+FAMILIES = ("llama", "mistral", "gpt2")
+ENCODINGS = ("nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe")
+#: every encoding with its defaults, plus variants whose code paths differ
+CASES = [(name, {}) for name in ENCODINGS] + [
+    ("rope", {"scaling": {"type": "linear", "factor": 4.0}}),
+    ("rope", {"scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}}),
+    ("rope", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+    ("rope", {"partial_rotary_factor": 0.5, "theta": 500.0}),
+    ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
+    ("expe", {"override_value": True, "S": 0.5, "scaling": {"type": "linear", "factor": 2.0}}),
+    ("exqpe", {"l": 5, "theta2": 0.25}),
+]
+
+
+def case_id(case) -> str:
+    name, params = case
+    if not params:
+        return name
+    return name + "[" + ",".join(f"{k}={v['type'] if isinstance(v, dict) else v}" for k, v in params.items()) + "]"
+
+
+def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A 2-layer model of ``family`` with random weights, in eval mode, fp32."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "gpt2":
+        config = GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **common,
+        )
+    else:
+        config_class = LlamaConfig if family == "llama" else MistralConfig
+        extra = {"sliding_window": 8} if family == "mistral" else {}
+        config = config_class(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, **extra, **common,
+        )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)
+    # larger weights than the default init make positional effects visible in logits
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def randomize_encoding(model: torch.nn.Module, seed: int = 1) -> None:
+    """Give the encoding's parameters random values (they start at zero for t5/learned)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.posenc.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+
+
+def patch(model, name: str, params: dict | None = None, randomize: bool = True, **kwargs):
+    hf_posenc.patch_model(model, name, **(params or {}), **kwargs)
+    if randomize:
+        randomize_encoding(model)
+    return model
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
+def case(request):
+    return request.param
+
+
+def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)

@@ -1,0 +1,143 @@
+"""Independent references, written from the papers' formulas with loops and explicit
+matrices. Nothing here imports hf_posenc: the tests compare the package against these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# -- positional values ------------------------------------------------------------------
+
+
+def sinusoidal_vector(n: int, d: int, base: float = 10000.0) -> list[float]:
+    """Vaswani et al.: P[n, 2i] = sin(n / base^(2i/d)), P[n, 2i+1] = cos(n / base^(2i/d))."""
+    out = []
+    for k in range(d):
+        i = k // 2
+        angle = n / base ** (2 * i / d)
+        out.append(math.sin(angle) if k % 2 == 0 else math.cos(angle))
+    return out
+
+
+def alibi_slopes(n: int) -> list[float]:
+    """Press et al.'s reference ``get_slopes`` (recursive form)."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n - closest]
+
+
+def t5_bucket(n: int, num_buckets: int, max_distance: int) -> int:
+    """Seed 001's bucket(n) for the causal distance n = i - j (future keys: bucket 0)."""
+    n = max(n, 0)
+    half = num_buckets // 2
+    if n < half:
+        return n
+    if n >= max_distance:
+        return num_buckets - 1
+    return min(num_buckets - 1, half + math.floor(math.log(n / half) / math.log(max_distance / half) * half))
+
+
+def expe_values(n: int, l: int, S: float, theta: float, factor: float = 1.0) -> list[float]:  # noqa: E741, N803
+    """ExPE eq. 3: (p_n, ..., p_{n+l-1}) with p_m = S + theta*m, position part divided by factor."""
+    return [S + theta * (n + j) / factor for j in range(l)]
+
+
+def exqpe_values(n: int, l: int, S: float, theta1: float, theta2: float, factor: float = 1.0) -> list[float]:  # noqa: E741, N803
+    """ExQPE eq. 5 by its recurrence: p_0 = (S+theta2, S+theta1, ..., S+(l-1)theta1); step i adds theta2 to i mod l."""
+    p = [S + i * theta1 for i in range(l)]
+    p[0] += theta2
+    for i in range(1, n + 1):
+        p[i % l] += theta2
+    return [S + (v - S) / factor for v in p]
+
+
+def rotation_matrix(position: float, inv_freq: list[float], head_dim: int, attention_factor: float = 1.0) -> torch.Tensor:
+    """RoPE's block rotation acting on pairs (i, i + d_rot/2) of the first d_rot dims (Llama layout)."""
+    rotary = 2 * len(inv_freq)
+    half = rotary // 2
+    matrix = torch.eye(head_dim, dtype=torch.float64)
+    for i, omega in enumerate(inv_freq):
+        c, s = math.cos(position * omega) * attention_factor, math.sin(position * omega) * attention_factor
+        matrix[i, i], matrix[i, i + half] = c, -s
+        matrix[i + half, i], matrix[i + half, i + half] = s, c
+    return matrix
+
+
+# -- one attention layer ------------------------------------------------------------------
+
+
+def projections(family: str, module, x_qk: torch.Tensor, x_v: torch.Tensor):
+    """q, k, v as (T, heads, head_dim) float64 lists per batch, from the module's own weights."""
+    d_head = module.head_dim
+    if family == "gpt2":
+        w, b = module.c_attn.weight.double(), module.c_attn.bias.double()  # (d, 3d)
+        d = w.shape[0]
+        q = x_qk @ w[:, :d] + b[:d]
+        k = x_qk @ w[:, d : 2 * d] + b[d : 2 * d]
+        v = x_v @ w[:, 2 * d :] + b[2 * d :]
+    else:
+        q = x_qk @ module.q_proj.weight.double().T
+        k = x_qk @ module.k_proj.weight.double().T
+        v = x_v @ module.v_proj.weight.double().T
+    split = lambda t: t.reshape(*t.shape[:-1], -1, d_head)  # noqa: E731  (B, T, H, D)
+    return split(q), split(k), split(v)
+
+
+def output_projection(family: str, module, merged: torch.Tensor) -> torch.Tensor:
+    if family == "gpt2":
+        return merged @ module.c_proj.weight.double() + module.c_proj.bias.double()
+    return merged @ module.o_proj.weight.double().T
+
+
+@torch.no_grad()
+def attention_layer(
+    family: str,
+    module,
+    hidden: torch.Tensor,
+    *,
+    scaling: float,
+    window: int | None = None,
+    x_override=None,
+    override_value: bool = False,
+    rotation=None,
+    bias=None,
+) -> torch.Tensor:
+    """softmax_j(q_i . k_j * scaling + bias(h, i, j)) v_j over allowed j, then the output projection.
+
+    ``x_override(t) -> list`` replaces the leading dims of the q/k input of token t;
+    ``rotation(t) -> (D, D)`` rotates q_t and k_t; ``bias(h, i, j) -> float``.
+    Allowed keys: j <= i, and i - j < window when a sliding window is set.
+    """
+    hidden = hidden.double()
+    batch, length, _ = hidden.shape
+    x_qk, x_v = hidden.clone(), hidden
+    if x_override is not None:
+        for t in range(length):
+            values = torch.tensor(x_override(t), dtype=torch.float64)
+            x_qk[:, t, : len(values)] = values
+        if override_value:
+            x_v = x_qk
+    q, k, v = projections(family, module, x_qk, x_v)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kv_heads)  # the KV head serving query head h
+            for i in range(length):
+                qi = rotation(i) @ q[b, i, h] if rotation else q[b, i, h]
+                keys = [j for j in range(i + 1) if window is None or i - j < window]
+                scores = []
+                for j in keys:
+                    kj = rotation(j) @ k[b, j, g] if rotation else k[b, j, g]
+                    scores.append(float(qi @ kj) * scaling + (bias(h, i, j) if bias else 0.0))
+                weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
+                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys))
+    return output_projection(family, module, out.reshape(batch, length, -1))

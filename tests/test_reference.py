@@ -1,0 +1,121 @@
+"""Property: every patched attention layer equals an independent reference computed from
+the encoding's formula (tests/reference.py: loops and explicit matrices, fp64), for every
+encoding x family; and embedding-stage encodings add exactly the formula's vectors."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import reference as ref
+from conftest import make_model, patch, token_ids
+
+LENGTH = 12  # longer than Mistral's sliding window of 8
+
+
+def capture_layers(model, family):
+    """Record (hidden input, output) of every attention module and the input of layer 0."""
+    records, handles = {}, []
+    layers = model.transformer.h if family == "gpt2" else model.model.layers
+    attention = [layer.attn if family == "gpt2" else layer.self_attn for layer in layers]
+
+    def attention_hook(idx):
+        def hook(module, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            records[idx] = (hidden.detach(), output[0].detach())
+
+        return hook
+
+    def layer_hook(module, args, kwargs):
+        records["layer0_input"] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+    for idx, module in enumerate(attention):
+        handles.append(module.register_forward_hook(attention_hook(idx), with_kwargs=True))
+    handles.append(layers[0].register_forward_pre_hook(layer_hook, with_kwargs=True))
+    return records, attention, handles
+
+
+def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[float], float]:
+    """RoPE frequencies: the formula for plain/linear/ntk, transformers' own functions for the rest."""
+    theta = params.get("theta", 10000.0)
+    rotary = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    scaling = params.get("scaling")
+    plain = [theta ** (-2 * i / rotary) for i in range(rotary // 2)]
+    if scaling is None:
+        return plain, 1.0
+    if scaling["type"] == "linear":
+        return [w / scaling["factor"] for w in plain], 1.0
+    original = scaling["original_max_position_embeddings"]
+    config = LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=original,
+        rope_parameters={"rope_type": scaling["type"], "rope_theta": theta, "factor": scaling["factor"],
+                         "original_max_position_embeddings": original},
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["type"]](config, None, seq_len)
+    return inv_freq.double().tolist(), float(factor)
+
+
+def layer_reference(family, name, params, module, hidden, model, layer_idx):
+    geometry_d = hidden.shape[-1]
+    heads = module.config.num_attention_heads if family != "gpt2" else module.num_heads
+    kwargs = dict(scaling=module.scaling, window=8 if family == "mistral" else None)
+    if name == "rope":
+        inv_freq, factor = reference_inv_freq(params, module.head_dim, seq_len=LENGTH)
+        matrices = [ref.rotation_matrix(t, inv_freq, module.head_dim, factor) for t in range(LENGTH)]
+        kwargs["rotation"] = lambda t: matrices[t]
+    elif name == "alibi":
+        slopes = ref.alibi_slopes(heads)
+        kwargs["bias"] = lambda h, i, j: -slopes[h] * (i - j)
+    elif name == "t5":
+        shared = params.get("shared_across_layers", True)
+        table = model.posenc.tables[0 if shared else layer_idx].weight.double()  # (buckets, heads)
+        buckets, distance = params.get("num_buckets", 32), params.get("max_distance", 128)
+        kwargs["bias"] = lambda h, i, j: float(table[ref.t5_bucket(i - j, buckets, distance), h])
+    elif name in ("expe", "exqpe"):
+        l = params.get("l", geometry_d // 8)  # noqa: E741
+        factor = params.get("scaling", {}).get("factor", 1.0)
+        S = params.get("S", 0.0)  # noqa: N806
+        if name == "expe":
+            kwargs["x_override"] = lambda t: ref.expe_values(t, l, S, params.get("theta", 1 / 2048), factor)
+        else:
+            kwargs["x_override"] = lambda t: ref.exqpe_values(
+                t, l, S, params.get("theta1", 1 / 2048), params.get("theta2", 1 / 16), factor
+            )
+        kwargs["override_value"] = params.get("override_value", False)
+    return ref.attention_layer(family, module, hidden, **kwargs)
+
+
+def test_patched_attention_equals_formula_reference(family, case):
+    name, params = case
+    model = patch(make_model(family), name, params)
+    ids = token_ids(2, LENGTH)
+    records, attention, handles = capture_layers(model, family)
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    for layer_idx, module in enumerate(attention):
+        hidden, output = records[layer_idx]
+        expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_embedding_stage_adds_formula_vectors(family, case):
+    name, params = case
+    model = patch(make_model(family), name, params)
+    ids = token_ids(2, LENGTH)
+    records, _, handles = capture_layers(model, family)
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    tokens = model.get_input_embeddings().weight[ids].double()  # (B, T, d)
+    d = tokens.shape[-1]
+    if name == "sinusoidal":
+        table = torch.tensor([ref.sinusoidal_vector(t, d) for t in range(LENGTH)], dtype=torch.float64)
+    elif name == "learned":
+        table = model.posenc.table[:LENGTH].double()
+    else:  # every other encoding removes the model's own absolute positions (GPT-2's wpe) and adds none
+        table = torch.zeros(LENGTH, d, dtype=torch.float64)
+    torch.testing.assert_close(records["layer0_input"].double(), tokens + table, atol=1e-6, rtol=1e-6)
