@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .encodings.base import Encoding
+from .encodings.base import STAGES, Encoding
 from .memo import ForwardMemo
 from .models.base import FamilyAdapter
 from .positions import ForwardContext, bind_arguments, compute_context
@@ -25,6 +25,7 @@ class Stages:
     embed: bool
     layer_input: bool
     rotate: bool
+    logits: bool
     score_bias: bool
 
 
@@ -33,9 +34,8 @@ class PatchRuntime:
         self.encoding = encoding
         self.adapter = adapter
         self.backend = backend
-        self.stages = Stages(
-            **{s: encoding.implements(s) for s in ("embed", "layer_input", "rotate", "score_bias")}
-        )
+        active = set(encoding.active_stages())
+        self.stages = Stages(**{s: s in active for s in STAGES})
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
         params = list(inspect.signature(type(base).forward).parameters.values())[1:]
@@ -55,7 +55,7 @@ class PatchRuntime:
             attention_mask=call.get("attention_mask"),
             position_ids=call.get("position_ids"),
             past_key_values=call.get("past_key_values"),
-            want_key_positions=self.encoding.rotates_after_cache,
+            want_key_positions=self.stages.logits,
         )
         call["position_ids"] = context.positions
         self.context = context

@@ -30,7 +30,12 @@ def case_id(case) -> str:
     name, params = case
     if not params:
         return name
-    return name + "[" + ",".join(f"{k}={v['type'] if isinstance(v, dict) else v}" for k, v in params.items()) + "]"
+    return (
+        name
+        + "["
+        + ",".join(f"{k}={v['type'] if isinstance(v, dict) else v}" for k, v in params.items())
+        + "]"
+    )
 
 
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -39,15 +44,27 @@ def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "gpt2":
         config = GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
             **common,
         )
     else:
         config_class = LlamaConfig if family == "llama" else MistralConfig
         extra = {"sliding_window": 8} if family == "mistral" else {}
         config = config_class(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, **extra, **common,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **extra,
+            **common,
         )
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -56,7 +73,7 @@ def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.2)
+                p.normal_(0, 0.15)
     return model.eval()
 
 

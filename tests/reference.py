@@ -59,7 +59,9 @@ def exqpe_values(n: int, l: int, S: float, theta1: float, theta2: float, factor:
     return [S + (v - S) / factor for v in p]
 
 
-def rotation_matrix(position: float, inv_freq: list[float], head_dim: int, attention_factor: float = 1.0) -> torch.Tensor:
+def rotation_matrix(
+    position: float, inv_freq: list[float], head_dim: int, attention_factor: float = 1.0
+) -> torch.Tensor:
     """RoPE's block rotation acting on pairs (i, i + d_rot/2) of the first d_rot dims (Llama layout)."""
     rotary = 2 * len(inv_freq)
     half = rotary // 2
@@ -113,7 +115,8 @@ def attention_layer(
     """softmax_j(q_i . k_j * scaling + bias(h, i, j)) v_j over allowed j, then the output projection.
 
     ``x_override(t) -> list`` replaces the leading dims of the q/k input of token t;
-    ``rotation(t) -> (D, D)`` rotates q_t and k_t; ``bias(h, i, j) -> float``.
+    ``rotation(t, i) -> (D, D)`` rotates q_t and k_t for query i (frequencies may depend on
+    the query, as in causal dynamic NTK); ``bias(h, i, j) -> float``.
     Allowed keys: j <= i, and i - j < window when a sliding window is set.
     """
     hidden = hidden.double()
@@ -132,12 +135,12 @@ def attention_layer(
         for h in range(heads):
             g = h // (heads // kv_heads)  # the KV head serving query head h
             for i in range(length):
-                qi = rotation(i) @ q[b, i, h] if rotation else q[b, i, h]
+                qi = rotation(i, i) @ q[b, i, h] if rotation else q[b, i, h]
                 keys = [j for j in range(i + 1) if window is None or i - j < window]
                 scores = []
                 for j in keys:
-                    kj = rotation(j) @ k[b, j, g] if rotation else k[b, j, g]
+                    kj = rotation(j, i) @ k[b, j, g] if rotation else k[b, j, g]
                     scores.append(float(qi @ kj) * scaling + (bias(h, i, j) if bias else 0.0))
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
-                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys))
+                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
     return output_projection(family, module, out.reshape(batch, length, -1))

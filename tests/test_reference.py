@@ -4,12 +4,11 @@ encoding x family; and embedding-stage encodings add exactly the formula's vecto
 
 from __future__ import annotations
 
+import reference as ref
 import torch
+from conftest import make_model, patch, token_ids
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-import reference as ref
-from conftest import make_model, patch, token_ids
 
 LENGTH = 12  # longer than Mistral's sliding window of 8
 
@@ -48,9 +47,16 @@ def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[
         return [w / scaling["factor"] for w in plain], 1.0
     original = scaling["original_max_position_embeddings"]
     config = LlamaConfig(
-        hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=original,
-        rope_parameters={"rope_type": scaling["type"], "rope_theta": theta, "factor": scaling["factor"],
-                         "original_max_position_embeddings": original},
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=original,
+        rope_parameters={
+            "rope_type": scaling["type"],
+            "rope_theta": theta,
+            "factor": scaling["factor"],
+            "original_max_position_embeddings": original,
+        },
     )
     inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling["type"]](config, None, seq_len)
     return inv_freq.double().tolist(), float(factor)
@@ -61,9 +67,16 @@ def layer_reference(family, name, params, module, hidden, model, layer_idx):
     heads = module.config.num_attention_heads if family != "gpt2" else module.num_heads
     kwargs = dict(scaling=module.scaling, window=8 if family == "mistral" else None)
     if name == "rope":
-        inv_freq, factor = reference_inv_freq(params, module.head_dim, seq_len=LENGTH)
-        matrices = [ref.rotation_matrix(t, inv_freq, module.head_dim, factor) for t in range(LENGTH)]
-        kwargs["rotation"] = lambda t: matrices[t]
+        # causal dynamic NTK: query i uses the frequencies for length i + 1; others: one schedule
+        dynamic = params.get("scaling", {}).get("type") == "dynamic"
+        matrices = {}
+        for i in range(LENGTH):
+            inv_freq, factor = reference_inv_freq(
+                params, module.head_dim, seq_len=i + 1 if dynamic else LENGTH
+            )
+            for t in range(i + 1):
+                matrices[t, i] = ref.rotation_matrix(t, inv_freq, module.head_dim, factor)
+        kwargs["rotation"] = lambda t, i: matrices[t, i]
     elif name == "alibi":
         slopes = ref.alibi_slopes(heads)
         kwargs["bias"] = lambda h, i, j: -slopes[h] * (i - j)

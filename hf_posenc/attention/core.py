@@ -39,21 +39,27 @@ def attend(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     scaling: float,
+    logits: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "sdpa",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D)."""
+    """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D).
+
+    ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T (the eager path then runs).
+    """
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     q_len, k_len = q.shape[-2], k.shape[-2]
     if mask is None and q_len > 1:
-        if bias is None and backend == "sdpa" and q_len == k_len:
+        if bias is None and logits is None and backend == "sdpa" and q_len == k_len:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling)
             return out.transpose(1, 2), None
         mask = causal_mask(q_len, k_len, q.device)
 
-    if backend == "eager":
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling  # (B, Hq, Tq, Tk)
+    if backend == "eager" or logits is not None:
+        if logits is None:
+            logits = torch.matmul(q, k.transpose(-1, -2)).float()
+        scores = logits * scaling  # (B, Hq, Tq, Tk)
         if bias is not None:
             scores = scores + bias
         if mask is not None:

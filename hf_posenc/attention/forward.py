@@ -1,6 +1,6 @@
 """The forward installed on every patched attention module: composes the encoding's stages.
 
-    hidden ─ layer_input ─> project q,k,v ─ rotate ─> KV cache ─ score_bias ─> attend ─> output
+    hidden ─ layer_input ─> project q,k,v ─ rotate ─> KV cache ─ logits, score_bias ─> attend ─> output
 
 One instance per attention module; it holds the module, its layer index, the family
 adapter and the shared :class:`~hf_posenc.runtime.PatchRuntime`.
@@ -48,14 +48,14 @@ class PatchedAttentionForward:
             x_qk, x_v = encoding.layer_input(layer, hidden, positions, memo)
         q, k, v = adapter.project(module, x_qk, x_v)  # (B,Hq,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
 
-        rotate = runtime.stages.rotate
-        if rotate and not encoding.rotates_after_cache:
+        if runtime.stages.rotate:
             q, k = encoding.rotate(layer, q, k, positions, positions, memo)
         if cache is not None:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
-        if rotate and encoding.rotates_after_cache:
-            key_positions = context.key_positions[:, -k.shape[-2] :]
-            q, k = encoding.rotate(layer, q, k, positions, key_positions, memo)
+        logits = None
+        if runtime.stages.logits:
+            key_positions = context.key_positions[:, -k.shape[-2] :]  # (B, Tk)
+            logits = encoding.logits(layer, q, k, positions, key_positions, memo)  # (B, Hq, Tq, Tk)
 
         bias = None
         if runtime.stages.score_bias:
@@ -69,6 +69,7 @@ class PatchedAttentionForward:
             v,
             mask=mask,
             bias=bias,
+            logits=logits,
             scaling=module.scaling,
             dropout_p=adapter.dropout_p(module),
             backend=runtime.backend,

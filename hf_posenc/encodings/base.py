@@ -1,9 +1,11 @@
-"""The contract every encoding implements: any subset of four stages.
+"""The contract every encoding implements: any subset of five stages.
 
 1. ``embed``        absolute vector added to the token embeddings (sinusoidal, learned);
 2. ``layer_input``  rewrite the hidden states entering the q/k(/v) projections (ExPE, ExQPE);
 3. ``rotate``       transform q and k from their positions (the RoPE family);
-4. ``score_bias``   additive term on the attention logits (T5, ALiBi, ...).
+4. ``logits``       compute q.k itself when no per-token transform of q and k can
+                    (per-query frequencies of dynamic NTK RoPE); keys are cached raw;
+5. ``score_bias``   additive term on the attention logits (T5, ALiBi, ...).
 
 A stage an encoding does not override costs nothing: the attention core skips it.
 New parameters are registered on the encoding module, which the patch attaches to the
@@ -22,6 +24,7 @@ from ..memo import ForwardMemo
 from ..models.base import ModelGeometry
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
+STAGES = ("embed", "layer_input", "rotate", "logits", "score_bias")
 
 
 class Encoding(nn.Module):
@@ -32,10 +35,6 @@ class Encoding(nn.Module):
     config_class: ClassVar[type[EncodingConfig]] = EncodingConfig
     paper: ClassVar[str] = ""
     summary: ClassVar[str] = ""
-
-    #: queries rotate with their own positions but keys are cached un-rotated and rotated
-    #: at every step with the current key positions (dynamic NTK RoPE).
-    rotates_after_cache: bool = False
 
     def __init__(self, config: EncodingConfig, geometry: ModelGeometry) -> None:
         super().__init__()
@@ -50,12 +49,13 @@ class Encoding(nn.Module):
 
     # -- which stages are implemented -----------------------------------------------
     @classmethod
-    def implements(cls, stage: str) -> bool:
-        return getattr(cls, stage) is not getattr(Encoding, stage)
-
-    @classmethod
     def stages(cls) -> list[str]:
-        return [s for s in ("embed", "layer_input", "rotate", "score_bias") if cls.implements(s)]
+        """Stages this class overrides, in pipeline order."""
+        return [s for s in STAGES if getattr(cls, s) is not getattr(Encoding, s)]
+
+    def active_stages(self) -> list[str]:
+        """Stages this instance runs; an encoding whose parameters switch paths overrides it."""
+        return self.stages()
 
     # -- stages ---------------------------------------------------------------------
     def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
@@ -78,6 +78,18 @@ class Encoding(nn.Module):
         memo: ForwardMemo,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B,Hq,Tq,D), k (B,Hkv,Tk,D) with positions (B,Tq), (B,Tk) -> rotated q, k."""
+        raise NotImplementedError
+
+    def logits(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_positions: torch.Tensor,
+        k_positions: torch.Tensor,
+        memo: ForwardMemo,
+    ) -> torch.Tensor:
+        """Raw (unscaled) q.k logits (B,Hq,Tq,Tk) fp32 from un-rotated q (B,Hq,Tq,D), k (B,Hkv,Tk,D)."""
         raise NotImplementedError
 
     def score_bias(

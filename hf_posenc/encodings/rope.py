@@ -9,10 +9,11 @@ R rotates dimension pairs by angles m*omega_i with omega_i = theta^(-2i/d_rot). 
 context-extension schedule (see :mod:`.rope_scaling`): ``linear``, ``ntk``, ``dynamic``,
 ``yarn`` or ``llama3``.
 
-Dynamic NTK changes the frequencies with the sequence length, which breaks a cache of
-already-rotated keys. Here keys are cached un-rotated and rotated at every step with the
-frequencies for the current length, so a cached decode step gives exactly the logits a
-full forward over the same tokens gives for its last position.
+Dynamic NTK changes the frequencies with the sequence length. Computing them from the
+length of the whole input (as transformers does) makes every token's hidden states depend
+on tokens after it, so a KV cache can never reproduce a full forward. Here the schedule is
+causal: the query at position p uses the frequencies for length p + 1, with keys rotated
+to match (see :mod:`.rope_dynamic`). Decoding with a cache then equals a full forward.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..errors import InvalidParameterError
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .rope_dynamic import causal_dynamic_logits
 from .rope_scaling import inverse_frequencies, resolve_scaling, validate_scaling
 
 
@@ -108,22 +110,30 @@ class RoPE(Encoding):
     def __init__(self, config: RoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
         self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
-        self.rotates_after_cache = bool(config.scaling and config.scaling["type"] == "dynamic")
+        self.dynamic = bool(config.scaling and config.scaling["type"] == "dynamic")
+
+    def active_stages(self) -> list[str]:
+        return ["logits"] if self.dynamic else ["rotate"]
 
     def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
         cfg = self.config
-        seq_len = int(k_positions.max()) + 1 if self.rotates_after_cache else None
 
-        def frequencies():
-            inv_freq, factor = inverse_frequencies(self.dim, cfg.theta, cfg.scaling, seq_len, q.device)
-            return inv_freq, factor
+        def rotation():
+            inv_freq, factor = inverse_frequencies(self.dim, cfg.theta, cfg.scaling, device=q.device)
+            return cos_sin(q_positions, inv_freq, factor, q.dtype)
 
-        inv_freq, factor = memo.get(("rope_freq", seq_len, q.device), frequencies)
-        cos_q, sin_q = memo.get(("rope_q", q.dtype), lambda: cos_sin(q_positions, inv_freq, factor, q.dtype))
-        if k_positions is q_positions:
-            cos_k, sin_k = cos_q, sin_q
-        else:
-            cos_k, sin_k = memo.get(
-                ("rope_k", q.dtype, k.shape[-2]), lambda: cos_sin(k_positions, inv_freq, factor, q.dtype)
-            )
-        return apply_rotary(q, cos_q, sin_q), apply_rotary(k, cos_k, sin_k)
+        cos, sin = memo.get(("rope", q.dtype), rotation)  # (B, 1, T, d_rot) each
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def logits(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
+        scaling = self.config.scaling
+        return causal_dynamic_logits(
+            q,
+            k,
+            q_positions,
+            k_positions,
+            theta=self.config.theta,
+            dim=self.dim,
+            factor=scaling["factor"],
+            original=scaling["original_max_position_embeddings"],
+        )

@@ -1,0 +1,286 @@
+"""Invariants every encoding keeps on every family: KV-cache decoding, left padding,
+save/reload, exact unpatch, training, gradient checkpointing, bf16, backends."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import make_model, patch, token_ids
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
+
+import hf_posenc
+
+ATOL = 1e-5
+
+
+def test_cached_decoding_equals_full_forward(family, case):
+    """Token-by-token decoding with a KV cache gives, at every step, the logits a full
+    forward over the same prefix gives for its last position."""
+    name, params = case
+    model = patch(make_model(family), name, params)
+    ids = token_ids(2, 14)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids[:, :5], past_key_values=cache, use_cache=True)
+        steps = [out.logits[:, -1]]
+        for t in range(5, 14):
+            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits[:, -1])
+        for i, t in enumerate(range(4, 14)):
+            full = model(ids[:, : t + 1]).logits[:, -1]
+            torch.testing.assert_close(steps[i], full, atol=ATOL, rtol=0)
+
+
+def test_generate_with_cache_equals_without(family, case):
+    """Greedy and sampled generate() give the same tokens and logits with and without the KV cache."""
+    name, params = case
+    model = patch(make_model(family), name, params)
+    prompt = token_ids(2, 6)
+    outputs = {}
+    for use_cache in (True, False):
+        for sample in (False, True):
+            torch.manual_seed(7)
+            outputs[use_cache, sample] = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=6,
+                do_sample=sample,
+                use_cache=use_cache,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+    for sample in (False, True):
+        cached, uncached = outputs[True, sample], outputs[False, sample]
+        assert torch.equal(cached.sequences, uncached.sequences)
+        for a, b in zip(cached.logits, uncached.logits, strict=True):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_left_padded_batch_equals_each_sequence_alone(family, case):
+    """Logits of real tokens in a left-padded batch equal those of each sequence run alone,
+    in a plain forward and through generate()."""
+    name, params = case
+    model = patch(make_model(family), name, params)
+    long, short = token_ids(1, 10, seed=1), token_ids(1, 6, seed=2)
+    pad = torch.zeros(1, 4, dtype=torch.long)
+    batch = torch.cat([long, torch.cat([pad, short], dim=1)])
+    mask = torch.cat([torch.ones(1, 10), torch.cat([torch.zeros(1, 4), torch.ones(1, 6)], dim=1)]).long()
+    with torch.no_grad():
+        together = model(batch, attention_mask=mask).logits
+        torch.testing.assert_close(together[0], model(long).logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(together[1, 4:], model(short).logits[0], atol=ATOL, rtol=0)
+    generated = model.generate(
+        batch,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    alone = model.generate(
+        short,
+        attention_mask=torch.ones_like(short),
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(generated.sequences[1, 10:], alone.sequences[0, 6:])
+    for a, b in zip(generated.logits, alone.logits, strict=True):
+        torch.testing.assert_close(a[1], b[0], atol=ATOL, rtol=0)
+
+
+def test_save_and_reload_gives_identical_logits(family, case, tmp_path):
+    """save_pretrained -> hf_posenc.from_pretrained restores the encoding and its learned
+    parameters: identical logits and identical encoding tensors."""
+    name, params = case
+    model = patch(make_model(family), name, params)
+    ids = token_ids(2, 12)
+    with torch.no_grad():
+        before = model(ids).logits
+    model.save_pretrained(tmp_path)
+    reloaded = hf_posenc.from_pretrained(str(tmp_path)).eval()
+    assert hf_posenc.patch_info(reloaded) == hf_posenc.patch_info(model)
+    for key, value in model.posenc.state_dict().items():
+        assert torch.equal(reloaded.posenc.state_dict()[key], value), key
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, before)
+    hf_posenc.unpatch_model(reloaded)  # the reloaded model can be restored to the original too
+    with torch.no_grad():
+        hf_posenc.unpatch_model(model)
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_plain_transformers_load_reports_the_patch(tmp_path, caplog):
+    """Loading a saved patched model with plain transformers is loud: the report names the
+    posenc keys, even for an encoding without parameters."""
+    model = patch(make_model("llama"), "alibi")
+    model.save_pretrained(tmp_path)
+    hf_logging.set_verbosity_warning()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            AutoModelForCausalLM.from_pretrained(tmp_path)
+    finally:
+        hf_logging.disable_propagation()
+        hf_logging.set_verbosity_error()
+    assert "posenc.reload_with_hf_posenc_from_pretrained" in caplog.text
+
+
+def test_hf_posenc_load_is_quiet(tmp_path, caplog):
+    """hf_posenc.from_pretrained does not report the encoding's own keys as unexpected."""
+    model = patch(make_model("gpt2"), "t5")
+    model.save_pretrained(tmp_path)
+    hf_logging.set_verbosity_warning()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            hf_posenc.from_pretrained(str(tmp_path))
+    finally:
+        hf_logging.disable_propagation()
+        hf_logging.set_verbosity_error()
+    assert "posenc." not in caplog.text
+
+
+def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
+    name, params = case
+    model = make_model(family)
+    ids = token_ids(2, 12)
+    base = model.transformer if family == "gpt2" else model.model
+    with torch.no_grad():
+        before = model(ids).logits
+    keys = list(model.state_dict())
+    modules = [n for n, _ in model.named_modules()]
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    impl = model.config._attn_implementation
+    hooks = len(base._forward_pre_hooks)
+    config_keys = set(model.config.to_dict())
+
+    patch(model, name, params)
+    with torch.no_grad():
+        model(ids)
+    hf_posenc.unpatch_model(model)
+
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_modules()] == modules
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert model.config._attn_implementation == impl
+    assert len(base._forward_pre_hooks) == hooks
+    assert set(model.config.to_dict()) == config_keys and not hasattr(model.config, "posenc")
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert hf_posenc.patch_info(model) is None
+
+
+def test_optimizer_step_trains_the_encoding(family, case):
+    """One optimizer step changes the encoding's own parameters (where it has any) and the
+    model's weights; gradients reach every encoding parameter."""
+    name, params = case
+    model = patch(make_model(family), name, params).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.posenc.named_parameters()}
+    ids = token_ids(2, 12)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    for n, p in model.posenc.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    optimizer.step()
+    for n, p in model.posenc.named_parameters():
+        assert not torch.equal(p, before[n]), n
+    expected_parameters = {"t5", "learned"}
+    assert bool(before) == (name in expected_parameters)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(family, case):
+    name, params = case
+    reference = patch(make_model(family), name, params).train()
+    checkpointed = patch(make_model(family), name, params).train()
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids = token_ids(2, 12)
+    for model in (reference, checkpointed):
+        model(ids, labels=ids).loss.backward()
+    for (n, a), (_, b) in zip(reference.named_parameters(), checkpointed.named_parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None, n
+        else:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_bf16_long_input_is_finite(family, case):
+    """In bf16 at 4x a 12-token training length (48 tokens) the logits stay finite."""
+    name, params = case
+    model = patch(make_model(family), name, params).to(torch.bfloat16)
+    with torch.no_grad():
+        logits = model(token_ids(2, 48)).logits
+    assert logits.dtype == torch.bfloat16
+    assert torch.isfinite(logits).all()
+
+
+def test_eager_backend_equals_sdpa_backend(family, case):
+    name, params = case
+    ids = token_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    logits = []
+    for backend in ("sdpa", "eager"):
+        model = patch(make_model(family), name, params, backend=backend)
+        with torch.no_grad():
+            logits.append(model(ids, attention_mask=mask).logits)
+    torch.testing.assert_close(logits[0][0], logits[1][0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[0][1, 3:], logits[1][1, 3:], atol=ATOL, rtol=0)
+
+
+def test_patched_context_manager_restores_on_exit_and_on_error():
+    model = make_model("llama")
+    ids = token_ids(1, 8)
+    with torch.no_grad():
+        before = model(ids).logits
+        with hf_posenc.patched(model, "alibi"):
+            assert hf_posenc.patch_info(model)["encoding"] == "alibi"
+            assert not torch.equal(model(ids).logits, before)
+        assert torch.equal(model(ids).logits, before)
+        with pytest.raises(RuntimeError, match="boom"), hf_posenc.patched(model, "t5"):
+            raise RuntimeError("boom")
+        assert hf_posenc.patch_info(model) is None
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_patch_accepts_a_config_object_and_aliases():
+    a = hf_posenc.patch_model(make_model("gpt2"), hf_posenc.T5Config(num_buckets=8, max_distance=16))
+    b = hf_posenc.patch_model(make_model("gpt2"), "t5_bias", num_buckets=8, max_distance=16)
+    assert hf_posenc.patch_info(a) == hf_posenc.patch_info(b)
+    assert hf_posenc.patch_info(a)["params"] == {
+        "num_buckets": 8,
+        "max_distance": 16,
+        "shared_across_layers": True,
+    }
+
+
+def test_list_encodings_names_every_encoding_with_parameters():
+    infos = {info.name: info for info in hf_posenc.list_encodings()}
+    assert set(infos) >= {"nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe"}
+    assert infos["rope"].parameters == {"theta": None, "partial_rotary_factor": None, "scaling": None}
+    assert infos["expe"].parameters["theta"] == 1 / 2048
+    assert infos["exqpe"].parameters["theta2"] == 1 / 16
+    assert "rotary" in infos["rope"].aliases
+    assert infos["alibi"].stages == ("score_bias",)
+    assert infos["expe"].stages == ("layer_input",)
+
+
+def test_learned_native_init_copies_gpt2_wpe():
+    model = make_model("gpt2")
+    hf_posenc.patch_model(model, "learned", init="native")
+    assert torch.equal(model.posenc.table, model.transformer.wpe.weight)
+    with torch.no_grad():
+        ids = token_ids(1, 10)
+        patched_logits = model(ids).logits
+        hf_posenc.unpatch_model(model)
+        torch.testing.assert_close(patched_logits, model(ids).logits, atol=1e-5, rtol=0)
