@@ -1,0 +1,7 @@
+"""``python -m hf_posenc`` is the ``hf-posenc`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

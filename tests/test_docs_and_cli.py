@@ -1,0 +1,47 @@
+"""The README's API example runs as written, and the hf-posenc command works offline."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hf_posenc.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_api_example_runs(tmp_path, monkeypatch):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    example = next(b for b in blocks if "save_pretrained" in b)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README.md", "exec"), {})
+    assert (tmp_path / "patched-model" / "config.json").exists()
+
+
+def test_readme_test_command_is_what_ci_runs():
+    command = re.search(r"(python -m pytest[^\n`]*)", README.read_text()).group(1).split("#")[0].strip()
+    assert command in (README.parent / ".ci" / "run").read_text()
+
+
+def test_cli_list_json_names_every_encoding_and_family(capsys):
+    assert main(["list", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    names = {row["name"] for row in listing["encodings"]}
+    assert names >= {"nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe"}
+    assert listing["families"] == ["gpt2", "llama", "mistral"]
+
+
+def test_cli_check_passes_and_reports_each_encoding(capsys):
+    assert main(["check", "--families", "gpt2", "--encodings", "alibi", "rotary"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt2     alibi" in out and "gpt2     rope" in out and "all checks passed" in out
+
+
+def test_cli_check_rejects_an_unknown_encoding():
+    from hf_posenc import UnknownEncodingError
+
+    with pytest.raises(UnknownEncodingError, match="alibi"):
+        main(["check", "--encodings", "alibbi"])
