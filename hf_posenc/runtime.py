@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .encodings.base import STAGES, Encoding
+from .errors import UnsupportedModelError
 from .memo import ForwardMemo
 from .models.base import FamilyAdapter
 from .positions import ForwardContext, bind_arguments, compute_context
@@ -48,13 +49,19 @@ class PatchRuntime:
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None:
             return args, kwargs  # let the model raise its own error
+        cache = call.get("past_key_values")
+        if cache is not None and getattr(cache, "is_compileable", False):
+            raise UnsupportedModelError(
+                f"{type(cache).__name__} (a pre-allocated, compileable KV cache) is not supported by a patched "
+                "model yet; use the default DynamicCache (generate() without cache_implementation)"
+            )
         context = compute_context(
             batch=reference.shape[0],
             length=reference.shape[1],
             device=reference.device,
             attention_mask=call.get("attention_mask"),
             position_ids=call.get("position_ids"),
-            past_key_values=call.get("past_key_values"),
+            past_key_values=cache,
             want_key_positions=self.stages.logits,
         )
         call["position_ids"] = context.positions
