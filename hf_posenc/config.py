@@ -93,8 +93,8 @@ def check_number(
 ) -> None:
     """Check ``value`` is a finite number (an int when ``integer``) inside the given range."""
     kind = "an integer" if integer else "a number"
-    lo = "-inf" if low is None else f"{'[' if low_inclusive else '('}{low}"
-    hi = "inf" if high is None else f"{high}{']' if high_inclusive else ')'}"
+    lo = "(-inf" if low is None else f"{'[' if low_inclusive else '('}{low}"
+    hi = "inf)" if high is None else f"{high}{']' if high_inclusive else ')'}"
     allowed = f"{kind} in {lo}, {hi}" if (low is not None or high is not None) else kind
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise fail(encoding, name, value, allowed)

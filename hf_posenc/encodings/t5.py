@@ -54,7 +54,7 @@ def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_dista
     # n is >= exact wherever the log branch is used; clamp avoids log(0) elsewhere
     log_ratio = torch.log(n.clamp(min=exact).float() / exact) / math.log(max_distance / exact)
     large = exact + (log_ratio * exact).long()
-    large = large.clamp(max=num_buckets - 1)
+    large = torch.where(n >= max_distance, num_buckets - 1, large.clamp(max=num_buckets - 1))
     return torch.where(n < exact, n, large)
 
 
