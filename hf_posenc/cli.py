@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .registry import list_encodings, supported_families
+from .tiny import tiny_model
 
 
 def _format_parameters(parameters: dict) -> str:
@@ -48,28 +49,6 @@ def command_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tiny_model(family: str, seed: int):
-    import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "gpt2":
-        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
-    else:
-        cls = LlamaConfig if family == "llama" else MistralConfig
-        config = cls(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            **common,
-        )
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 def _check_one(family: str, name: str, seed: int) -> dict:
     import torch
     from transformers import DynamicCache
@@ -77,7 +56,7 @@ def _check_one(family: str, name: str, seed: int) -> dict:
     from .loading import from_pretrained
     from .patch import patch_model, unpatch_model
 
-    model = _tiny_model(family, seed)
+    model = tiny_model(family, seed=seed)
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         native = model(ids).logits

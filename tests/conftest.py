@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
+from hf_posenc.tiny import tiny_model
 
 hf_logging.set_verbosity_error()
 
@@ -39,42 +39,20 @@ def case_id(case) -> str:
 
 
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A 2-layer model of ``family`` with random weights, in eval mode, fp32."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    """A 2-layer model of ``family`` with random weights, in eval mode, fp32, no dropout.
+
+    Mistral gets a sliding window of 8, shorter than most test inputs."""
+    if family == "mistral":
+        overrides.setdefault("sliding_window", 8)
     if family == "gpt2":
-        config = GPT2Config(
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            **common,
-        )
-    else:
-        config_class = LlamaConfig if family == "llama" else MistralConfig
-        extra = {"sliding_window": 8} if family == "mistral" else {}
-        config = config_class(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **extra,
-            **common,
-        )
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    model = AutoModelForCausalLM.from_config(config)
+        overrides.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = tiny_model(family, vocab_size=VOCAB, max_positions=64, seed=seed, **overrides)
     # larger weights than the default init make positional effects visible in logits
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-    return model.eval()
+    return model
 
 
 def randomize_encoding(model: torch.nn.Module, seed: int = 1) -> None:

@@ -13,8 +13,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 LENGTH = 12  # longer than Mistral's sliding window of 8
 
 
-def capture_layers(model, family):
-    """Record (hidden input, output) of every attention module and the input of layer 0."""
+def run_and_capture(model, family, ids):
+    """Run a forward and record (hidden input, output) of every attention module and the input of layer 0."""
     records, handles = {}, []
     layers = model.transformer.h if family == "gpt2" else model.model.layers
     attention = [layer.attn if family == "gpt2" else layer.self_attn for layer in layers]
@@ -32,7 +32,13 @@ def capture_layers(model, family):
     for idx, module in enumerate(attention):
         handles.append(module.register_forward_hook(attention_hook(idx), with_kwargs=True))
     handles.append(layers[0].register_forward_pre_hook(layer_hook, with_kwargs=True))
-    return records, attention, handles
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records, attention
 
 
 def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[float], float]:
@@ -102,12 +108,7 @@ def layer_reference(family, name, params, module, hidden, model, layer_idx):
 def test_patched_attention_equals_formula_reference(family, case):
     name, params = case
     model = patch(make_model(family), name, params)
-    ids = token_ids(2, LENGTH)
-    records, attention, handles = capture_layers(model, family)
-    with torch.no_grad():
-        model(ids)
-    for handle in handles:
-        handle.remove()
+    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
         expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
@@ -118,11 +119,7 @@ def test_embedding_stage_adds_formula_vectors(family, case):
     name, params = case
     model = patch(make_model(family), name, params)
     ids = token_ids(2, LENGTH)
-    records, _, handles = capture_layers(model, family)
-    with torch.no_grad():
-        model(ids)
-    for handle in handles:
-        handle.remove()
+    records, _ = run_and_capture(model, family, ids)
     tokens = model.get_input_embeddings().weight[ids].double()  # (B, T, d)
     d = tokens.shape[-1]
     if name == "sinusoidal":

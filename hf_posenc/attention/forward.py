@@ -33,8 +33,16 @@ class PatchedAttentionForward:
         params = list(self.signature.parameters.values())[1:]
         self.signature = self.signature.replace(parameters=params)
 
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        # Llama/Mistral layers call with keywords only, GPT-2 passes hidden_states first
+        if not args:
+            return kwargs
+        if len(args) == 1 and "hidden_states" not in kwargs:
+            return {"hidden_states": args[0], **kwargs}
+        return bind_arguments(self.signature, args, kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = bind_arguments(self.signature, args, kwargs)
+        call = self._arguments(args, kwargs)
         hidden: torch.Tensor = call["hidden_states"]  # (B, T, hidden)
         mask = call.get("attention_mask")
         cache = call.get("past_key_values")
