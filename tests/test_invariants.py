@@ -291,3 +291,18 @@ def test_static_cache_is_refused_with_a_clear_error():
     model = patch(make_model("llama"), "alibi")
     with pytest.raises(hf_posenc.UnsupportedModelError, match="StaticCache"):
         model.generate(token_ids(1, 6), max_new_tokens=3, do_sample=False, cache_implementation="static")
+
+
+def test_reload_from_sharded_checkpoint_and_in_bf16(tmp_path):
+    """from_pretrained finds the encoding's tensors in any shard and honours dtype=."""
+    model = patch(make_model("llama"), "t5")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    ids = token_ids(1, 10)
+    with torch.no_grad():
+        assert torch.equal(hf_posenc.from_pretrained(str(tmp_path))(ids).logits, model(ids).logits)
+    half = hf_posenc.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert half.posenc.tables[0].weight.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        half.posenc.tables[0].weight.float(), model.posenc.tables[0].weight, atol=1e-2, rtol=0
+    )
