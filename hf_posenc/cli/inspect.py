@@ -1,4 +1,4 @@
-"""The ``hf-posenc`` command: ``list`` the encodings, ``check`` them on a tiny model.
+"""``hf-posenc list`` (the encodings) and ``hf-posenc check`` (verify them on a tiny model).
 
 ``hf-posenc check`` is the offline self-test a user runs after installing: it builds a
 small random Llama, Mistral or GPT-2 from a config (no download), patches it with every
@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
 
-from . import __version__
-from .registry import list_encodings, supported_families
-from .tiny import tiny_model
+from ..registry import canonical_name, list_encodings, supported_families
+from ..tiny import tiny_model
 
 
 def _format_parameters(parameters: dict) -> str:
@@ -53,8 +50,8 @@ def _check_one(family: str, name: str, seed: int) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from .loading import from_pretrained
-    from .patch import patch_model, unpatch_model
+    from ..loading import from_pretrained
+    from ..patch import patch_model, unpatch_model
 
     model = tiny_model(family, seed=seed)
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(seed))
@@ -80,7 +77,7 @@ def command_check(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    names = args.encodings or [info.name for info in list_encodings()]
+    names = [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
     failures = 0
     print(f"{'family':<8} {'encoding':<11} {'cache==full':>12} {'reload':>7} {'unpatch':>8} {'time':>7}")
     for family in args.families:
@@ -100,35 +97,13 @@ def command_check(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-posenc", description="Positional encodings for transformers models."
-    )
-    parser.add_argument("--version", action="version", version=f"hf-posenc {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def register(commands: argparse._SubParsersAction) -> None:
     listing = commands.add_parser("list", help="list encodings, aliases, parameters and model families")
     listing.add_argument("--json", action="store_true", help="print JSON instead of text")
     listing.set_defaults(run=command_list)
 
     check = commands.add_parser("check", help="patch a tiny random model with each encoding and verify it")
-    check.add_argument(
-        "--families", nargs="+", default=["llama", "mistral", "gpt2"], choices=supported_families()
-    )
+    check.add_argument("--families", nargs="+", default=["llama", "mistral", "gpt2"], choices=supported_families())
     check.add_argument("--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(run=command_check)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "encodings", None):
-        from .registry import canonical_name
-
-        args.encodings = [canonical_name(n) for n in args.encodings]
-    return args.run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

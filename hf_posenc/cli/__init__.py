@@ -1,0 +1,35 @@
+"""The ``hf-posenc`` command. Each subcommand lives in its own module with a ``register``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+from ..errors import PosencError
+from . import inspect as inspect_commands
+
+#: modules whose ``register(subparsers)`` adds subcommands, in the order ``--help`` lists them
+COMMAND_MODULES = [inspect_commands]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-posenc", description="Positional encodings for transformers models.")
+    parser.add_argument("--version", action="version", version=f"hf-posenc {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (PosencError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
+        if getattr(args, "traceback", False):
+            raise
+        print(f"hf-posenc {args.command}: error: {error}", file=sys.stderr)
+        return 2
