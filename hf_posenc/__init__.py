@@ -29,7 +29,7 @@ from .errors import (  # noqa: E402
     UnknownEncodingError,
     UnsupportedModelError,
 )
-from .loading import from_pretrained  # noqa: E402
+from .loading import from_pretrained, load_model  # noqa: E402
 from .patch import patch_info, patch_model, patched, unpatch_model  # noqa: E402
 from .registry import EncodingInfo, list_encodings, supported_families  # noqa: E402
 
@@ -40,6 +40,7 @@ __all__ = [
     "patched",
     "patch_info",
     "from_pretrained",
+    "load_model",
     "list_encodings",
     "supported_families",
     "EncodingInfo",

@@ -17,6 +17,7 @@ from torch import nn
 
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
 from .patch import CONFIG_KEY, MODULE_NAME, patch_model
+from .registry import canonical_name
 
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
@@ -93,4 +94,33 @@ def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:
             "the checkpoint is incomplete"
         )
     encoding.load_state_dict(state, strict=True)
+    return model
+
+
+def load_model(
+    path: str, encoding: str | None = None, encoding_params: dict[str, Any] | None = None, **kwargs: Any
+) -> nn.Module:
+    """Load any causal LM for the recipes: a saved patched model is re-patched from its
+    ``config.posenc``; otherwise ``encoding`` (if given) is applied to the loaded model.
+
+    Asking for an encoding different from the one a checkpoint was saved with is an error.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    saved = getattr(AutoConfig.from_pretrained(path, **hub_kwargs), CONFIG_KEY, None)
+    if saved:
+        if encoding is not None and canonical_name(encoding) != saved.get("encoding"):
+            raise ValueError(
+                f"{path!r} was saved with encoding {saved.get('encoding')!r}; cannot load it as {encoding!r} "
+                "(load the original checkpoint to switch encodings)"
+            )
+        if encoding_params:
+            raise ValueError(
+                f"{path!r} carries its own encoding parameters; got extra {sorted(encoding_params)}"
+            )
+        return from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if encoding is not None:
+        patch_model(model, encoding, **(encoding_params or {}))
     return model

@@ -15,7 +15,9 @@ COMMAND_MODULES = [inspect_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-posenc", description="Positional encodings for transformers models.")
+    parser = argparse.ArgumentParser(
+        prog="hf-posenc", description="Positional encodings for transformers models."
+    )
     parser.add_argument("--version", action="version", version=f"hf-posenc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:

@@ -77,7 +77,9 @@ def command_check(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    names = [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
+    names = (
+        [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
+    )
     failures = 0
     print(f"{'family':<8} {'encoding':<11} {'cache==full':>12} {'reload':>7} {'unpatch':>8} {'time':>7}")
     for family in args.families:
@@ -103,7 +105,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     listing.set_defaults(run=command_list)
 
     check = commands.add_parser("check", help="patch a tiny random model with each encoding and verify it")
-    check.add_argument("--families", nargs="+", default=["llama", "mistral", "gpt2"], choices=supported_families())
+    check.add_argument(
+        "--families", nargs="+", default=["llama", "mistral", "gpt2"], choices=supported_families()
+    )
     check.add_argument("--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(run=command_check)

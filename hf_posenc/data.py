@@ -1,0 +1,143 @@
+"""Text sources, tokenisation and sequence packing for training and evaluation.
+
+A *source* is one of:
+
+- ``builtin:stdlib`` — the Python standard library's own source files, present on every
+  machine with Python: real, long documents, the offline default corpus;
+- ``hf:NAME`` or ``hf:NAME:CONFIG`` — a hub dataset, read with ``datasets`` (needs a network);
+- a local ``.txt``/``.md``/``.py`` file (one document), a ``.jsonl``/``.json`` file (one
+  document per row, from ``text_field``), a directory (its such files, recursively), or a glob.
+
+Documents come out in a fixed order, so data order depends only on the seed that shuffles them.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+BUILTIN_STDLIB = "builtin:stdlib"
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def stdlib_documents(min_chars: int = 4000) -> Iterator[str]:
+    """The standard library's ``.py`` files of at least ``min_chars`` characters, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
+    for path in sorted(root.rglob("*.py")):
+        if any(part in skip for part in path.relative_to(root).parts):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) >= min_chars:
+            yield text
+
+
+def _local_files(source: str) -> list[Path]:
+    path = Path(source)
+    if path.is_dir():
+        files = [
+            p for p in sorted(path.rglob("*")) if p.suffix in TEXT_SUFFIXES + JSON_SUFFIXES and p.is_file()
+        ]
+        if not files:
+            raise FileNotFoundError(
+                f"data directory {source!r} has no {', '.join(TEXT_SUFFIXES + JSON_SUFFIXES)} files"
+            )
+        return files
+    if path.is_file():
+        return [path]
+    matches = sorted(Path(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+    if not matches:
+        raise FileNotFoundError(
+            f"data source {source!r} is not a file, directory or glob that matches anything; allowed: a local "
+            f"path, '{BUILTIN_STDLIB}', or 'hf:NAME[:CONFIG]'"
+        )
+    return matches
+
+
+def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix not in JSON_SUFFIXES:
+        yield path.read_text(encoding="utf-8")
+        return
+    with path.open(encoding="utf-8") as handle:
+        if path.suffix == ".json" and handle.read(1) == "[":
+            handle.seek(0)
+            rows: Iterable = json.load(handle)
+        else:
+            handle.seek(0)
+            rows = (json.loads(line) for line in handle if line.strip())
+        for number, row in enumerate(rows, 1):
+            if text_field not in row:
+                raise KeyError(f"{path}: row {number} has no field {text_field!r} (fields: {sorted(row)})")
+            yield row[text_field]
+
+
+def _hub_documents(source: str, text_field: str, split: str) -> Iterator[str]:
+    from datasets import load_dataset
+
+    name, _, config = source[len("hf:") :].partition(":")
+    for row in load_dataset(name, config or None, split=split, streaming=True):
+        yield row[text_field]
+
+
+def check_sources(sources: Sequence[str]) -> None:
+    """Fail fast (before any long work) on a local source that does not exist."""
+    if not sources:
+        raise FileNotFoundError("no data source given")
+    for source in sources:
+        if source != BUILTIN_STDLIB and not source.startswith("hf:"):
+            _local_files(source)
+
+
+def read_documents(
+    sources: Sequence[str], *, text_field: str = "text", split: str = "train", limit: int | None = None
+) -> Iterator[str]:
+    """Documents from every source in order; at most ``limit`` of them."""
+    check_sources(sources)
+    count = 0
+    for source in sources:
+        if source == BUILTIN_STDLIB:
+            documents: Iterable[str] = stdlib_documents()
+        elif source.startswith("hf:"):
+            documents = _hub_documents(source, text_field, split)
+        else:
+            documents = (doc for path in _local_files(source) for doc in _file_documents(path, text_field))
+        for document in documents:
+            if limit is not None and count >= limit:
+                return
+            if document and document.strip():
+                count += 1
+                yield document
+
+
+def tokenize_documents(documents: Iterable[str], tokenizer, *, separator: bool = True) -> torch.Tensor:
+    """One 1-D int64 stream of every document's tokens, each followed by the eos token."""
+    eos = tokenizer.eos_token_id
+    pieces: list[torch.Tensor] = []
+    for document in documents:
+        ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+        if separator and eos is not None:
+            ids = [*ids, eos]
+        pieces.append(torch.tensor(ids, dtype=torch.long))
+    if not pieces:
+        raise ValueError("the data sources yielded no documents")
+    return torch.cat(pieces)
+
+
+def pack_blocks(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """(N,) token stream -> (N // length, length) blocks; the remainder is dropped."""
+    if length < 2:
+        raise ValueError(f"sequence length {length} is too short; allowed: >= 2")
+    count = tokens.numel() // length
+    if count == 0:
+        raise ValueError(f"only {tokens.numel()} tokens: not enough for one block of {length}")
+    return tokens[: count * length].view(count, length)
