@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from .. import __version__
 from ..errors import PosencError
 from . import inspect as inspect_commands
+from . import train as train_command
 
 #: modules whose ``register(subparsers)`` adds subcommands, in the order ``--help`` lists them
-COMMAND_MODULES = [inspect_commands]
+COMMAND_MODULES = [inspect_commands, train_command]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (PosencError, FileNotFoundError, NotADirectoryError, PermissionError) as error:
+    except (
+        PosencError,
+        FileNotFoundError,
+        NotADirectoryError,
+        PermissionError,
+        argparse.ArgumentTypeError,
+    ) as error:
         if getattr(args, "traceback", False):
             raise
         print(f"hf-posenc {args.command}: error: {error}", file=sys.stderr)

@@ -52,16 +52,11 @@ class GPT2Adapter(FamilyAdapter):
         return [replace_forward(wpe, zero_positions), freeze_parameters(wpe)]
 
     def project(self, module, x_qk, x_v):
-        weight, bias = module.c_attn.weight, module.c_attn.bias  # Conv1D: (hidden, 3*hidden)
         d = module.split_size
         shape = (*x_qk.shape[:-1], -1, module.head_dim)  # (B, T, H, D)
-        if x_qk is x_v:
-            q, k, v = module.c_attn(x_qk).split(d, dim=-1)
-        else:
-            qk = torch.addmm(bias[: 2 * d], x_qk.reshape(-1, x_qk.shape[-1]), weight[:, : 2 * d])
-            q, k = qk.view(*x_qk.shape[:-1], 2 * d).split(d, dim=-1)
-            v = torch.addmm(bias[2 * d :], x_v.reshape(-1, x_v.shape[-1]), weight[:, 2 * d :])
-            v = v.view(*x_v.shape[:-1], d)
+        q, k, v = module.c_attn(x_qk).split(d, dim=-1)
+        if x_v is not x_qk:  # ExPE without the value override: v from the original input
+            v = module.c_attn(x_v)[..., 2 * d :]
         return (
             q.reshape(shape).transpose(1, 2),
             k.reshape(shape).transpose(1, 2),

@@ -1,0 +1,234 @@
+"""Continued pretraining: exact resume, atomic checkpoints, multi-process equivalence, LoRA,
+and early errors — all offline on a tiny Llama with a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_posenc
+from hf_posenc.cli import main
+from hf_posenc.data import stdlib_documents
+from hf_posenc.tiny import tiny_model
+from hf_posenc.tokenizer import train_bpe_tokenizer
+from hf_posenc.training import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A saved tiny Llama + tokenizer and two small data files (.txt and .jsonl)."""
+    root = tmp_path_factory.mktemp("train")
+    documents = list(stdlib_documents())[:12]
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=512)
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_positions=128)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    (root / "data.txt").write_text("\n\n".join(documents[:4]))
+    with open(root / "data.jsonl", "w") as handle:
+        for document in documents[4:8]:
+            handle.write(json.dumps({"text": document}) + "\n")
+    return root
+
+
+def config(workspace: Path, name: str, **overrides) -> TrainConfig:
+    values = dict(
+        model=str(workspace / "base"),
+        output_dir=str(workspace / name),
+        data=[str(workspace / "data.txt"), str(workspace / "data.jsonl")],
+        encoding="t5",
+        seq_len=64,
+        batch_size=4,
+        max_steps=6,
+        save_every=2,
+        log_every=100,
+        lr=3e-3,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def final_state(result) -> dict[str, torch.Tensor]:
+    return hf_posenc.from_pretrained(str(result.final_dir)).state_dict()
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_at(step_to_fail: int):
+    def callback(step, logs):
+        if step == step_to_fail:
+            raise Interrupt(f"killed at step {step}")
+
+    return callback
+
+
+def test_resume_after_interruption_reaches_the_same_weights(workspace):
+    """A run killed after step 5 and resumed (from its step-4 checkpoint) ends with exactly the
+    weights and loss history of an uninterrupted run: same data order, optimizer, scheduler."""
+    uninterrupted = train(config(workspace, "straight"), progress=False)
+    with pytest.raises(Interrupt):
+        train(config(workspace, "interrupted"), callbacks=[interrupt_at(5)], progress=False)
+    assert sorted(p.name for p in (workspace / "interrupted").glob("checkpoint-*")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    resumed = train(config(workspace, "interrupted"), resume=True, progress=False)
+    assert resumed.losses == uninterrupted.losses
+    expected, got = final_state(uninterrupted), final_state(resumed)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_a_save_killed_midway_resumes_from_the_previous_checkpoint(workspace):
+    """Leftovers of an interrupted save (a .tmp directory, a directory without its state file)
+    are never resumed from: the run continues from the last complete checkpoint."""
+    straight = train(config(workspace, "straight2"), progress=False)
+    with pytest.raises(Interrupt):
+        train(config(workspace, "killed-save"), callbacks=[interrupt_at(5)], progress=False)
+    run = workspace / "killed-save"
+    shutil.copytree(run / "checkpoint-4", run / "checkpoint-6.tmp")  # a save killed before its rename
+    (run / "checkpoint-4" / "trainer_state.json").unlink()  # a checkpoint whose save never completed
+    resumed = train(config(workspace, "killed-save"), resume=True, progress=False)
+    assert resumed.losses == straight.losses
+    assert not list(run.glob("*.tmp"))
+
+
+def test_lora_trains_adapters_and_the_encoding_and_the_result_reloads(workspace):
+    """--lora: base weights move only through the adapters, the t5 bias trains fully, and the
+    merged result reloads with hf_posenc.from_pretrained to the same logits."""
+    result = train(config(workspace, "lora", lora=True, lora_r=4, save_every=0, max_steps=4), progress=False)
+    reloaded = hf_posenc.from_pretrained(str(result.final_dir)).eval()
+    base = tiny_model("llama", vocab_size=reloaded.config.vocab_size, max_positions=128)
+    base.load_state_dict(hf_posenc.load_model(str(workspace / "base")).state_dict())
+    assert reloaded.posenc.tables[0].weight.abs().sum() > 0  # zero-initialised bias was trained
+    q_before = base.model.layers[0].self_attn.q_proj.weight
+    q_after = reloaded.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_before, q_after)  # merged LoRA delta
+    assert torch.equal(
+        base.model.embed_tokens.weight, reloaded.model.embed_tokens.weight
+    )  # not a LoRA target
+    ids = torch.randint(3, 500, (1, 20))
+    again = hf_posenc.from_pretrained(str(result.final_dir)).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, again(ids).logits)
+
+
+def test_two_processes_reach_the_same_loss_as_one(workspace):
+    """2-process CPU DDP with half the per-process batch follows the 1-process trajectory."""
+    single = train(
+        config(workspace, "one-process", batch_size=4, save_every=0, max_steps=4, encoding="alibi"),
+        progress=False,
+    )
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "hf_posenc",
+        "train",
+        "--model",
+        str(workspace / "base"),
+        "--output-dir",
+        str(workspace / "two-processes"),
+        "--data",
+        str(workspace / "data.txt"),
+        str(workspace / "data.jsonl"),
+        "--encoding",
+        "alibi",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "4",
+        "--lr",
+        "3e-3",
+    ]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    losses = json.loads((workspace / "two-processes" / "final" / "losses.json").read_text())
+    assert len(losses) == len(single.losses) == 4
+    for (step_a, loss_a), (step_b, loss_b) in zip(single.losses, losses, strict=True):
+        assert step_a == step_b and abs(loss_a - loss_b) < 1e-4, (single.losses, losses)
+
+
+def test_cli_train_end_to_end(workspace, capsys):
+    code = main(
+        [
+            "train",
+            "--model",
+            str(workspace / "base"),
+            "--output-dir",
+            str(workspace / "cli"),
+            "--data",
+            str(workspace / "data.txt"),
+            "--encoding",
+            "rope",
+            "--encoding-param",
+            'scaling={"type": "linear", "factor": 2.0}',
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "2",
+            "--max-steps",
+            "2",
+        ]
+    )
+    assert code == 0
+    assert "final model" in capsys.readouterr().out
+    model = hf_posenc.from_pretrained(str(workspace / "cli" / "final"))
+    assert hf_posenc.patch_info(model)["params"]["scaling"]["factor"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"data": ["missing.txt"]}, FileNotFoundError, "missing.txt"),
+        (
+            {"encoding": "learned", "encoding_params": {"max_positions": 16}},
+            hf_posenc.InvalidParameterError,
+            "max_positions=16",
+        ),
+        ({"encoding": "alibbi"}, hf_posenc.UnknownEncodingError, "alibi"),
+    ],
+)
+def test_bad_input_fails_before_training(workspace, overrides, error, message):
+    with pytest.raises(error, match=message):
+        train(config(workspace, "bad", **overrides), progress=False)
+    assert not (workspace / "bad" / "final").exists()
+
+
+def test_output_path_that_is_a_file_is_refused(workspace):
+    (workspace / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="a-file"):
+        train(config(workspace, "a-file"), progress=False)
+
+
+def test_existing_run_is_never_overwritten_and_resume_checks_settings(workspace):
+    with pytest.raises(Interrupt):
+        train(config(workspace, "guarded"), callbacks=[interrupt_at(3)], progress=False)
+    with pytest.raises(hf_posenc.InvalidParameterError, match="--resume"):
+        train(config(workspace, "guarded"), progress=False)
+    with pytest.raises(hf_posenc.InvalidParameterError, match="seq_len=32 \\(was 64\\)"):
+        train(config(workspace, "guarded", seq_len=32), resume=True, progress=False)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        train(config(workspace, "fresh"), resume=True, progress=False)
