@@ -3,7 +3,9 @@
 A *source* is one of:
 
 - ``builtin:stdlib`` — the Python standard library's own source files, present on every
-  machine with Python: real, long documents, the offline default corpus;
+  machine with Python: real, long documents, the offline default corpus. Its ``train``
+  split holds 9 of every 10 files (sorted by path), ``validation`` (alias ``test``) the
+  10th, ``all`` every file;
 - ``hf:NAME`` or ``hf:NAME:CONFIG`` — a hub dataset, read with ``datasets`` (needs a network);
 - a local ``.txt``/``.md``/``.py`` file (one document), a ``.jsonl``/``.json`` file (one
   document per row, from ``text_field``), a directory (its such files, recursively), or a glob.
@@ -13,7 +15,9 @@ Documents come out in a fixed order, so data order depends only on the seed that
 
 from __future__ import annotations
 
+import functools
 import glob
+import itertools
 import json
 import os
 import sysconfig
@@ -27,18 +31,39 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
-def stdlib_documents(min_chars: int = 4000) -> Iterator[str]:
-    """The standard library's ``.py`` files of at least ``min_chars`` characters, sorted by path."""
+STDLIB_SPLITS = ("train", "validation", "test", "all")
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[Path, ...]:
+    """The standard library's ``.py`` files (tests, IDLE, site-packages left out), sorted by path."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
-    for path in sorted(root.rglob("*.py")):
-        if any(part in skip for part in path.relative_to(root).parts):
-            continue
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in skip]
+        files.extend(Path(directory, name) for name in names if name.endswith(".py"))
+    return tuple(sorted(files))
+
+
+def stdlib_documents(split: str = "all", min_chars: int = 4000) -> Iterator[str]:
+    """The standard library's ``.py`` files of at least ``min_chars`` characters, sorted by path.
+
+    ``split``: ``train`` (files 1-9 of every 10), ``validation``/``test`` (every 10th), ``all``.
+    """
+    if split not in STDLIB_SPLITS:
+        raise ValueError(f"split {split!r} of {BUILTIN_STDLIB} is not allowed; allowed: {', '.join(STDLIB_SPLITS)}")
+    index = 0
+    for path in _stdlib_files():
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if len(text) >= min_chars:
+        if len(text) < min_chars:
+            continue
+        held_out = index % 10 == 9
+        index += 1
+        if split == "all" or (split == "train") != held_out:
             yield text
 
 
@@ -106,7 +131,7 @@ def read_documents(
     count = 0
     for source in sources:
         if source == BUILTIN_STDLIB:
-            documents: Iterable[str] = stdlib_documents()
+            documents: Iterable[str] = stdlib_documents(split)
         elif source.startswith("hf:"):
             documents = _hub_documents(source, text_field, split)
         else:
@@ -119,18 +144,31 @@ def read_documents(
                 yield document
 
 
-def tokenize_documents(documents: Iterable[str], tokenizer, *, separator: bool = True) -> torch.Tensor:
-    """One 1-D int64 stream of every document's tokens, each followed by the eos token."""
+def tokenize_documents(
+    documents: Iterable[str], tokenizer, *, separator: bool = True, max_tokens: int | None = None, chunk: int = 32
+) -> torch.Tensor:
+    """One 1-D int64 stream of the documents' tokens, each followed by the eos token.
+
+    Documents are encoded ``chunk`` at a time (the fast tokenizer runs a batch in parallel);
+    reading stops once ``max_tokens`` tokens are collected.
+    """
     eos = tokenizer.eos_token_id
     pieces: list[torch.Tensor] = []
-    for document in documents:
-        ids = tokenizer(document, add_special_tokens=False)["input_ids"]
-        if separator and eos is not None:
-            ids = [*ids, eos]
-        pieces.append(torch.tensor(ids, dtype=torch.long))
+    total = 0
+    iterator = iter(documents)
+    while max_tokens is None or total < max_tokens:
+        batch = list(itertools.islice(iterator, chunk))
+        if not batch:
+            break
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            if separator and eos is not None:
+                ids = [*ids, eos]
+            pieces.append(torch.tensor(ids, dtype=torch.long))
+            total += len(ids)
     if not pieces:
         raise ValueError("the data sources yielded no documents")
-    return torch.cat(pieces)
+    stream = torch.cat(pieces)
+    return stream if max_tokens is None else stream[:max_tokens]
 
 
 def pack_blocks(tokens: torch.Tensor, length: int) -> torch.Tensor:

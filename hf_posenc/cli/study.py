@@ -1,0 +1,66 @@
+"""``hf-posenc study``: the extrapolation study (the main job); offline by default."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..study import StudyConfig, run_study
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    defaults = StudyConfig()
+    parser = commands.add_parser(
+        "study",
+        help="patch a base model with each encoding, continue pretraining, report loss vs length",
+        description="With no arguments: an offline study on the Python standard library's sources, with a tiny "
+        "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe "
+        "(about 10-15 minutes on 2 CPU cores).",
+    )
+    parser.add_argument("--output-dir", default=defaults.output_dir)
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="checkpoint (with tokenizer) to start from; default: pretrain the embedded tiny Llama",
+    )
+    parser.add_argument(
+        "--encodings",
+        nargs="+",
+        default=defaults.encodings,
+        metavar="SPEC",
+        help='names, optionally with JSON parameters: alibi \'expe{"scaling":{"type":"linear","factor":2}}\'',
+    )
+    parser.add_argument("--data", nargs="+", default=defaults.data, metavar="SRC")
+    parser.add_argument(
+        "--eval-data", nargs="+", default=None, metavar="SRC", help="default: the --eval-split of --data"
+    )
+    parser.add_argument("--train-split", default=defaults.train_split)
+    parser.add_argument("--eval-split", default=defaults.eval_split)
+    parser.add_argument("--text-field", default=defaults.text_field)
+    parser.add_argument("--max-documents", type=int, default=None, help="cap on training documents")
+    parser.add_argument("--train-length", type=int, default=defaults.train_length)
+    parser.add_argument("--multiples", nargs="+", type=int, default=defaults.multiples)
+    parser.add_argument(
+        "--steps", type=int, default=defaults.steps, help="continued-pretraining steps per encoding"
+    )
+    parser.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=defaults.pretrain_steps,
+        help="steps of RoPE pretraining of the embedded base model",
+    )
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument(
+        "--eval-tokens", type=int, default=defaults.eval_tokens, help="tokens evaluated at every length"
+    )
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.set_defaults(run=command_study)
+
+
+def command_study(args: argparse.Namespace) -> int:
+    fields = {f for f in StudyConfig.__dataclass_fields__}
+    run_study(StudyConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    return 0
