@@ -120,6 +120,8 @@ def load_model(
                 f"{path!r} carries its own encoding parameters; got extra {sorted(encoding_params)}"
             )
         return from_pretrained(path, **kwargs)
+    if encoding is None and encoding_params:
+        raise ValueError(f"encoding parameters {sorted(encoding_params)} were given without an encoding name")
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if encoding is not None:
         patch_model(model, encoding, **(encoding_params or {}))

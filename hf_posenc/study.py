@@ -97,6 +97,9 @@ def _pretrain_base(config: StudyConfig, out: Path) -> Path:
         num_kv_heads=4,
         max_positions=config.train_length * max(config.multiples),
         seed=config.seed,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     print(f"[study] pretraining the base model with RoPE for {config.pretrain_steps} steps")
     settings = TrainConfig(

@@ -351,3 +351,10 @@ def test_from_pretrained_on_unpatched_checkpoint_mentions_posenc(tmp_path):
     make_model("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'posenc'"):
         hf_posenc.from_pretrained(str(tmp_path))
+
+
+def test_load_model_refuses_encoding_params_without_an_encoding(tmp_path):
+    """Parameters without a name are not silently ignored."""
+    make_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="without an encoding name"):
+        hf_posenc.load_model(str(tmp_path), encoding_params={"num_buckets": 8})
