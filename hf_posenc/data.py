@@ -52,7 +52,9 @@ def stdlib_documents(split: str = "all", min_chars: int = 4000) -> Iterator[str]
     ``split``: ``train`` (files 1-9 of every 10), ``validation``/``test`` (every 10th), ``all``.
     """
     if split not in STDLIB_SPLITS:
-        raise ValueError(f"split {split!r} of {BUILTIN_STDLIB} is not allowed; allowed: {', '.join(STDLIB_SPLITS)}")
+        raise ValueError(
+            f"split {split!r} of {BUILTIN_STDLIB} is not allowed; allowed: {', '.join(STDLIB_SPLITS)}"
+        )
     index = 0
     for path in _stdlib_files():
         try:
@@ -145,7 +147,12 @@ def read_documents(
 
 
 def tokenize_documents(
-    documents: Iterable[str], tokenizer, *, separator: bool = True, max_tokens: int | None = None, chunk: int = 32
+    documents: Iterable[str],
+    tokenizer,
+    *,
+    separator: bool = True,
+    max_tokens: int | None = None,
+    chunk: int = 32,
 ) -> torch.Tensor:
     """One 1-D int64 stream of the documents' tokens, each followed by the eos token.
 
