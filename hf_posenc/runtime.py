@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -25,9 +26,13 @@ from .positions import ForwardContext, bind_arguments, compute_context
 class Stages:
     embed: bool
     layer_input: bool
+    adjust_qkv: bool
     rotate: bool
     logits: bool
     score_bias: bool
+    transform_scores: bool
+    normalize: bool
+    adjust_output: bool
 
 
 class PatchRuntime:
@@ -39,6 +44,9 @@ class PatchRuntime:
         self.stages = Stages(**{s: s in active for s in STAGES})
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
+        #: encodings that carry state between decoding steps say so with ``stateful = True``
+        self.stateful = bool(getattr(encoding, "stateful", False))
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         params = list(inspect.signature(type(base).forward).parameters.values())[1:]
         self._base_signature = inspect.Signature(params)
 
@@ -88,6 +96,12 @@ class PatchRuntime:
         positions = position_ids.to(hidden.device).expand(batch, -1)
         self.memo.start(position_ids)
         return ForwardContext(positions=positions, key_positions=positions)
+
+    def layer_state(self, cache: Any, layer_idx: int) -> dict[str, Any] | None:
+        """This layer's decoding state for ``cache`` (a dict living as long as the cache), or None."""
+        if cache is None:
+            return None
+        return self._states.setdefault(cache, {}).setdefault(layer_idx, {})
 
     def reset(self) -> None:
         self.context = None

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import make_model, patch, token_ids
+from conftest import ENCODINGS, make_model, patch, token_ids
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
@@ -195,8 +195,12 @@ def test_optimizer_step_trains_the_encoding(family, case):
     optimizer.step()
     for n, p in model.posenc.named_parameters():
         assert not torch.equal(p, before[n]), n
-    expected_parameters = {"t5", "learned"}
-    assert bool(before) == (name in expected_parameters)
+
+
+@pytest.mark.parametrize(("name", "has_parameters"), [(n, n in ("t5", "learned")) for n in ENCODINGS])
+def test_which_classical_encodings_have_parameters(name, has_parameters):
+    model = patch(make_model("llama"), name)
+    assert bool(list(model.posenc.parameters())) == has_parameters
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(family, case):

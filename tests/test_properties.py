@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 import hf_posenc
 from hf_posenc.encodings.alibi import alibi_slopes
+from hf_posenc.encodings.base import probe_context
 from hf_posenc.encodings.expe import expe_values
 from hf_posenc.encodings.exqpe import exqpe_values
 from hf_posenc.encodings.rope import apply_rotary, cos_sin
 from hf_posenc.encodings.sinusoidal import sinusoidal_table
 from hf_posenc.encodings.t5 import relative_position_bucket
-from hf_posenc.memo import ForwardMemo
 
 SETTINGS = settings(max_examples=50, deadline=None)
 DISTANCES = torch.arange(-50, 2001)  # i - j, negative = future keys
@@ -179,10 +179,9 @@ def test_relative_biases_depend_only_on_i_minus_j(family, name, k_len, data):
     """bias[h, i, j] == bias[h, i+1, j+1], and a shorter query block is the bottom rows of the full one."""
     q_len = data.draw(st.integers(1, k_len), label="q_len")
     model = patched_model(family, name)
-    cpu = torch.device("cpu")
     with torch.no_grad():
-        full = model.posenc.score_bias(0, k_len, k_len, cpu, ForwardMemo())
-        last = model.posenc.score_bias(0, q_len, k_len, cpu, ForwardMemo())
+        full = model.posenc.score_bias(probe_context(model.posenc.geometry, k_len, k_len))
+        last = model.posenc.score_bias(probe_context(model.posenc.geometry, q_len, k_len))
     assert full.shape == (4, k_len, k_len) and last.shape == (4, q_len, k_len)
     assert torch.equal(full[:, 1:, 1:], full[:, :-1, :-1])
     assert torch.equal(last, full[:, k_len - q_len :, :])

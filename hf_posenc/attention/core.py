@@ -11,6 +11,8 @@ Masks follow transformers' sdpa convention: a boolean (B,1,Tq,Tk) tensor where T
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -42,29 +44,39 @@ def attend(
     logits: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "sdpa",
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D).
 
-    ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T (the eager path then runs).
+    ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T. ``transform(scores)`` rewrites the
+    scaled scores plus bias before masking; ``normalize(scores, allowed)`` replaces the
+    softmax. Any of the three needs explicit scores, so the eager path runs.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     q_len, k_len = q.shape[-2], k.shape[-2]
-    if mask is None and q_len > 1:
-        if bias is None and logits is None and backend == "sdpa" and q_len == k_len:
+    explicit = backend == "eager" or logits is not None or transform is not None or normalize is not None
+    if mask is None and (q_len > 1 or normalize is not None):
+        if bias is None and not explicit and q_len == k_len:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling)
             return out.transpose(1, 2), None
         mask = causal_mask(q_len, k_len, q.device)
 
-    if backend == "eager" or logits is not None:
+    if explicit:
         if logits is None:
             logits = torch.matmul(q, k.transpose(-1, -2)).float()
         scores = logits * scaling  # (B, Hq, Tq, Tk)
         if bias is not None:
             scores = scores + bias
-        if mask is not None:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+        if transform is not None:
+            scores = transform(scores)
+        if normalize is not None:
+            weights = normalize(scores, mask).to(q.dtype)
+        else:
+            if mask is not None:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            weights = torch.softmax(scores, dim=-1).to(q.dtype)
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
         return torch.matmul(weights, v).transpose(1, 2), weights
 

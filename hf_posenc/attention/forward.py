@@ -1,6 +1,7 @@
 """The forward installed on every patched attention module: composes the encoding's stages.
 
-    hidden ─ layer_input ─> project q,k,v ─ rotate ─> KV cache ─ logits, score_bias ─> attend ─> output
+    hidden ─ layer_input ─> project q,k,v ─ adjust_qkv ─ rotate ─> KV cache
+           ─ logits, score_bias ─> attend (transform_scores, normalize) ─ adjust_output ─> output
 
 One instance per attention module; it holds the module, its layer index, the family
 adapter and the shared :class:`~hf_posenc.runtime.PatchRuntime`.
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..encodings.base import ScoreContext
 from ..positions import bind_arguments
 from .core import attend
 
@@ -47,27 +49,29 @@ class PatchedAttentionForward:
         mask = call.get("attention_mask")
         cache = call.get("past_key_values")
         runtime, module, layer = self.runtime, self.module, self.layer_idx
-        encoding, adapter, memo = runtime.encoding, runtime.adapter, runtime.memo
+        encoding, adapter, memo, stages = runtime.encoding, runtime.adapter, runtime.memo, runtime.stages
         context = runtime.context_for(call.get("position_ids"), hidden)
         positions = context.positions  # (B, T)
+        state = runtime.layer_state(cache, layer) if runtime.stateful else None
 
         x_qk = x_v = hidden
-        if runtime.stages.layer_input:
+        if stages.layer_input:
             x_qk, x_v = encoding.layer_input(layer, hidden, positions, memo)
         q, k, v = adapter.project(module, x_qk, x_v)  # (B,Hq,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
-
-        if runtime.stages.rotate:
+        if stages.adjust_qkv:
+            q, k, v = encoding.adjust_qkv(layer, hidden, q, k, v, state, memo)
+        if stages.rotate:
             q, k = encoding.rotate(layer, q, k, positions, positions, memo)
         if cache is not None:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
-        logits = None
-        if runtime.stages.logits:
+
+        score = ScoreContext(layer, q, k, hidden, positions, memo, state)
+        logits = bias = None
+        if stages.logits:
             key_positions = context.key_positions[:, -k.shape[-2] :]  # (B, Tk)
             logits = encoding.logits(layer, q, k, positions, key_positions, memo)  # (B, Hq, Tq, Tk)
-
-        bias = None
-        if runtime.stages.score_bias:
-            bias = encoding.score_bias(layer, q.shape[-2], k.shape[-2], q.device, memo)  # (Hq,Tq,Tk)
+        if stages.score_bias:
+            bias = encoding.score_bias(score)  # broadcastable to (B, Hq, Tq, Tk)
 
         if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
@@ -81,6 +85,14 @@ class PatchedAttentionForward:
             scaling=module.scaling,
             dropout_p=adapter.dropout_p(module),
             backend=runtime.backend,
+            transform=(lambda scores: encoding.transform_scores(score, scores))
+            if stages.transform_scores
+            else None,
+            normalize=(lambda scores, allowed: encoding.normalize(score, scores, allowed))
+            if stages.normalize
+            else None,
         )
         out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
+        if stages.adjust_output:
+            out = encoding.adjust_output(layer, hidden, out, state, memo)
         return adapter.output(module, out), weights

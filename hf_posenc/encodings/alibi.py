@@ -16,9 +16,8 @@ import math
 import torch
 
 from ..config import EncodingConfig
-from ..memo import ForwardMemo
 from ..registry import register_encoding
-from .base import Encoding, query_key_distance
+from .base import Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
@@ -48,10 +47,12 @@ class ALiBi(Encoding):
     paper = "Press et al. 2022, arXiv:2108.12409"
     summary = "fixed per-head linear penalty on query-key distance"
 
-    def score_bias(self, layer_idx, q_len, k_len, device, memo: ForwardMemo) -> torch.Tensor:
+    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+
         def build() -> torch.Tensor:
             distance = query_key_distance(q_len, k_len, device).float()  # (Tq, Tk)
             slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
             return -slopes[:, None, None] * distance  # (Hq, Tq, Tk)
 
-        return memo.get(("alibi", q_len, k_len, device), build)
+        return ctx.memo.get(("alibi", q_len, k_len, device), build)

@@ -1,11 +1,20 @@
-"""The contract every encoding implements: any subset of five stages.
+"""The contract every encoding implements: any subset of these stages, in pipeline order.
 
-1. ``embed``        absolute vector added to the token embeddings (sinusoidal, learned);
-2. ``layer_input``  rewrite the hidden states entering the q/k(/v) projections (ExPE, ExQPE);
-3. ``rotate``       transform q and k from their positions (the RoPE family);
-4. ``logits``       compute q.k itself when no per-token transform of q and k can
-                    (per-query frequencies of dynamic NTK RoPE); keys are cached raw;
-5. ``score_bias``   additive term on the attention logits (T5, ALiBi, ...).
+1. ``embed``             absolute vector added to the token embeddings (sinusoidal, learned);
+2. ``layer_input``       rewrite the hidden states entering the q/k(/v) projections (ExPE);
+3. ``adjust_qkv``        change q, k, v right after the projections (QK-norm, token shift);
+4. ``rotate``            transform q and k from their positions (the RoPE family);
+5. ``logits``            compute q.k itself when no per-token transform of q and k can
+                         (per-query frequencies of dynamic NTK RoPE); keys are cached raw;
+6. ``score_bias``        additive term on the attention logits (T5, ALiBi, KERPLE, FoX, ...);
+7. ``transform_scores``  rewrite the full score matrix (CAPE, CoPE): needs explicit scores;
+8. ``normalize``         replace the softmax (stick-breaking attention);
+9. ``adjust_output``     change the attention output before the output projection (gates, norms).
+
+Score-level stages receive a :class:`ScoreContext`. Encodings that must carry state from one
+decoding step to the next (cumulative forget gates, token-shift inputs) keep it in
+``ScoreContext.state`` / the ``state`` argument: a dict per layer that lives as long as the
+KV cache it belongs to.
 
 A stage an encoding does not override costs nothing: the attention core skips it.
 New parameters are registered on the encoding module, which the patch attaches to the
@@ -14,7 +23,8 @@ model as ``model.posenc`` so they are trained, saved, reloaded and moved with ``
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -24,7 +34,58 @@ from ..memo import ForwardMemo
 from ..models.base import ModelGeometry
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
-STAGES = ("embed", "layer_input", "rotate", "logits", "score_bias")
+STAGES = (
+    "embed",
+    "layer_input",
+    "adjust_qkv",
+    "rotate",
+    "logits",
+    "score_bias",
+    "transform_scores",
+    "normalize",
+    "adjust_output",
+)
+
+
+@dataclasses.dataclass
+class ScoreContext:
+    """What score-level stages see in one attention call."""
+
+    layer_idx: int
+    q: torch.Tensor  # (B, Hq, Tq, D) queries, after rotation
+    k: torch.Tensor  # (B, Hkv, Tk, D) keys, after the cache update
+    hidden: torch.Tensor  # (B, Tq, hidden) the layer's input
+    q_positions: torch.Tensor  # (B, Tq) absolute positions of the queries
+    memo: ForwardMemo
+    state: dict[str, Any] | None = None  # this layer's decoding state; None without a KV cache
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def k_len(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+def probe_context(
+    geometry: ModelGeometry, q_len: int, k_len: int | None = None, layer_idx: int = 0
+) -> ScoreContext:
+    """A context with zero q/k/hidden and positions ``k_len - q_len ..``: inspect a positional bias."""
+    k_len = q_len if k_len is None else k_len
+    d = geometry.head_dim
+    return ScoreContext(
+        layer_idx=layer_idx,
+        q=torch.zeros(1, geometry.num_heads, q_len, d),
+        k=torch.zeros(1, geometry.num_kv_heads, k_len, d),
+        hidden=torch.zeros(1, q_len, geometry.hidden_size),
+        q_positions=torch.arange(k_len - q_len, k_len)[None],
+        memo=ForwardMemo(),
+    )
 
 
 class Encoding(nn.Module):
@@ -35,6 +96,8 @@ class Encoding(nn.Module):
     config_class: ClassVar[type[EncodingConfig]] = EncodingConfig
     paper: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: True when the encoding keeps state between decoding steps (see ``ScoreContext.state``)
+    stateful: ClassVar[bool] = False
 
     def __init__(self, config: EncodingConfig, geometry: ModelGeometry) -> None:
         super().__init__()
@@ -92,15 +155,45 @@ class Encoding(nn.Module):
         """Raw (unscaled) q.k logits (B,Hq,Tq,Tk) fp32 from un-rotated q (B,Hq,Tq,D), k (B,Hkv,Tk,D)."""
         raise NotImplementedError
 
-    def score_bias(
-        self, layer_idx: int, q_len: int, k_len: int, device: torch.device, memo: ForwardMemo
-    ) -> torch.Tensor:
-        """Additive logit bias (Hq, Tq, Tk), fp32, for the last ``q_len`` of ``k_len`` keys.
+    def adjust_qkv(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: dict[str, Any] | None,
+        memo: ForwardMemo,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B,Hq,T,D), k, v (B,Hkv,T,D) fresh from the projections -> adjusted q, k, v."""
+        raise NotImplementedError
+
+    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
+        """Additive logit bias, fp32, broadcastable to (B, Hq, Tq, Tk) — usually (Hq, Tq, Tk).
 
         Queries and keys are indexed bottom-right aligned (query ``i`` sits at key index
-        ``k_len - q_len + i``), so a bias of ``i - j`` is the distance in tokens. Left
-        padding shifts both sides equally, so relative biases are padding-invariant.
+        ``Tk - Tq + i``), so a bias of ``i - j`` is the distance in tokens. Left padding
+        shifts both sides equally, so relative biases are padding-invariant.
         """
+        raise NotImplementedError
+
+    def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
+        """Scaled logits plus bias (B, Hq, Tq, Tk) fp32 -> new scores (masking comes after)."""
+        raise NotImplementedError
+
+    def normalize(self, ctx: ScoreContext, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """scores (B,Hq,Tq,Tk) fp32 and ``allowed`` (B|1,1,Tq,Tk) bool -> attention weights."""
+        raise NotImplementedError
+
+    def adjust_output(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        out: torch.Tensor,
+        state: dict[str, Any] | None,
+        memo: ForwardMemo,
+    ) -> torch.Tensor:
+        """Attention output (B, T, Hq*D) before the output projection -> adjusted output."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -24,9 +24,8 @@ from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
-from ..memo import ForwardMemo
 from ..registry import register_encoding
-from .base import Encoding, query_key_distance
+from .base import Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
@@ -76,13 +75,14 @@ class T5Bias(Encoding):
         for table in self.tables:
             nn.init.zeros_(table.weight)
 
-    def score_bias(self, layer_idx, q_len, k_len, device, memo: ForwardMemo) -> torch.Tensor:
+    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
         cfg = self.config
-        buckets = memo.get(
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        buckets = ctx.memo.get(
             ("t5_buckets", q_len, k_len, device),
             lambda: relative_position_bucket(
                 query_key_distance(q_len, k_len, device), cfg.num_buckets, cfg.max_distance
             ),
         )  # (Tq, Tk)
-        table = self.tables[0 if cfg.shared_across_layers else layer_idx]
+        table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
         return table(buckets).permute(2, 0, 1).float()  # (Hq, Tq, Tk)
