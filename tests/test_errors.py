@@ -28,7 +28,10 @@ from hf_posenc import (
     UnsupportedModelError,
 )
 
-KNOWN = ("alibi", "expe", "exqpe", "learned", "nope", "rope", "sinusoidal", "t5")
+CLASSICAL = ("alibi", "expe", "exqpe", "learned", "nope", "rope", "sinusoidal", "t5")
+#: the message must list every registered encoding, sorted
+KNOWN = tuple(sorted(info.name for info in hf_posenc.list_encodings()))
+assert set(CLASSICAL) <= set(KNOWN)
 
 
 def logits(model, ids=None) -> torch.Tensor:

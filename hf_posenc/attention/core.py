@@ -44,14 +44,15 @@ def attend(
     logits: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "sdpa",
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    transform: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D).
 
-    ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T. ``transform(scores)`` rewrites the
-    scaled scores plus bias before masking; ``normalize(scores, allowed)`` replaces the
-    softmax. Any of the three needs explicit scores, so the eager path runs.
+    ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T. ``transform(scores, allowed)`` rewrites
+    the scaled scores plus bias before masking (``allowed``: the mask applied next, None when
+    every key is allowed); ``normalize(scores, allowed)`` replaces the softmax. Any of the
+    three needs explicit scores, so the eager path runs.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
@@ -70,7 +71,7 @@ def attend(
         if bias is not None:
             scores = scores + bias
         if transform is not None:
-            scores = transform(scores)
+            scores = transform(scores, mask)
         if normalize is not None:
             weights = normalize(scores, mask).to(q.dtype)
         else:

@@ -85,10 +85,12 @@ class PatchedAttentionForward:
             scaling=module.scaling,
             dropout_p=adapter.dropout_p(module),
             backend=runtime.backend,
-            transform=(lambda scores: encoding.transform_scores(score, scores))
+            transform=(lambda scores, allowed: encoding.transform_scores(_with_mask(score, allowed), scores))
             if stages.transform_scores
             else None,
-            normalize=(lambda scores, allowed: encoding.normalize(score, scores, allowed))
+            normalize=(
+                lambda scores, allowed: encoding.normalize(_with_mask(score, allowed), scores, allowed)
+            )
             if stages.normalize
             else None,
         )
@@ -96,3 +98,9 @@ class PatchedAttentionForward:
         if stages.adjust_output:
             out = encoding.adjust_output(layer, hidden, out, state, memo)
         return adapter.output(module, out), weights
+
+
+def _with_mask(score: ScoreContext, allowed: torch.Tensor | None) -> ScoreContext:
+    """``score`` with ``allowed`` set: the mask the core applies after the score stages."""
+    score.allowed = allowed
+    return score

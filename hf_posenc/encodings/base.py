@@ -58,6 +58,11 @@ class ScoreContext:
     q_positions: torch.Tensor  # (B, Tq) absolute positions of the queries
     memo: ForwardMemo
     state: dict[str, Any] | None = None  # this layer's decoding state; None without a KV cache
+    #: which keys each query may attend to, (B|1, 1, Tq, Tk) bool (True = may attend), set by the
+    #: core right before ``transform_scores`` / ``normalize``; None there means every key is allowed
+    #: (one decoding query without padding). Stages that accumulate over keys (CoPE's cumulative
+    #: gates) use it to keep masked keys (padding, future, outside a sliding window) out.
+    allowed: torch.Tensor | None = None
 
     @property
     def q_len(self) -> int:
@@ -178,7 +183,10 @@ class Encoding(nn.Module):
         raise NotImplementedError
 
     def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
-        """Scaled logits plus bias (B, Hq, Tq, Tk) fp32 -> new scores (masking comes after)."""
+        """Scaled logits plus bias (B, Hq, Tq, Tk) fp32 -> new scores (masking comes after).
+
+        ``ctx.allowed`` holds the mask that will be applied afterwards (None: every key allowed).
+        """
         raise NotImplementedError
 
     def normalize(self, ctx: ScoreContext, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

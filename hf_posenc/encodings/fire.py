@@ -1,0 +1,127 @@
+"""FIRE: functional interpolation for relative positions (Li et al., 2023, "Functional
+Interpolation for Relative Positions Improves Long Context Transformers", arXiv:2310.04418).
+
+    <q_i, k_j> = q_i^T k_j + f_theta( psi(i - j) / psi(max(L, i)) )_h
+
+    psi(x) = log(|c| x + 1),     L = |L_multiplier| * init_L,
+    f_theta(x) = W2 relu(W1 x + b1) + b2      (1 -> mlp_width -> H, one output per query head)
+
+``i`` is the query's absolute 0-based position (``ScoreContext.q_positions``, padding-aware)
+and ``i - j`` the distance in tokens, exactly as the paper's reference code and its ports
+(mcleish7/arithmetic, VITA-Group/TAPE: ``positions = arange(T)``,
+``normalizer = max(positions, threshold)``). Since i - j <= i, the argument of f lies in
+[0, 1]; while i <= L the bias depends on i - j only, past L it is interpolated by the
+query's position (not Toeplitz). As in the reference, the denominator gets eps = 1e-6,
+c and L are learned and enter through |.| (so L stays positive), and L is learned as a
+multiplier of ``init_L`` so that one learning rate suits both c and L. Future keys (masked
+anyway) are treated as distance 0.
+
+Init: c = ``init_c`` (0.1), L = ``init_L`` (512), W1/b1 PyTorch's default; W2 and b2 start at
+zero, so the patched model starts with a zero bias (as NoPE) and f is learned from there.
+Each layer has its own f, c and L (as in the ports) unless ``shared_across_layers=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import EncodingConfig, check_bool, check_number
+from ..registry import register_encoding
+from .base import Encoding, ScoreContext, query_key_distance
+
+EPS = 1e-6  # the reference's guard on the normaliser
+
+
+@dataclasses.dataclass
+class FIREConfig(EncodingConfig):
+    encoding = "fire"
+    mlp_width: int = 32
+    init_c: float = 0.1
+    init_L: float = 512.0  # noqa: N815 - the paper's name
+    shared_across_layers: bool = False
+
+    def validate(self) -> None:
+        check_number(self.encoding, "mlp_width", self.mlp_width, low=1, integer=True)
+        check_number(self.encoding, "init_c", self.init_c, low=0.0, low_inclusive=False)
+        check_number(self.encoding, "init_L", self.init_L, low=0.0, low_inclusive=False)
+        check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
+
+
+class FIREFunction(nn.Module):
+    """One f_theta with its c and L: (distances, query positions) -> bias per head."""
+
+    def __init__(self, heads: int, width: int, init_c: float, init_L: float) -> None:  # noqa: N803
+        super().__init__()
+        self.init_L = init_L
+        self.hidden = nn.Linear(1, width)
+        self.out = nn.Linear(width, heads)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        self.L_multiplier = nn.Parameter(torch.tensor(1.0))
+
+    def threshold(self) -> torch.Tensor:
+        """L = |L_multiplier| * init_L, a 0-dim fp32 tensor."""
+        return (self.L_multiplier.float() * self.init_L).abs()
+
+    def normalized_distance(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """distance i - j (Tq, Tk) int, positions i (B, Tq) int -> psi(i-j) / psi(max(L, i)), (B, Tq, Tk) fp32."""
+        c = self.c.float().abs()
+        numerator = torch.log1p(c * distance.clamp(min=0).float())  # (Tq, Tk)
+        normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B, Tq)
+        return numerator[None] / normalizer[:, :, None]  # (B, Tq, Tk)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """f_theta: x (..., 1) fp32 -> (..., Hq) fp32."""
+        h = F.relu(F.linear(x, self.hidden.weight.float(), self.hidden.bias.float()))  # (..., width)
+        return F.linear(h, self.out.weight.float(), self.out.bias.float())
+
+    def forward(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """-> (B, Hq, Tq, Tk) fp32 bias."""
+        x = self.normalized_distance(distance, positions)[..., None]  # (B, Tq, Tk, 1)
+        # with gradients, the hidden layer (width x the size of the bias) is recomputed in backward
+        # instead of being kept for every layer: exact, one more pass of the small MLP
+        grad = torch.is_grad_enabled()
+        bias = checkpoint(self.mlp, x, use_reentrant=False) if grad else self.mlp(x)  # (B, Tq, Tk, Hq)
+        return bias.permute(0, 3, 1, 2)
+
+
+@register_encoding
+class FIRE(Encoding):
+    name = "fire"
+    config_class = FIREConfig
+    paper = "Li et al. 2023, arXiv:2310.04418"
+    summary = (
+        "learned MLP of log-distance normalised by log of the query position (progressive interpolation)"
+    )
+
+    def __init__(self, config: FIREConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        count = 1 if config.shared_across_layers else geometry.num_layers
+        self.functions = nn.ModuleList(
+            FIREFunction(geometry.num_heads, config.mlp_width, config.init_c, config.init_L)
+            for _ in range(count)
+        )
+
+    def function(self, layer_idx: int) -> FIREFunction:
+        return self.functions[0 if self.config.shared_across_layers else layer_idx]
+
+    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        distance = ctx.memo.get(
+            ("fire_distance", q_len, k_len, device), lambda: query_key_distance(q_len, k_len, device)
+        )  # (Tq, Tk)
+        positions = ctx.memo.get(("fire_positions", q_len, device), lambda: _distinct_rows(ctx.q_positions))
+        return self.function(ctx.layer_idx)(distance, positions)  # (B|1, Hq, Tq, Tk)
+
+
+def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:
+    """(B, Tq) positions -> (1, Tq) when every row is the same (no padding), else unchanged."""
+    if positions.shape[0] > 1 and torch.equal(positions, positions[:1].expand_as(positions)):
+        return positions[:1]
+    return positions

@@ -1,0 +1,53 @@
+"""FoX: the Forgetting Transformer (Lin et al., 2025, "Forgetting Transformer: Softmax
+Attention with a Forget Gate", ICLR 2025; reference code zhixuan-lin/forgetting-transformer).
+
+    f_t      = sigmoid(w_f^T x_t + b_f)                          per query head
+    <q_i,k_j> = q_i^T k_j + D_ij,   D_ij = sum_{l=j+1}^{i} log f_l   (D_ii = 0)
+
+x_t is the hidden state entering the attention layer. D is computed in fp32 as c_i - c_j with
+c_t = sum_{l<=t} log f_l (``logsigmoid`` for stability); it is 0 on the diagonal, never
+positive, and non-increasing with the distance. No other positional encoding is used.
+With grouped-query attention the gate is per query head.
+
+Initialisation (for continued pretraining of a checkpoint): w_f = 0 and b_f per head such
+that f = exp(-1/T_h), T_h log-spaced from ``decay_time_min`` to ``decay_time_max`` (the
+reference's ``fgate_bias_init``), so the patched model starts with gates near 1: a gentle
+ALiBi-like bias -(i-j)/T_h, close to NoPE. (The reference trains from scratch with b_f = 0.)
+
+Decoding carries the log f of the cached keys in the layer state (see ``fox_common``);
+left padding cannot reach real tokens: D between two real tokens only sums the gates of
+tokens between them, which are real, and padded keys are masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..registry import register_encoding
+from .base import Encoding, ScoreContext
+from .fox_common import ForgetGateConfig, forget_gates, forgetting_bias, log_forget
+
+
+@dataclasses.dataclass
+class FoXConfig(ForgetGateConfig):
+    encoding = "fox"
+
+
+@register_encoding
+class FoX(Encoding):
+    name = "fox"
+    aliases = ("forgetting_transformer", "forgetting_attention")
+    config_class = FoXConfig
+    paper = "Lin et al. 2025, arXiv:2503.02130"
+    summary = "data-dependent forget gate: logits + sum of log forget gates between key and query"
+    stateful = True
+
+    def __init__(self, config: ForgetGateConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        self.forget = forget_gates(config, geometry)  # [layer]: Linear(hidden -> Hq)
+
+    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
+        log_f = log_forget(self.forget[ctx.layer_idx], ctx.hidden)  # (B, Hq, Tq)
+        return forgetting_bias(log_f, ctx.k_len, ctx.state)  # (B, Hq, Tq, Tk)

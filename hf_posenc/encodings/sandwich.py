@@ -1,0 +1,67 @@
+"""Sandwich (Chi et al., 2023, "Dissecting Transformer Length Extrapolation via the Lens of
+Receptive Field Analysis", ACL; arXiv:2212.10356): the inner product of two sinusoidal
+position embeddings of dimension d' used as a parameter-free relative bias.
+
+    <q_i, k_j> = q_i^T k_j + (p_i . p_j - d'/2) / r_h
+
+    p_i . p_j = sum_{k=1}^{d'/2} cos((i - j) / 10000^(2k/d')),    r_h = 8 h / H,  h = 1 .. H
+
+Subtracting d'/2 puts the diagonal at 0 (the bias is <= 0 everywhere); the head-specific
+compression ratio r_h plays the role of ALiBi's slopes (the paper's ALiBi figure writes them
+as 1/2^h for h = n * 8/H; Sandwich divides by that h instead), as in NeMo's
+``SandwichRelativePositionEmbedding``. The frequency index k runs from 1 to d'/2 as in the
+paper and NeMo. The bias is fixed (no parameters) and, with GQA, per query head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import EncodingConfig, check_number, fail
+from ..registry import register_encoding
+from .base import Encoding, ScoreContext, query_key_distance
+
+
+@dataclasses.dataclass
+class SandwichConfig(EncodingConfig):
+    encoding = "sandwich"
+    dim: int = 128  # d', the dimension of the sinusoidal embeddings whose inner product is used
+
+    def validate(self) -> None:
+        check_number(self.encoding, "dim", self.dim, low=2, integer=True)
+        if self.dim % 2:
+            raise fail(self.encoding, "dim", self.dim, "an even integer >= 2")
+
+
+def sandwich_kernel(distance: torch.Tensor, dim: int) -> torch.Tensor:
+    """distance n (any shape) -> sum_{k=1}^{dim/2} cos(n / 10000^(2k/dim)) - dim/2, fp32."""
+    k = torch.arange(1, dim // 2 + 1, device=distance.device, dtype=torch.float64)  # (dim/2,)
+    inv_freq = 10000.0 ** (-2.0 * k / dim)
+    angles = distance.to(torch.float64)[..., None] * inv_freq  # (..., dim/2)
+    return (torch.cos(angles).sum(-1) - dim / 2).float()
+
+
+def sandwich_ratios(num_heads: int) -> torch.Tensor:
+    """(num_heads,) fp32 compression ratios 8h/H for h = 1 .. H."""
+    return torch.arange(1, num_heads + 1, dtype=torch.float32) * (8.0 / num_heads)
+
+
+@register_encoding
+class Sandwich(Encoding):
+    name = "sandwich"
+    config_class = SandwichConfig
+    paper = "Chi et al. 2023, arXiv:2212.10356"
+    summary = "fixed sinusoidal-kernel bias p_i.p_j - d'/2, scaled per head by H/(8h)"
+
+    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+
+        def build() -> torch.Tensor:
+            kernel = sandwich_kernel(torch.arange(k_len, device=device), self.config.dim)  # (Tk,) by |i-j|
+            index = query_key_distance(q_len, k_len, device).abs()  # (Tq, Tk)
+            ratios = sandwich_ratios(self.geometry.num_heads).to(device)  # (Hq,)
+            return kernel[index][None] / ratios[:, None, None]  # (Hq, Tq, Tk)
+
+        return ctx.memo.get(("sandwich", q_len, k_len, device), build)

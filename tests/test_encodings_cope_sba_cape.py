@@ -1,0 +1,336 @@
+"""CoPE, stick-breaking attention (SBA) and CAPE: formula references, the generic invariants,
+and their own properties.
+
+The references below are written from the papers' formulas (and the reference repositories:
+facebookresearch/RAM ``projects/cope``, shawntan/stickbreaking-attention ``sb_ref.py``,
+chuanyang-Zheng/DAPE ``CAPE.py``) with plain loops in fp64, using only the model's weights
+and the encoding's parameters; nothing of the package's attention code is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import reference as ref
+import torch
+from conftest import make_model, patch, token_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_invariants import (  # noqa: F401  (re-collected here for this module's cases)
+    test_bf16_long_input_is_finite,
+    test_cached_decoding_equals_full_forward,
+    test_eager_backend_equals_sdpa_backend,
+    test_generate_with_cache_equals_without,
+    test_gradient_checkpointing_gives_the_same_gradients,
+    test_left_padded_batch_equals_each_sequence_alone,
+    test_optimizer_step_trains_the_encoding,
+    test_save_and_reload_gives_identical_logits,
+    test_unpatch_restores_exactly_and_leaves_no_trace,
+)
+from test_reference import run_and_capture
+
+import hf_posenc
+from hf_posenc.encodings.base import probe_context
+from hf_posenc.encodings.cape import available_bases
+from hf_posenc.encodings.cope import contextual_positions, interpolate_position_logits
+from hf_posenc.encodings.sba import stick_breaking_weights
+
+CASES = [
+    ("cope", {}),
+    ("cope", {"npos_max": 4, "shared_across_layers": True}),  # positions clamp at 3
+    ("sba", {}),
+    ("sba", {"attend_current": True, "remainder": "drop"}),
+    # CAPE at its default width 32 with the tests' N(0, 0.5) random weights amplifies the fp32
+    # rounding of q.k (blocked differently in a decoding step and a full forward) to ~1e-5 on
+    # the logits, the invariants' tolerance; a narrower MLP keeps the same code path. The
+    # default width is checked against the formula reference below.
+    ("cape", {"hidden": 8}),
+]
+# learned base biases, when those encodings are installed
+if "kerple" in available_bases():
+    CASES.append(("cape", {"base": "kerple", "base_params": {"variant": "power"}, "hidden": 8}))
+if "fire" in available_bases():
+    CASES.append(("cape", {"base": "fire", "hidden": 8}))
+REFERENCE_CASES = [*CASES, ("cape", {})]
+
+
+def case_id(case) -> str:
+    name, params = case
+    return name + ("[" + ",".join(f"{k}={v}" for k, v in params.items()) + "]" if params else "")
+
+
+LENGTH = 12  # longer than Mistral's sliding window of 8
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
+def case(request):
+    return request.param
+
+
+# -- formula references ---------------------------------------------------------------------
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def cope_row(q, keys_k, keys, i, table, npos_max, scale):
+    """CoPE logits of query i over ``keys`` (ascending) for one head: q . k_j * scale plus the
+    interpolated q . e[p_ij] * scale, p_ij = min(sum_{t in keys, t >= j} sigmoid(q . k_t * scale), npos_max - 1)."""
+    raw = [float(q @ keys_k[j]) * scale for j in keys]
+    gates = [sigmoid(x) for x in raw]
+    out = []
+    for a in range(len(keys)):
+        p = min(sum(gates[a:]), npos_max - 1)
+        lo, hi = math.floor(p), math.ceil(p)
+        w = p - lo
+        z = lambda n: float(q @ table[n])  # noqa: E731
+        out.append(raw[a] + ((1 - w) * z(lo) + w * z(hi)) * scale)
+    return torch.softmax(torch.tensor(out, dtype=torch.float64), 0).tolist()
+
+
+def sba_row(q, keys_k, keys, i, scale, attend_current, remainder):
+    """Stick-breaking weights of query i: beta_j * prod_{k > j on the stick} (1 - beta_k); the
+    stick excludes key i unless ``attend_current``; the leftover mass goes to key i or is dropped."""
+    stick = [j for j in keys if attend_current or j != i]
+    beta = {j: sigmoid(float(q @ keys_k[j]) * scale) for j in stick}
+    weights = {j: 0.0 for j in keys}
+    for j in stick:
+        weights[j] = beta[j] * math.prod(1 - beta[k] for k in stick if k > j)
+    if remainder == "current":
+        weights[i] += 1 - sum(weights.values())
+    return [weights[j] for j in keys]
+
+
+@torch.no_grad()
+def layer_reference(family, name, params, module, hidden, model, layer_idx):
+    """Patched attention layer output, (B, T, hidden) fp64, from loops over batch, query, head, key."""
+    hidden = hidden.double()
+    batch, length, _ = hidden.shape
+    q, k, v = ref.projections(family, module, hidden, hidden)  # (B, T, H, D)
+    heads, kv_heads, d = q.shape[2], k.shape[2], q.shape[3]
+    scale = module.scaling
+    assert scale == pytest.approx(d**-0.5)  # the references' 1/sqrt(d)
+    window = 8 if family == "mistral" else None
+    out = torch.zeros(batch, length, heads, d, dtype=torch.float64)
+    if name == "cope":
+        npos_max = params.get("npos_max", 64)
+        tables = model.posenc.embeddings.detach().double()
+        table = tables[0 if params.get("shared_across_layers", False) else layer_idx]
+    if name == "cape":
+        slopes = ref.alibi_slopes(heads)
+        if params.get("base", "alibi") == "alibi":
+            base = lambda h, i, j: -slopes[h] * (i - j)  # noqa: E731
+        else:  # a learned base bias (KERPLE, FIRE: checked against their formulas in their own tests)
+            context = probe_context(model.posenc.geometry, length, layer_idx=layer_idx)
+            learned = model.posenc.base.score_bias(context).detach().double().reshape(heads, length, length)
+            base = lambda h, i, j: float(learned[h, i, j])  # noqa: E731
+        mixer = model.posenc.mixers[layer_idx]
+        w1, b1 = mixer.inner.weight.detach().double(), mixer.inner.bias.detach().double()
+        w2, b2 = mixer.outer.weight.detach().double(), mixer.outer.bias.detach().double()
+    for b in range(batch):
+        for i in range(length):
+            keys = [j for j in range(i + 1) if window is None or i - j < window]
+            group = lambda h: h // (heads // kv_heads)  # noqa: E731  KV head of query head h
+            rows = {}
+            if name == "cape":
+                x = [[float(q[b, i, h] @ k[b, j, group(h)]) * scale for j in keys] for h in range(heads)]
+                bias = [[base(h, i, j) for j in keys] for h in range(heads)]
+                logits = [[0.0] * len(keys) for _ in range(heads)]
+                for a in range(len(keys)):
+                    u = torch.tensor([x[h][a] for h in range(heads)] + [bias[h][a] for h in range(heads)])
+                    f = w2 @ torch.nn.functional.leaky_relu(w1 @ u.double() + b1, 0.01) + b2
+                    for h in range(heads):
+                        logits[h][a] = x[h][a] + bias[h][a] + float(f[h])
+                for h in range(heads):
+                    rows[h] = torch.softmax(torch.tensor(logits[h], dtype=torch.float64), 0).tolist()
+            for h in range(heads):
+                keys_k = {j: k[b, j, group(h)] for j in keys}
+                if name == "cope":
+                    rows[h] = cope_row(q[b, i, h], keys_k, keys, i, table, npos_max, scale)
+                elif name == "sba":
+                    rows[h] = sba_row(
+                        q[b, i, h],
+                        keys_k,
+                        keys,
+                        i,
+                        scale,
+                        params.get("attend_current", False),
+                        params.get("remainder", "current"),
+                    )
+                out[b, i, h] = sum(w * v[b, j, group(h)] for w, j in zip(rows[h], keys, strict=True))
+    return ref.output_projection(family, module, out.reshape(batch, length, -1))
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
+def test_patched_attention_equals_formula_reference(family, case):
+    """Every patched attention layer equals the fp64 loop reference of its encoding's formula
+    (random encoding parameters; Mistral's sliding window included)."""
+    name, params = case
+    model = patch(make_model(family), name, params)
+    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    for layer_idx, module in enumerate(attention):
+        hidden, output = records[layer_idx]
+        expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# -- starting points --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "start"), [("cope", "nope"), ("cape", "alibi")])
+def test_fresh_patch_starts_as_its_base(family, name, start):
+    """Freshly patched (no training), CoPE gives NoPE's logits (zero position embeddings) and
+    CAPE gives ALiBi's (zero MLP output layer): a pretrained model starts from a known point."""
+    ids = token_ids(2, 10)
+    with torch.no_grad():
+        ours = hf_posenc.patch_model(make_model(family), name)(ids).logits
+        base = hf_posenc.patch_model(make_model(family), start)(ids).logits
+    torch.testing.assert_close(ours, base, atol=1e-5, rtol=0)
+
+
+# -- CoPE properties --------------------------------------------------------------------------
+
+
+def causal(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]
+
+
+@SETTINGS
+@given(
+    length=st.integers(1, 40),
+    npos_max=st.integers(2, 50),
+    head_dim=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_cope_with_all_gates_open_is_a_relative_bias(length, npos_max, head_dim, seed):
+    """With every gate g_it = 1, p_ij = i - j + 1 (the reference's sum includes key i itself),
+    clamped to npos_max - 1, for every allowed key, and the added logit is q_i . e[p_ij]: CoPE
+    reduces to a relative position bias on i - j. Masked (future) keys get position 0."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = causal(length, length)
+    positions = contextual_positions(torch.ones(length, length, dtype=torch.float64), allowed, npos_max)
+    i, j = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
+    expected = torch.where(allowed, (i - j + 1).clamp(max=npos_max - 1), 0).double()
+    assert torch.equal(positions, expected)
+    q = torch.randn(length, head_dim, generator=generator, dtype=torch.float64)
+    table = torch.randn(npos_max, head_dim, generator=generator, dtype=torch.float64)
+    added = interpolate_position_logits(q @ table.T, positions)  # (Tq, Tk)
+    for a in range(length):
+        for b in range(a + 1):
+            assert added[a, b].item() == pytest.approx(float(q[a] @ table[min(a - b + 1, npos_max - 1)]))
+
+
+@SETTINGS
+@given(length=st.integers(1, 30), pad=st.integers(0, 10), seed=st.integers(0, 2**16))
+def test_cope_positions_ignore_masked_keys_and_interpolate_linearly(length, pad, seed):
+    """Contextual positions count only allowed keys: left-padding keys change nothing for the
+    real ones; positions decrease along the keys; the interpolated logit lies on the segment
+    between z[floor p] and z[ceil p] at fraction p - floor p."""
+    generator = torch.Generator().manual_seed(seed)
+    gates = torch.rand(length, length, generator=generator, dtype=torch.float64)
+    alone = contextual_positions(gates, causal(length, length), 10_000)
+    padded_gates = torch.cat([torch.rand(length, pad, generator=generator, dtype=torch.float64), gates], -1)
+    allowed = causal(length, length + pad)
+    allowed[:, :pad] = False
+    padded = contextual_positions(padded_gates, allowed, 10_000)
+    torch.testing.assert_close(padded[:, pad:], alone, atol=1e-12, rtol=0)
+    assert (alone[:, :-1] >= alone[:, 1:]).all()
+    z = torch.randn(length, 10_000, generator=generator, dtype=torch.float64)
+    p = alone
+    got = interpolate_position_logits(z, p)
+    lo, hi = z.gather(-1, p.floor().long()), z.gather(-1, p.ceil().long())
+    torch.testing.assert_close(got, lo + (hi - lo) * (p - p.floor()), atol=1e-12, rtol=0)
+
+
+# -- SBA properties ----------------------------------------------------------------------------
+
+
+@functools.cache
+def diagonal_mask(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.arange(k_len)[None, :] == torch.arange(k_len - q_len, k_len)[:, None]
+
+
+@SETTINGS
+@given(
+    q_len=st.integers(1, 16),
+    extra=st.integers(0, 16),
+    scale=st.floats(0.01, 1e4),
+    pad=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_stick_breaking_weights_are_nonnegative_and_sum_to_at_most_one(q_len, extra, scale, pad, seed):
+    """For any logits (up to |z| ~ 1e4) and any mask, stick-breaking weights are finite,
+    non-negative, zero on keys off the stick, and sum to at most 1 per query; with the
+    remainder given to the current token (the reference's default) each row sums to 1."""
+    k_len = q_len + extra
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, q_len, k_len, generator=generator) * scale
+    allowed = causal(q_len, k_len).clone()[None, None].repeat(2, 1, 1, 1)
+    allowed[1, ..., : min(pad, k_len - 1)] = False  # left padding in the second row
+    weights = stick_breaking_weights(scores, allowed)
+    assert torch.isfinite(weights).all()
+    assert (weights >= 0).all()
+    assert (weights[~allowed.expand_as(weights)] == 0).all()
+    assert (weights.sum(-1) <= 1 + 1e-6).all()
+
+    model = hf_posenc.patch_model(make_model("llama"), "sba")
+    ctx = probe_context(model.posenc.geometry, q_len, k_len)
+    full = model.posenc.normalize(ctx, scores, allowed)
+    assert (full >= 0).all()
+    torch.testing.assert_close(full.sum(-1), torch.ones(2, 3, q_len), atol=1e-5, rtol=0)
+    off_diagonal = ~diagonal_mask(q_len, k_len)
+    torch.testing.assert_close(full * off_diagonal, stick_breaking_weights(scores, allowed & off_diagonal))
+
+
+@SETTINGS
+@given(length=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_stick_breaking_equals_the_product_formula(length, seed):
+    """The log-space computation equals A_ij = beta_ij prod_{j<k<=i} (1 - beta_ik) multiplied out."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(length, length, generator=generator, dtype=torch.float64) * 3
+    allowed = causal(length, length)
+    got = stick_breaking_weights(scores, allowed).double()
+    beta = torch.sigmoid(scores)
+    for i in range(length):
+        for j in range(length):
+            want = beta[i, j] * math.prod(1 - beta[i, k] for k in range(j + 1, i + 1)) if j <= i else 0.0
+            assert got[i, j].item() == pytest.approx(float(want), abs=1e-6)
+
+
+# -- parameters ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("cope", {"npos_max": 1}, r"npos_max=1 .*\[2"),
+        ("cope", {"npos_max": 8.5}, r"npos_max=8.5 .*integer"),
+        ("cope", {"shared_across_layers": "yes"}, r"shared_across_layers='yes'"),
+        ("sba", {"remainder": "rest"}, r"remainder='rest' .*'current', 'drop'"),
+        ("sba", {"attend_current": 1}, r"attend_current=1 .*True or False"),
+        ("cape", {"base": "rope"}, r"base='rope' .*'alibi'"),
+        ("cape", {"hidden": 0}, r"hidden=0 .*\[1"),
+        ("cape", {"base_params": {"slope": 1.0}}, r"base_params for base 'alibi'.*'slope'"),
+        ("cape", {"base_params": [1]}, r"base_params=\[1\]"),
+    ],
+)
+def test_bad_parameters_are_rejected_with_value_and_range(name, params, message):
+    """A bad value raises InvalidParameterError naming the value and what is allowed."""
+    with pytest.raises(hf_posenc.InvalidParameterError, match=message):
+        hf_posenc.patch_model(make_model("gpt2"), name, **params)
+
+
+def test_listing_names_the_stages_and_defaults():
+    """list_encodings shows each encoding's stage, default parameters and aliases."""
+    infos = {info.name: info for info in hf_posenc.list_encodings()}
+    assert infos["cope"].stages == ("transform_scores",)
+    assert infos["cope"].parameters == {"npos_max": 64, "shared_across_layers": False}
+    assert infos["sba"].stages == ("normalize",)
+    assert infos["sba"].parameters == {"attend_current": False, "remainder": "current"}
+    assert infos["cape"].stages == ("transform_scores",)
+    assert infos["cape"].parameters == {"base": "alibi", "hidden": 32, "base_params": None}
+    assert "dape" in infos["cape"].aliases and "stickbreaking" in infos["sba"].aliases

@@ -1,0 +1,348 @@
+"""KERPLE, Sandwich and FIRE: formula references, the generic invariants, hypothesis
+properties, parameter validation.
+
+References here are written from the papers' formulas with plain loops in fp64 and read
+only the encodings' raw parameters; nothing from hf_posenc computes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import reference as ref
+import torch
+from conftest import case_id, make_model, patch, randomize_encoding, token_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_invariants import (  # noqa: F401  (re-collected here for this module's cases)
+    test_bf16_long_input_is_finite,
+    test_cached_decoding_equals_full_forward,
+    test_eager_backend_equals_sdpa_backend,
+    test_generate_with_cache_equals_without,
+    test_gradient_checkpointing_gives_the_same_gradients,
+    test_left_padded_batch_equals_each_sequence_alone,
+    test_optimizer_step_trains_the_encoding,
+    test_save_and_reload_gives_identical_logits,
+    test_unpatch_restores_exactly_and_leaves_no_trace,
+)
+from test_reference import LENGTH, run_and_capture
+
+import hf_posenc
+from hf_posenc.encodings.base import ScoreContext, probe_context
+from hf_posenc.memo import ForwardMemo
+
+#: every code path: both kernels, shared and per-layer tables, a short FIRE threshold L (so
+#: queries past L are interpolated by their position), shared FIRE
+CASES = [
+    ("kerple", {}),
+    ("kerple", {"variant": "power", "shared_across_layers": False}),
+    ("sandwich", {}),
+    ("fire", {}),
+    ("fire", {"init_L": 20.0, "shared_across_layers": True, "mlp_width": 8}),
+]
+REFERENCE_CASES = [*CASES, ("sandwich", {"dim": 16}), ("kerple", {"variant": "power"})]
+SETTINGS = settings(max_examples=30, deadline=None)
+LOW = float(torch.tensor(0.01))  # KERPLE's lower bound 0.01 as the fp32 value the parameters hold
+
+
+@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
+def case(request):
+    return request.param
+
+
+# -- formula references (fp64, loops) ------------------------------------------------------------
+
+
+def kerple_reference(params: dict, posenc, layer_idx: int):
+    """KERPLE: log -r1*log(1 + r2*(i-j)), power -r1*(i-j)^r2; r1, r2 >= 0.01, power r2 <= 2."""
+    row = 0 if params.get("shared_across_layers", True) else layer_idx
+    r1 = [max(float(v), 0.01) for v in posenc.r1[row].detach().double()]
+    r2 = [max(float(v), 0.01) for v in posenc.r2[row].detach().double()]
+    if params.get("variant", "log") == "power":
+        r2 = [min(v, 2.0) for v in r2]
+        return lambda h, i, j: -r1[h] * (i - j) ** r2[h]
+    return lambda h, i, j: -r1[h] * math.log(1 + r2[h] * (i - j))
+
+
+def sandwich_reference(params: dict, heads: int):
+    """Sandwich: (sum_{k=1}^{d'/2} cos((i-j)/10000^(2k/d')) - d'/2) / (8h/H), h = 1..H."""
+    dim = params.get("dim", 128)
+
+    def bias(h, i, j):
+        kernel = sum(math.cos((i - j) / 10000 ** (2 * k / dim)) for k in range(1, dim // 2 + 1))
+        return (kernel - dim / 2) / (8 * (h + 1) / heads)
+
+    return bias
+
+
+def fire_reference(params: dict, posenc, layer_idx: int):
+    """FIRE: f(log(1+|c|(i-j)) / (log(1+|c| max(L, i)) + 1e-6)), f = W2 relu(W1 x + b1) + b2."""
+    index = layer_idx if not params.get("shared_across_layers", False) else 0
+    fn = posenc.functions[index]
+    c = abs(float(fn.c.detach()))
+    big_l = abs(float(fn.L_multiplier.detach()) * params.get("init_L", 512.0))
+    w1, b1 = fn.hidden.weight.detach().double()[:, 0].tolist(), fn.hidden.bias.detach().double().tolist()
+    w2, b2 = fn.out.weight.detach().double().tolist(), fn.out.bias.detach().double().tolist()
+    cache = {}
+
+    def bias(h, i, j):
+        if (h, i, j) not in cache:
+            x = math.log(1 + c * (i - j)) / (math.log(1 + c * max(big_l, i)) + 1e-6)
+            hidden = [max(0.0, w * x + b) for w, b in zip(w1, b1, strict=True)]
+            cache[h, i, j] = sum(w * a for w, a in zip(w2[h], hidden, strict=True)) + b2[h]
+        return cache[h, i, j]
+
+    return bias
+
+
+@pytest.mark.parametrize("ref_case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
+def test_patched_attention_equals_formula_reference(family, ref_case):
+    """Every patched attention layer equals softmax(q.k*scale + bias_formula) v computed with
+    loops in fp64 from the module's weights and the encoding's raw parameters."""
+    name, params = ref_case
+    model = patch(make_model(family), name, params)
+    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    for layer_idx, module in enumerate(attention):
+        hidden, output = records[layer_idx]
+        heads = module.config.num_attention_heads if family != "gpt2" else module.num_heads
+        if name == "kerple":
+            bias = kerple_reference(params, model.posenc, layer_idx)
+        elif name == "sandwich":
+            bias = sandwich_reference(params, heads)
+        else:
+            bias = fire_reference(params, model.posenc, layer_idx)
+        expected = ref.attention_layer(
+            family,
+            module,
+            hidden,
+            scaling=module.scaling,
+            window=8 if family == "mistral" else None,
+            bias=bias,
+        )
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fire_reference_case_interpolates_past_the_threshold():
+    """The short-L FIRE case really has queries past L (so the reference test covers max(L, i) = i)."""
+    model = patch(make_model("llama"), "fire", CASES[-1][1])
+    assert float(model.posenc.functions[0].threshold().detach()) < LENGTH - 2
+
+
+# -- hypothesis properties -------------------------------------------------------------------------
+
+
+@functools.cache
+def patched_model(name: str, params: tuple = ()) -> torch.nn.Module:
+    model = make_model("llama")
+    hf_posenc.patch_model(model, name, **dict(params))
+    randomize_encoding(model)
+    return model
+
+
+RELATIVE = [("alibi", ()), ("sandwich", ()), ("sandwich", (("dim", 6),)), ("kerple", ())]
+RELATIVE += [("kerple", (("variant", "power"), ("shared_across_layers", False)))]
+
+
+@SETTINGS
+@given(case=st.sampled_from(RELATIVE), k_len=st.integers(2, 60), layer=st.integers(0, 1), data=st.data())
+def test_relative_biases_depend_only_on_i_minus_j(case, k_len, layer, data):
+    """kerple, sandwich, alibi: bias[h, i, j] == bias[h, i+1, j+1], and a shorter query block
+    (decoding) is the bottom rows of the full square bias."""
+    q_len = data.draw(st.integers(1, k_len), label="q_len")
+    model = patched_model(*case)
+    geometry = model.posenc.geometry
+    with torch.no_grad():
+        full = model.posenc.score_bias(probe_context(geometry, k_len, k_len, layer_idx=layer))
+        last = model.posenc.score_bias(probe_context(geometry, q_len, k_len, layer_idx=layer))
+    assert full.shape == (4, k_len, k_len) and last.shape == (4, q_len, k_len)
+    assert torch.equal(full[:, 1:, 1:], full[:, :-1, :-1])
+    assert torch.equal(last, full[:, k_len - q_len :, :])
+    assert full.abs().sum() > 0 and torch.isfinite(full).all()
+
+
+def fire_context(model, q_len: int, k_len: int, first_position: int, layer_idx: int = 0) -> ScoreContext:
+    """A probe whose queries sit at absolute positions first_position .. first_position + q_len - 1."""
+    ctx = probe_context(model.posenc.geometry, q_len, k_len, layer_idx=layer_idx)
+    ctx.q_positions = torch.arange(first_position, first_position + q_len)[None]
+    ctx.memo = ForwardMemo()
+    return ctx
+
+
+@SETTINGS
+@given(
+    k_len=st.integers(2, 30),
+    offset=st.integers(0, 40),
+    layer=st.integers(0, 1),
+    short_l=st.booleans(),
+    data=st.data(),
+)
+def test_fire_bias_is_a_function_of_distance_and_query_position(k_len, offset, layer, short_l, data):
+    """FIRE's bias at (query i, key j) depends only on (i - j, i): a block of queries at absolute
+    positions offset + ... (a KV-cache window, or a row shifted by left padding) equals the
+    square bias of a sequence starting at 0, read at (i, i - (i-j))."""
+    q_len = data.draw(st.integers(1, k_len), label="q_len")
+    model = patched_model("fire", (("init_L", 6.0),) if short_l else ())
+    first = offset + k_len - q_len  # absolute position of the first query
+    total = offset + k_len
+    with torch.no_grad():
+        square = model.posenc.score_bias(fire_context(model, total, total, 0, layer))[0]  # (H, T, T)
+        block = model.posenc.score_bias(fire_context(model, q_len, k_len, first, layer))[0]  # (H, Tq, Tk)
+    rows = torch.arange(q_len)[:, None]
+    cols = torch.arange(k_len)[None, :]
+    distance = (k_len - q_len + rows) - cols  # (Tq, Tk) i - j
+    position = first + rows  # (Tq, 1) i
+    causal = (distance >= 0).expand(q_len, k_len)
+    expected = square[:, position.expand(q_len, k_len), (position - distance).clamp(min=0)]  # (H, Tq, Tk)
+    torch.testing.assert_close(block[:, causal], expected[:, causal], atol=1e-6, rtol=1e-6)
+
+
+def test_fire_bias_is_toeplitz_below_the_threshold_and_not_past_it():
+    """While every query position is <= L, FIRE depends on i - j only; past L it does not."""
+    long_l = patched_model("fire")  # L = |L_multiplier| * 512, far above 40 positions
+    assert float(long_l.posenc.functions[0].threshold().detach()) > 40
+    short_l = patched_model("fire", (("init_L", 6.0),))
+    with torch.no_grad():
+        below = long_l.posenc.score_bias(fire_context(long_l, 40, 40, 0))[0]
+        past = short_l.posenc.score_bias(fire_context(short_l, 40, 40, 0))[0]
+    causal = torch.ones(39, 39, dtype=torch.bool).tril()
+    torch.testing.assert_close(below[:, 1:, 1:][:, causal], below[:, :-1, :-1][:, causal], atol=1e-6, rtol=0)
+    assert not torch.allclose(past[:, 1:, 1:][:, causal], past[:, :-1, :-1][:, causal], atol=1e-3)
+
+
+@SETTINGS
+@given(
+    params=st.sampled_from(
+        [
+            {},
+            {"variant": "power"},
+            {"shared_across_layers": False},
+            {"variant": "power", "shared_across_layers": False},
+        ]
+    ),
+    lr=st.floats(10.0, 1e4),
+    optimizer=st.sampled_from(["sgd", "adamw"]),
+    direction=st.sampled_from([-1.0, 1.0]),
+)
+def test_kerple_coefficients_stay_in_range_after_a_large_optimizer_step(params, lr, optimizer, direction):
+    """After an optimizer step with a huge learning rate that drives r1, r2 far out of range, the
+    coefficients the bias uses are still >= 0.01 (power: r2 <= 2), the next training forward
+    projects the stored parameters back into range, and the bias stays finite and <= 0."""
+    model = patch(make_model("llama"), "kerple", params, randomize=False).train()
+    posenc = model.posenc
+    make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+    step = make(posenc.parameters(), lr=lr)
+    ctx = probe_context(posenc.geometry, 16)
+    loss = direction * posenc.score_bias(ctx).sum()  # direction -1 pushes r1 and r2 down
+    loss.backward()
+    step.step()
+    if direction < 0:
+        assert float(posenc.r1.detach().min()) < LOW and float(posenc.r2.detach().min()) < LOW  # out of range
+    for layer in range(posenc.geometry.num_layers):
+        r1, r2 = posenc.coefficients(layer)
+        assert bool((r1 >= LOW).all() and (r2 >= LOW).all())
+        if params.get("variant") == "power":
+            assert bool((r2 <= 2.0).all())
+    for layer in range(posenc.geometry.num_layers):
+        ctx = probe_context(posenc.geometry, 16, layer_idx=layer)
+        bias = posenc.score_bias(ctx)  # a training forward: projects in place
+        assert torch.isfinite(bias).all() and bool((bias <= 0).all())
+        bias.sum().backward()  # the projected parameters still receive gradients
+    assert float(posenc.r1.detach().min()) >= LOW and float(posenc.r2.detach().min()) >= LOW
+    if params.get("variant") == "power":
+        assert float(posenc.r2.detach().max()) <= 2.0
+    assert torch.isfinite(posenc.r1.grad).all() and torch.isfinite(posenc.r2.grad).all()
+
+
+# -- initial values, closed forms ---------------------------------------------------------------------
+
+
+def test_kerple_initial_coefficients_spread_the_reference_ranges():
+    """log: r1 in (0, 2), r2 in (0, 1); power: r1 in (0, 1), r2 in (0, 2); distinct per head."""
+    for variant, (s1, s2) in {"log": (2.0, 1.0), "power": (1.0, 2.0)}.items():
+        posenc = hf_posenc.patch_model(make_model("llama"), "kerple", variant=variant).posenc
+        r1, r2 = posenc.r1[0], posenc.r2[0]
+        expected = (torch.arange(4) + 0.5) / 4
+        torch.testing.assert_close(r1, s1 * expected)
+        torch.testing.assert_close(r2, s2 * expected.flip(0))
+
+
+def test_fire_starts_with_a_zero_bias():
+    """A freshly patched FIRE model adds no bias: the output layer of f starts at zero."""
+    model = hf_posenc.patch_model(make_model("llama"), "fire")
+    with torch.no_grad():
+        bias = model.posenc.score_bias(probe_context(model.posenc.geometry, 20))
+    assert torch.equal(bias, torch.zeros_like(bias))
+    assert float(model.posenc.functions[0].threshold().detach()) == 512.0
+    assert float(model.posenc.functions[0].c.detach()) == pytest.approx(0.1)
+
+
+def test_sandwich_diagonal_is_zero_and_bias_is_nonpositive():
+    """p_i.p_i - d'/2 = 0 on the diagonal; elsewhere the bias is <= 0; head h is scaled by H/(8h)."""
+    model = hf_posenc.patch_model(make_model("llama"), "sandwich")
+    with torch.no_grad():
+        bias = model.posenc.score_bias(probe_context(model.posenc.geometry, 50))  # (4, 50, 50)
+    assert torch.equal(bias.diagonal(dim1=1, dim2=2), torch.zeros(4, 50))
+    assert bool((bias <= 0).all())
+    ratio = bias[0, 10, 3] / bias[3, 10, 3]
+    assert float(ratio) == pytest.approx(4.0)  # (8*4/4) / (8*1/4)
+
+
+def test_new_encodings_are_listed_with_their_parameters():
+    infos = {info.name: info for info in hf_posenc.list_encodings()}
+    assert infos["kerple"].parameters == {"variant": "log", "shared_across_layers": True}
+    assert infos["sandwich"].parameters == {"dim": 128}
+    assert infos["fire"].parameters == {
+        "mlp_width": 32,
+        "init_c": 0.1,
+        "init_L": 512.0,
+        "shared_across_layers": False,
+    }
+    assert all(infos[n].stages == ("score_bias",) for n in ("kerple", "sandwich", "fire"))
+    assert not list(hf_posenc.patch_model(make_model("gpt2"), "sandwich").posenc.parameters())
+
+
+# -- parameter validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "match"),
+    [
+        ("kerple", {"variant": "cubic"}, r"variant='cubic'.*'log', 'power'"),
+        ("kerple", {"shared_across_layers": 1}, r"shared_across_layers=1.*True or False"),
+        ("sandwich", {"dim": 7}, r"dim=7.*even integer >= 2"),
+        ("sandwich", {"dim": 0}, r"dim=0.*integer in \[2"),
+        ("sandwich", {"dim": 64.0}, r"dim=64.0.*integer"),
+        ("fire", {"mlp_width": 0}, r"mlp_width=0.*integer in \[1"),
+        ("fire", {"init_c": -0.1}, r"init_c=-0.1.*number in \(0.0"),
+        ("fire", {"init_L": 0.0}, r"init_L=0.0.*number in \(0.0"),
+        ("fire", {"init_L": float("inf")}, r"init_L=inf"),
+        ("fire", {"L": 3.0}, r"no parameter 'L'.*init_L=512.0"),
+    ],
+)
+def test_bad_parameters_raise_with_value_and_allowed_range(name, params, match):
+    with pytest.raises(hf_posenc.InvalidParameterError, match=match):
+        hf_posenc.patch_model(make_model("llama"), name, **params)
+
+
+def test_fire_recomputed_hidden_layer_gives_the_plain_gradients():
+    """FIRE recomputes its MLP's hidden layer in backward (to save memory): the bias and every
+    parameter gradient equal those of the plain, non-recomputed MLP."""
+    model = patch(make_model("llama"), "fire", {"init_L": 40.0})  # L ~ 5: queries on both sides
+    fn = model.posenc.functions[0]
+    ctx = fire_context(model, 12, 12, 0)
+    positions = ctx.q_positions
+    distance = torch.arange(12)[:, None] - torch.arange(12)[None, :]
+    grads = []
+    for recompute in (True, False):
+        fn.zero_grad()
+        if recompute:
+            bias = model.posenc.score_bias(ctx)
+        else:
+            bias = fn.mlp(fn.normalized_distance(distance, positions)[..., None]).permute(0, 3, 1, 2)
+        (bias * torch.linspace(-1, 1, bias.numel()).view_as(bias)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in fn.named_parameters()})
+    for n in grads[0]:
+        assert grads[0][n].abs().sum() > 0, n
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-6, msg=n)
