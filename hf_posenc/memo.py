@@ -23,14 +23,6 @@ class ForwardMemo:
             self._owner = owner
             self._values = {}
 
-    @property
-    def positions(self) -> torch.Tensor | None:
-        """Positions (B,T) of the running forward (what :meth:`start` was given), or None.
-
-        Stages without a ``positions`` argument (``adjust_qkv``, ``adjust_output``) read them here.
-        """
-        return self._owner if isinstance(self._owner, torch.Tensor) else None
-
     def get(self, key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         value = self._values.get(key)
         if value is None:

@@ -59,7 +59,7 @@ class PatchedAttentionForward:
             x_qk, x_v = encoding.layer_input(layer, hidden, positions, memo)
         q, k, v = adapter.project(module, x_qk, x_v)  # (B,Hq,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
         if stages.adjust_qkv:
-            q, k, v = encoding.adjust_qkv(layer, hidden, q, k, v, state, memo)
+            q, k, v = encoding.adjust_qkv(layer, hidden, positions, q, k, v, state, memo)
         if stages.rotate:
             q, k = encoding.rotate(layer, q, k, positions, positions, memo)
         if cache is not None:

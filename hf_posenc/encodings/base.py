@@ -164,13 +164,16 @@ class Encoding(nn.Module):
         self,
         layer_idx: int,
         hidden: torch.Tensor,
+        positions: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         state: dict[str, Any] | None,
         memo: ForwardMemo,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B,Hq,T,D), k, v (B,Hkv,T,D) fresh from the projections -> adjusted q, k, v."""
+        """q (B,Hq,T,D), k, v (B,Hkv,T,D) fresh from the projections -> adjusted q, k, v.
+
+        ``hidden`` (B,T,hidden) is the layer input, ``positions`` (B,T) the tokens' positions."""
         raise NotImplementedError
 
     def score_bias(self, ctx: ScoreContext) -> torch.Tensor:

@@ -143,11 +143,10 @@ class FoXPro(FoX):
             state[name] = x[:, :, -1:]
         return out
 
-    def adjust_qkv(self, layer_idx, hidden, q, k, v, state: dict[str, Any] | None, memo: ForwardMemo):
-        positions = memo.positions  # (B|1, T): a token at position 0 has no previous token
-        first = None
-        if positions is not None and positions.shape[-1] == hidden.shape[1]:
-            first = (positions == 0)[:, None, :, None].to(k.device)  # (B, 1, T, 1)
+    def adjust_qkv(
+        self, layer_idx, hidden, positions, q, k, v, state: dict[str, Any] | None, memo: ForwardMemo
+    ):
+        first = (positions == 0)[:, None, :, None].to(k.device)  # (B, 1, T, 1): no previous token
         if self.k_shift is not None:
             k = self._shift(self.k_shift[layer_idx], "fox_pro_k_previous", hidden, k, state, first)
         if self.v_shift is not None:
