@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import PosencError
+from . import bench as bench_command
 from . import inspect as inspect_commands
 from . import lm_eval as lm_eval_command
 from . import perplexity as perplexity_command
@@ -15,7 +16,14 @@ from . import study as study_command
 from . import train as train_command
 
 #: modules whose ``register(subparsers)`` adds subcommands, in the order ``--help`` lists them
-COMMAND_MODULES = [study_command, inspect_commands, train_command, lm_eval_command, perplexity_command]
+COMMAND_MODULES = [
+    study_command,
+    inspect_commands,
+    train_command,
+    lm_eval_command,
+    perplexity_command,
+    bench_command,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,51 @@
+"""``hf-posenc bench``: each encoding's time and memory as ratios to the native model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
+from ..registry import canonical_name, list_encodings
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    defaults = BenchConfig(encodings=[])
+    parser = commands.add_parser(
+        "bench",
+        help="time and memory of each encoding as ratios to the native model, measured in one run",
+        description="Medians after warm-up; forward, forward+backward and per-token decode latency; writes "
+        "bench.md, bench.json and bench.png.",
+    )
+    parser.add_argument(
+        "--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding"
+    )
+    parser.add_argument("--lengths", nargs="+", type=int, default=defaults.lengths)
+    parser.add_argument("--modes", nargs="+", default=defaults.modes, choices=["forward", "train", "decode"])
+    parser.add_argument("--family", default=defaults.family, choices=["llama", "mistral", "gpt2"])
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--decode-prompt", type=int, default=defaults.decode_prompt)
+    parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--backend", default=defaults.backend, choices=["sdpa", "eager"])
+    parser.add_argument("--output-dir", default="posenc-bench")
+    parser.set_defaults(run=command_bench)
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    names = (
+        [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
+    )
+    fields = set(BenchConfig.__dataclass_fields__) - {"encodings"}
+    config = BenchConfig(encodings=names, **{k: v for k, v in vars(args).items() if k in fields})
+    results = run_suite(config)
+    paths = write_results(results, config, Path(args.output_dir))
+    print(ratio_table(results))
+    print(f"[bench] wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
