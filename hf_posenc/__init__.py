@@ -14,20 +14,25 @@ from . import encodings  # noqa: E402,F401  (registers every encoding)
 from .config import EncodingConfig  # noqa: E402
 from .encodings.alibi import ALiBiConfig  # noqa: E402
 from .encodings.cape import CAPEConfig  # noqa: E402
+from .encodings.comrope import ComRoPEConfig  # noqa: E402
 from .encodings.cope import CoPEConfig  # noqa: E402
 from .encodings.expe import ExPEConfig  # noqa: E402
 from .encodings.exqpe import ExQPEConfig  # noqa: E402
 from .encodings.fire import FIREConfig  # noqa: E402
+from .encodings.fope import FoPEConfig  # noqa: E402
 from .encodings.fox import FoXConfig  # noqa: E402
 from .encodings.fox_pro import FoXProConfig  # noqa: E402
 from .encodings.kerple import KERPLEConfig  # noqa: E402
 from .encodings.learned import LearnedConfig  # noqa: E402
+from .encodings.liere import LieREConfig  # noqa: E402
 from .encodings.nope import NoPEConfig  # noqa: E402
 from .encodings.rope import RoPEConfig  # noqa: E402
+from .encodings.rope2d import RoPE2DConfig  # noqa: E402
 from .encodings.sandwich import SandwichConfig  # noqa: E402
 from .encodings.sba import SBAConfig  # noqa: E402
 from .encodings.sinusoidal import SinusoidalConfig  # noqa: E402
 from .encodings.t5 import T5Config  # noqa: E402
+from .encodings.tape import TAPEConfig  # noqa: E402
 from .errors import (  # noqa: E402
     AlreadyPatchedError,
     InvalidParameterError,
@@ -55,20 +60,25 @@ __all__ = [
     "EncodingConfig",
     "ALiBiConfig",
     "CAPEConfig",
+    "ComRoPEConfig",
     "CoPEConfig",
     "ExPEConfig",
     "ExQPEConfig",
     "FIREConfig",
+    "FoPEConfig",
     "FoXConfig",
     "FoXProConfig",
     "KERPLEConfig",
     "LearnedConfig",
+    "LieREConfig",
     "NoPEConfig",
     "RoPEConfig",
+    "RoPE2DConfig",
     "SBAConfig",
     "SandwichConfig",
     "SinusoidalConfig",
     "T5Config",
+    "TAPEConfig",
     "PosencError",
     "UnknownEncodingError",
     "InvalidParameterError",

@@ -30,6 +30,26 @@ def set_attn_implementation(config: Any, name: str | None) -> None:
     config._attn_implementation = name
 
 
+def accept_generate_keyword(model: Any, keyword: str):
+    """Let ``model.generate()`` pass ``keyword`` through to forward; return the undo.
+
+    transformers' ``GenerationMixin._validate_model_kwargs`` rejects keywords that no forward
+    signature names; ours (``position_coordinates``) is consumed by the patch's pre-hook. The
+    override is set on this instance only and removed by the undo."""
+    validate = type(model)._validate_model_kwargs
+
+    def _validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k != keyword}
+        return validate(model, model_kwargs)
+
+    model._validate_model_kwargs = _validate_model_kwargs
+
+    def undo() -> None:
+        del model._validate_model_kwargs
+
+    return undo
+
+
 @contextlib.contextmanager
 def ignore_unexpected_keys(model_class: type, pattern: str) -> Iterator[None]:
     """While loading ``model_class``, do not report checkpoint keys matching ``pattern``."""

@@ -3,6 +3,9 @@
 Only tensors that carry no gradient belong here: they are pure functions of positions and
 shapes, so reusing them across layers (and in gradient-checkpoint recomputation) is exact.
 The memo empties itself whenever a new forward pass starts.
+
+``carry`` is a separate per-forward dict for values that flow from one layer to the next
+(TAPE's positional stream): they may carry gradients, so they never go through ``get``.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ class ForwardMemo:
     def __init__(self) -> None:
         self._owner: object | None = None
         self._values: dict[Hashable, torch.Tensor] = {}
+        #: per-forward values handed from layer to layer (may require grad); emptied with the memo
+        self.carry: dict[Hashable, torch.Tensor] = {}
 
     def start(self, owner: object) -> None:
         """Begin a new forward pass identified by ``owner`` (its position tensor)."""
         if owner is not self._owner:
             self._owner = owner
             self._values = {}
+            self.carry = {}
 
     def get(self, key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         value = self._values.get(key)
@@ -33,3 +39,4 @@ class ForwardMemo:
     def clear(self) -> None:
         self._owner = None
         self._values = {}
+        self.carry = {}

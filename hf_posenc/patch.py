@@ -21,6 +21,7 @@ from .attention import BACKENDS
 from .attention.forward import PatchedAttentionForward
 from .compat import (
     ATTN_IMPLEMENTATION,
+    accept_generate_keyword,
     get_attn_implementation,
     register_attention_implementation,
     set_attn_implementation,
@@ -123,6 +124,8 @@ def patch_model(
         undo.extend(adapter.neutralize_native_positions(model))
         for layer_idx, attention in enumerate(adapter.attention_modules(model)):
             undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))
+        if cls.takes_coordinates and hasattr(type(model), "_validate_model_kwargs"):
+            undo.append(accept_generate_keyword(model, "position_coordinates"))
         register_attention_implementation()
         previous_impl = get_attn_implementation(model.config)
         set_attn_implementation(model.config, ATTN_IMPLEMENTATION)

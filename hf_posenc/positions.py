@@ -14,13 +14,19 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidParameterError
+
 
 @dataclasses.dataclass
 class ForwardContext:
-    """positions (B,T) of the new tokens; key_positions (B,past+T) of every key, if asked."""
+    """positions (B,T) of the new tokens; key_positions (B,past+T) of every key, if asked.
+
+    ``coordinates`` (B|1,T,axes): N-D positions of the new tokens that the caller passed as
+    ``position_coordinates`` (read by encodings with ``takes_coordinates``); None otherwise."""
 
     positions: torch.Tensor
     key_positions: torch.Tensor | None
+    coordinates: torch.Tensor | None = None
 
 
 def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -87,3 +93,35 @@ def compute_context(
             start = positions[:, :1] - past
             key_positions = start + torch.arange(past + length, device=device)
     return ForwardContext(positions=positions, key_positions=key_positions)
+
+
+def select_coordinates(
+    coordinates: Any, *, batch: int, length: int, device: torch.device, past_key_values: Any
+) -> torch.Tensor:
+    """The rows of ``position_coordinates`` (B|1, L, axes) that belong to this forward's T new tokens.
+
+    ``generate()`` passes the same keyword at every step, so coordinates may cover every token
+    (prompt and tokens still to come): rows ``past .. past+T`` are taken when ``L >= past + T``;
+    coordinates of exactly the new tokens (``L == T``) are taken as they are."""
+    if (
+        not isinstance(coordinates, torch.Tensor)
+        or coordinates.ndim != 3
+        or coordinates.shape[0] not in (1, batch)
+    ):
+        shape = (
+            tuple(coordinates.shape) if isinstance(coordinates, torch.Tensor) else type(coordinates).__name__
+        )
+        raise InvalidParameterError(
+            f"position_coordinates={shape} is not allowed; allowed: a tensor (batch or 1, tokens, axes), "
+            f"batch={batch}"
+        )
+    past, have = _past_length(past_key_values), coordinates.shape[1]
+    if have >= past + length:
+        return coordinates[:, past : past + length].to(device)
+    if have == length:
+        return coordinates.to(device)
+    raise InvalidParameterError(
+        f"position_coordinates covers {have} tokens, but this forward needs the coordinates of tokens "
+        f"{past}..{past + length - 1} (or exactly its {length} new tokens); with generate(), pass "
+        "coordinates for the prompt and every token to be generated"
+    )

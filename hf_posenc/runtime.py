@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from .encodings.base import STAGES, Encoding
-from .errors import UnsupportedModelError
+from .errors import InvalidParameterError, UnsupportedModelError
 from .memo import ForwardMemo
 from .models.base import FamilyAdapter
-from .positions import ForwardContext, bind_arguments, compute_context
+from .positions import ForwardContext, bind_arguments, compute_context, select_coordinates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,13 @@ class PatchRuntime:
         self._base_signature = inspect.Signature(params)
 
     def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # N-D token coordinates for encodings that take them; transformers never sees the keyword
+        coordinates = kwargs.pop("position_coordinates", None)
+        if coordinates is not None and not self.encoding.takes_coordinates:
+            raise InvalidParameterError(
+                f"position_coordinates is not allowed with encoding {self.encoding.name!r}; allowed only with "
+                "encodings that take N-D coordinates (e.g. rope2d, comrope)"
+            )
         call = bind_arguments(self._base_signature, args, kwargs)
         input_ids = call.get("input_ids")
         inputs_embeds = call.get("inputs_embeds")
@@ -72,6 +79,14 @@ class PatchRuntime:
             past_key_values=cache,
             want_key_positions=self.stages.logits,
         )
+        if coordinates is not None:
+            context.coordinates = select_coordinates(
+                coordinates,
+                batch=reference.shape[0],
+                length=reference.shape[1],
+                device=reference.device,
+                past_key_values=cache,
+            )
         call["position_ids"] = context.positions
         self.context = context
         self.memo.start(context.positions)

@@ -61,7 +61,8 @@ class PatchedAttentionForward:
         if stages.adjust_qkv:
             q, k, v = encoding.adjust_qkv(layer, hidden, positions, q, k, v, state, memo)
         if stages.rotate:
-            q, k = encoding.rotate(layer, q, k, positions, positions, memo)
+            extra = {"coordinates": context.coordinates} if encoding.takes_coordinates else {}
+            q, k = encoding.rotate(layer, q, k, positions, positions, memo, **extra)
         if cache is not None:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
 

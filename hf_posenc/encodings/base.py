@@ -103,6 +103,9 @@ class Encoding(nn.Module):
     summary: ClassVar[str] = ""
     #: True when the encoding keeps state between decoding steps (see ``ScoreContext.state``)
     stateful: ClassVar[bool] = False
+    #: True when ``rotate`` takes the keyword ``coordinates``: the (B|1,T,axes) N-D positions a caller
+    #: passed to the model as ``position_coordinates`` (None when not passed); see rope2d
+    takes_coordinates: ClassVar[bool] = False
 
     def __init__(self, config: EncodingConfig, geometry: ModelGeometry) -> None:
         super().__init__()
@@ -145,7 +148,9 @@ class Encoding(nn.Module):
         k_positions: torch.Tensor,
         memo: ForwardMemo,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (B,Hq,Tq,D), k (B,Hkv,Tk,D) with positions (B,Tq), (B,Tk) -> rotated q, k."""
+        """q (B,Hq,Tq,D), k (B,Hkv,Tk,D) with positions (B,Tq), (B,Tk) -> rotated q, k.
+
+        Encodings with ``takes_coordinates = True`` also receive ``coordinates=`` (B|1,T,axes) or None."""
         raise NotImplementedError
 
     def logits(

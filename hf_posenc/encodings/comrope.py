@@ -1,0 +1,174 @@
+"""ComRoPE: rotary embedding with trainable commuting angle matrices (Yu et al. 2025,
+"ComRoPE: Scalable and Robust Rotary Position Embedding Parameterized by Trainable Commuting
+Angle Matrices", arXiv:2506.03737; Longin-Yu/ComRoPE).
+
+A token at coordinates x = (x_0, .., x_{N-1}) rotates q and k by
+
+    R(x) = exp(sum_a x_a A_a),   A_a = diag(B_a1, .., B_am)  (m = d_rot / b blocks of size b)
+
+with skew-symmetric blocks that commute across axes, so R(x)^T R(y) = R(y - x): scores
+depend only on relative position. Per layer and KV head, with trainable P_j (b x b):
+
+    ap (axis partition):   B_aj = P_j - P_j^T  if j = a (mod N), else 0
+    ld (linearly dependent): B_aj = s_aj (P_j - P_j^T)  with trainable scalars s_aj
+
+Both are ``B_aj = c_aj S_j`` with S_j = P_j - P_j^T and a coefficient matrix c (N, m): the
+fixed one-hot ``[j mod N == a]`` for ap, trainable for ld. Blocks commute because, for each
+block, every axis uses a multiple of the same S_j. The exponentials are taken per block
+(``torch.linalg.matrix_exp``) in fp32 by default; its rounding error grows with |x| * |S|
+(R^T R - I is ~2e-4 at position 512 and ~2e-3 at 4096 for |S| = 1), so long contexts can ask
+for ``matrix_exp_dtype="float64"`` (exact to ~1e-12; the result is used in fp32).
+
+Layout: block j holds dims (j, j + m, .., j + (b-1) m) of the first d_rot dims, so with
+b = 2 the blocks are Llama's RoPE pairs (i, i + d_rot/2). Initialisation reproduces RoPE
+(the axial rope2d for N > 1): block coordinates (c, c + b/2) form the RoPE pair
+p = j + c m, turning at omega_p = theta^(-2 floor(p/N) / (d_rot/N)), and ld starts with
+c = the ap one-hot. A patched pretrained Llama therefore starts exactly at its own function
+(N = 1, the default). Text uses its token positions on axis 0; N-D coordinates are passed as
+``position_coordinates`` exactly as for rope2d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..config import EncodingConfig, check_choice, check_number
+from ..errors import InvalidParameterError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .rope import rotary_dim
+from .rope2d import axial_frequencies, check_axes, token_coordinates
+
+VARIANTS = ("ap", "ld")
+EXP_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclasses.dataclass
+class ComRoPEConfig(EncodingConfig):
+    encoding = "comrope"
+    variant: str = "ap"
+    block_size: int = 4
+    axes: int = 1
+    theta: float | None = None  # initial frequencies; default: the model's rope_theta
+    partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
+    matrix_exp_dtype: str = "float32"
+
+    def validate(self) -> None:
+        check_choice(self.encoding, "variant", self.variant, VARIANTS)
+        check_choice(self.encoding, "matrix_exp_dtype", self.matrix_exp_dtype, EXP_DTYPES)
+        check_number(self.encoding, "block_size", self.block_size, low=2, high=64, integer=True)
+        if self.block_size % 2:
+            raise InvalidParameterError(
+                f"{self.encoding}: parameter block_size={self.block_size} is not allowed; "
+                "allowed: an even integer in [2, 64] (blocks start as RoPE rotation pairs)"
+            )
+        check_axes(self.encoding, self.axes)
+        if self.theta is not None:
+            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
+        if self.partial_rotary_factor is not None:
+            check_number(
+                self.encoding,
+                "partial_rotary_factor",
+                self.partial_rotary_factor,
+                low=0.0,
+                high=1.0,
+                low_inclusive=False,
+            )
+
+    def resolve(self, geometry) -> ComRoPEConfig:
+        out = dataclasses.replace(self)
+        if out.theta is None:
+            out.theta = float(geometry.rope_theta)
+        if out.partial_rotary_factor is None:
+            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        if dim % (out.block_size * out.axes):
+            raise InvalidParameterError(
+                f"{self.encoding}: block_size={out.block_size} with axes={out.axes} is not allowed for a "
+                f"rotary dimension of {dim}; allowed: block_size * axes dividing {dim}"
+            )
+        return out
+
+
+def initial_generators(dim: int, block: int, axes: int, theta: float) -> torch.Tensor:
+    """(m, b, b) skew-symmetric blocks S_j that make exp(x S_j) RoPE's rotation of block j."""
+    m = dim // block
+    omega, _ = axial_frequencies(dim, axes, theta)  # (d_rot/2,)
+    out = torch.zeros(m, block, block)
+    half = block // 2
+    for c in range(half):  # RoPE pair p = j + c*m: block coordinates (c, c + b/2)
+        out[:, c + half, c] = omega[c * m : (c + 1) * m]
+        out[:, c, c + half] = -omega[c * m : (c + 1) * m]
+    return out
+
+
+@register_encoding
+class ComRoPE(Encoding):
+    name = "comrope"
+    aliases = ("comrope_ap", "comrope_ld")
+    config_class = ComRoPEConfig
+    paper = "Yu et al. 2025, arXiv:2506.03737"
+    summary = "trainable commuting rotary generators exp(sum_a x_a A_a) (variants ap, ld); N-D coordinates"
+    takes_coordinates = True
+
+    def __init__(self, config: ComRoPEConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        b, n = config.block_size, config.axes
+        self.blocks = self.dim // b  # m
+        layers, kv_heads = geometry.num_layers, geometry.num_kv_heads
+        start = initial_generators(self.dim, b, n, config.theta)  # (m, b, b) = P - P^T
+        # P_j per layer and KV head (q heads share their KV head's rotation); P - P^T = start
+        self.generator = nn.Parameter(start.div(2).expand(layers, kv_heads, -1, -1, -1).clone())
+        one_hot = (torch.arange(self.blocks) % n == torch.arange(n)[:, None]).float()  # (N, m)
+        if config.variant == "ld":
+            self.axis_scale = nn.Parameter(one_hot.expand(layers, -1, -1).clone())  # (L, N, m)
+        else:
+            self.register_buffer("axis_mask", one_hot, persistent=False)  # (N, m)
+
+    def coefficients(self, layer_idx: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(N, m) coefficients c_aj: B_aj = c_aj S_j."""
+        if self.config.variant == "ld":
+            return self.axis_scale[layer_idx].to(dtype)
+        return self.axis_mask.to(dtype)
+
+    def skew(self, layer_idx: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(Hkv, m, b, b) skew-symmetric S_j = P_j - P_j^T of one layer."""
+        p = self.generator[layer_idx].to(dtype)
+        return p - p.transpose(-1, -2)
+
+    def rotation(self, layer_idx: int, coords: torch.Tensor) -> torch.Tensor:
+        """coords (U, N) -> R (U, Hkv, m, b, b) fp32, R = exp(sum_a x_a B_aj) per block."""
+        dtype = EXP_DTYPES[self.config.matrix_exp_dtype]
+        weight = coords.to(dtype) @ self.coefficients(layer_idx, dtype)  # (U, m)
+        exponent = weight[:, None, :, None, None] * self.skew(layer_idx, dtype)[None]  # (U, Hkv, m, b, b)
+        return torch.linalg.matrix_exp(exponent).float()
+
+    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo, coordinates=None):
+        cfg = self.config
+
+        def distinct():
+            coords = token_coordinates(self.name, coordinates, q_positions, cfg.axes)  # (B, T, N)
+            unique, inverse = torch.unique(coords.reshape(-1, cfg.axes), dim=0, return_inverse=True)
+            return unique, inverse  # (U, N), (B*T,)
+
+        unique, inverse = memo.get(("comrope", "distinct"), distinct)
+        batch, length = q_positions.shape
+        rot = self.rotation(layer_idx, unique)[inverse]  # (B*T, Hkv, m, b, b)
+        rot = rot.view(batch, length, *rot.shape[1:]).transpose(1, 2)  # (B, Hkv, T, m, b, b)
+        return self._rotate_blocks(q, rot), self._rotate_blocks(k, rot)
+
+    def _rotate_blocks(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """x (B,H,T,D), rot (B,Hkv,T,m,b,b) -> x with its first d_rot dims rotated blockwise."""
+        batch, heads, length, _ = x.shape
+        kv_heads, m, b = rot.shape[1], self.blocks, self.config.block_size
+        rotated, passed = x[..., : self.dim], x[..., self.dim :]
+        blocks = rotated.float().reshape(batch, kv_heads, heads // kv_heads, length, b, m)
+        blocks = blocks.transpose(-1, -2)  # (B, Hkv, G, T, m, b): block j = dims j, j+m, ..
+        out = torch.einsum("bhtnij,bhgtnj->bhgtni", rot, blocks)  # (B, Hkv, G, T, m, b)
+        out = out.transpose(-1, -2).reshape(batch, heads, length, self.dim).to(x.dtype)
+        return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out

@@ -1,0 +1,151 @@
+"""FoPE: Fourier position embedding (Hua et al., 2024, "Fourier Position Embedding: Enhancing
+Attention's Periodic Extension for Length Generalization", arXiv:2412.17739; reference code
+yiju-zhao/Fourier-Position-Embedding, ``FourierEmbedding`` in ``olmo/model.py``).
+
+Each rotary pair m of RoPE becomes a Fourier series over a grid of frequencies
+omega'_j = theta^(-2j / (k d_rot)), j < k d_rot / 2 (``k = frequencies_per_dim``; the
+reference's ``fourier_dim = k * head_dim``), with separate learned sine and cosine
+coefficients C, S (per layer and KV head, the reference's ``separate_basis``/``separate_head``):
+
+    cos_m(p) = sum_j C[j, m] cos(omega'_j p),   sin_m(p) = sum_j S[j, m] sin(omega'_j p)
+    x_p -> x_p * cos(p) + rotate_half(x_p) * sin(p)      (q and k alike; Llama pair layout)
+
+Clipping (the paper's "zero out under-trained frequencies"): a frequency whose period is
+longer than the training length, omega < 2 pi / ``train_length``, is set to zero. Such
+grid frequencies leave the series (the reference's ``ignore_zero``), and a pair whose own
+RoPE frequency is clipped becomes the zero-frequency component: cos = 1, sin = 0, a
+constant, position-independent identity. (The reference pads those pairs with cos = sin = 1
+and caps the series at head_dim/4 pairs; here every surviving pair has its own series.)
+
+Initialisation as the reference's ``eye_xavier_norm``: C = S = E + N(0, (sigma *
+sqrt(2 / (n_in + n_out)))^2) where E maps pair m to its own frequency omega'_{k m}. With
+``sigma=0`` and ``clip=False`` FoPE is exactly RoPE. The reference's coefficient
+normalisation (``fourier_norm``) defaults to off and is not offered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from ..config import EncodingConfig, check_bool, check_number
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .rope import rotary_dim, rotate_half
+from .rope_scaling import base_inv_freq
+
+
+@dataclasses.dataclass
+class FoPEConfig(EncodingConfig):
+    encoding = "fope"
+    train_length: int | None = None  # default: the model's max_position_embeddings
+    clip: bool = True
+    sigma: float = 0.3  # init scale of the off-identity Fourier coefficients
+    frequencies_per_dim: int = 1
+    theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
+    partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
+    shared_across_layers: bool = False
+    shared_across_heads: bool = False
+
+    def validate(self) -> None:
+        if self.train_length is not None:
+            check_number(self.encoding, "train_length", self.train_length, low=1, integer=True)
+        check_bool(self.encoding, "clip", self.clip)
+        check_number(self.encoding, "sigma", self.sigma, low=0.0)
+        check_number(
+            self.encoding, "frequencies_per_dim", self.frequencies_per_dim, low=1, high=64, integer=True
+        )
+        if self.theta is not None:
+            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
+        if self.partial_rotary_factor is not None:
+            check_number(
+                self.encoding,
+                "partial_rotary_factor",
+                self.partial_rotary_factor,
+                low=0.0,
+                high=1.0,
+                low_inclusive=False,
+            )
+        check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
+        check_bool(self.encoding, "shared_across_heads", self.shared_across_heads)
+
+    def resolve(self, geometry) -> FoPEConfig:
+        out = dataclasses.replace(self)
+        if out.train_length is None:
+            out.train_length = int(geometry.max_position_embeddings)
+        if out.theta is None:
+            out.theta = float(geometry.rope_theta)
+        if out.partial_rotary_factor is None:
+            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        return out
+
+
+def fourier_frequencies(dim: int, per_dim: int, theta: float, floor: float) -> torch.Tensor:
+    """(per_dim * dim/2,) fp32 grid theta^(-2j/(per_dim*dim)), frequencies below ``floor`` set to 0."""
+    grid = base_inv_freq(per_dim * dim, theta, None)  # RoPE's own frequencies when per_dim = 1
+    return torch.where(grid < floor, 0.0, grid)
+
+
+@register_encoding
+class FoPE(Encoding):
+    name = "fope"
+    aliases = ("fourier_position", "fourier_rope")
+    config_class = FoPEConfig
+    paper = "Hua et al. 2024, arXiv:2412.17739"
+    summary = "each rotary pair is a learned Fourier series over frequencies; under-trained ones clipped to 0"
+
+    def __init__(self, config: FoPEConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        k, pairs = config.frequencies_per_dim, self.dim // 2
+        floor = 2 * math.pi / config.train_length if config.clip else 0.0
+        freqs = fourier_frequencies(self.dim, k, config.theta, floor)  # (n_in,)
+        self.register_buffer("frequencies", freqs, persistent=False)
+        self.register_buffer("pair_clipped", freqs[::k] == 0, persistent=False)  # (pairs,) own freq clipped
+        layers = 1 if config.shared_across_layers else geometry.num_layers
+        heads = 1 if config.shared_across_heads else geometry.num_kv_heads
+        n_in = freqs.numel()
+        eye = torch.zeros(n_in, pairs)
+        eye[torch.arange(pairs) * k, torch.arange(pairs)] = 1.0
+        std = config.sigma * math.sqrt(2.0 / (n_in + pairs))
+        shape = (layers, heads, n_in, pairs)
+        generator = torch.Generator().manual_seed(0)  # patching is deterministic
+        self.cos_coef = nn.Parameter(
+            eye + torch.randn(shape, generator=generator) * std
+        )  # (L, H, n_in, pairs)
+        self.sin_coef = nn.Parameter(eye + torch.randn(shape, generator=generator) * std)
+
+    def cos_sin(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo):
+        """positions (B,T) -> cos, sin (B, heads, T, d_rot) fp32."""
+
+        def features():
+            angles = positions[..., None].float() * self.frequencies  # (B, T, n_in)
+            live = (self.frequencies != 0).float()  # clipped grid frequencies leave the series
+            return angles.cos() * live, angles.sin() * live
+
+        cos_f, sin_f = memo.get(("fope-features",), features)  # (B, T, n_in) each
+        index = 0 if self.config.shared_across_layers else layer_idx
+        cos = torch.einsum("btj,hjm->bhtm", cos_f, self.cos_coef[index].float())  # (B, H, T, pairs)
+        sin = torch.einsum("btj,hjm->bhtm", sin_f, self.sin_coef[index].float())
+        cos = torch.where(self.pair_clipped, 1.0, cos)  # clipped pairs: zero frequency, identity
+        sin = torch.where(self.pair_clipped, 0.0, sin)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (B, H, T, d_rot)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B,H,T,D): first d_rot dims -> x*cos + rotate_half(x)*sin in fp32; the rest passes."""
+        rotated, passed = x[..., : self.dim].float(), x[..., self.dim :]
+        out = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
+        return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
+
+    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
+        cos, sin = self.cos_sin(layer_idx, q_positions, memo)  # (B, Hkv|1, T, d_rot)
+        k_out = self.apply(k, cos, sin)
+        if cos.shape[1] > 1:  # query head h uses the coefficients of its KV head
+            group = q.shape[1] // cos.shape[1]
+            cos, sin = cos.repeat_interleave(group, dim=1), sin.repeat_interleave(group, dim=1)
+        return self.apply(q, cos, sin), k_out

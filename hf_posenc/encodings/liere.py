@@ -1,0 +1,177 @@
+"""LieRE: Lie rotational position encodings (Ostmeier et al., 2024, arXiv:2406.10322;
+reference code StanfordMIMI/LieRE).
+
+    A_a = U_a - U_a^T  (learned, skew-symmetric, block-diagonal with blocks of ``block_size``)
+    R(p) = exp(sum_a p_a A_a),   q_p -> R(p) q_p,   k_p -> R(p) k_p
+
+For text (``axes=1``) R(p)^T R(p') = exp((p' - p) A) = R(p' - p), so q.k depends only on
+the relative position. With several axes the generators need not commute (the general,
+non-relative case the paper studies). R is orthogonal because A is skew-symmetric.
+
+The rotation acts on the first ``d_rot = head_dim * partial_rotary_factor`` dimensions,
+arranged as Llama's rotary pairs (i, i + d_rot/2) made adjacent, then cut into blocks of
+``block_size`` consecutive dimensions (a block holds ``block_size/2`` RoPE pairs). As in the
+reference (``rotary_embedding_per_layer/per_head: True``) every layer and every KV head has
+its own generators unless ``shared_across_layers`` / ``shared_across_heads``.
+
+Initialisation. The reference draws generators uniformly in [0, 2 pi) for image
+coordinates in [0, 1]; for token positions in the thousands that would scramble a
+pretrained model, so here each block starts as RoPE's generator: pair i carries
+omega_i = theta^(-2i/d_rot) in its 2x2 [[0, -1], [1, 0]] slot, zeros elsewhere, and the
+patched model starts exactly as RoPE (the paper's "LieRE generalises RoPE" special case).
+
+Cost. exp(p A) is computed with ``torch.linalg.matrix_exp`` in fp32, once per distinct
+position in the batch (reused across the layers that share generators when no gradient
+is needed). exp(pA) of a skew-symmetric A is orthogonal, but matrix_exp's fp32 error grows
+like |p| * |A| * eps (for p in the thousands, ~1e-3); two Newton-Schulz polar steps
+R <- R (3I - R^T R) / 2 restore orthogonality to fp32 rounding (~1e-6). What remains is an error in the
+rotation angle of order p * |A| * eps, the same as RoPE's fp32 angle p * omega.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from ..config import EncodingConfig, check_bool, check_number
+from ..errors import InvalidParameterError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .rope import rotary_dim
+
+
+@dataclasses.dataclass
+class LieREConfig(EncodingConfig):
+    encoding = "liere"
+    block_size: int | None = None  # default: gcd(8, d_rot)
+    theta: float | None = None  # RoPE base of the initial generators; default: the model's
+    partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
+    shared_across_layers: bool = False
+    shared_across_heads: bool = False
+    axes: int = 1  # coordinate axes per position; > 1 awaits N-D position coordinates
+
+    def validate(self) -> None:
+        if self.block_size is not None:
+            check_number(self.encoding, "block_size", self.block_size, low=2, integer=True)
+            if self.block_size % 2:
+                raise InvalidParameterError(
+                    f"{self.encoding}: parameter block_size={self.block_size!r} is not allowed; "
+                    "allowed: an even integer >= 2 that divides the rotary dimension"
+                )
+        if self.theta is not None:
+            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
+        if self.partial_rotary_factor is not None:
+            check_number(
+                self.encoding,
+                "partial_rotary_factor",
+                self.partial_rotary_factor,
+                low=0.0,
+                high=1.0,
+                low_inclusive=False,
+            )
+        check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
+        check_bool(self.encoding, "shared_across_heads", self.shared_across_heads)
+        check_number(self.encoding, "axes", self.axes, low=1, high=1, integer=True)
+
+    def resolve(self, geometry) -> LieREConfig:
+        out = dataclasses.replace(self)
+        if out.theta is None:
+            out.theta = float(geometry.rope_theta)
+        if out.partial_rotary_factor is None:
+            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        if out.block_size is None:
+            out.block_size = math.gcd(8, dim)
+        if dim % out.block_size:
+            raise InvalidParameterError(
+                f"{self.encoding}: parameter block_size={out.block_size!r} is not allowed; allowed: an even "
+                f"integer >= 2 that divides the rotary dimension {dim}"
+            )
+        return out
+
+
+def pair_permutation(dim: int) -> torch.Tensor:
+    """Order putting Llama's rotary pairs (i, i + dim/2) next to each other: [0, dim/2, 1, dim/2+1, ...]."""
+    half = torch.arange(dim // 2)
+    return torch.stack((half, half + dim // 2), dim=-1).reshape(-1)
+
+
+def rope_generators(dim: int, block_size: int, theta: float) -> torch.Tensor:
+    """(dim/block_size, b, b) strictly upper-triangular U with U - U^T = RoPE's generator, pair layout."""
+    omega = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
+    upper = torch.zeros(dim // block_size, block_size, block_size, dtype=torch.float64)
+    pairs = block_size // 2
+    for i, w in enumerate(omega.tolist()):
+        a = 2 * (i % pairs)
+        upper[i // pairs, a, a + 1] = -w  # rotation [[cos, -sin], [sin, cos]] on (x_i, x_{i+dim/2})
+    return upper.float()
+
+
+@register_encoding
+class LieRE(Encoding):
+    name = "liere"
+    aliases = ("lie_rotary",)
+    config_class = LieREConfig
+    paper = "Ostmeier et al. 2024, arXiv:2406.10322"
+    summary = "rotates q/k by exp(p A) with learned skew-symmetric block generators A (RoPE at init)"
+
+    def __init__(self, config: LieREConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        layers = 1 if config.shared_across_layers else geometry.num_layers
+        heads = 1 if config.shared_across_heads else geometry.num_kv_heads
+        init = rope_generators(self.dim, config.block_size, config.theta)  # (nb, b, b)
+        # raw generators (layers, kv heads, axes, blocks, b, b); only the strict upper triangle is used
+        self.generators = nn.Parameter(init.expand(layers, heads, config.axes, *init.shape).clone())
+        perm = pair_permutation(self.dim)
+        self.register_buffer("perm", perm, persistent=False)
+        self.register_buffer("inverse_perm", torch.argsort(perm), persistent=False)
+
+    def skew(self, layer_idx: int) -> torch.Tensor:
+        """(heads, axes, blocks, b, b) fp32 skew-symmetric generators of one layer."""
+        raw = self.generators[0 if self.config.shared_across_layers else layer_idx].float()
+        upper = torch.triu(raw, diagonal=1)
+        return upper - upper.transpose(-1, -2)
+
+    def rotations(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
+        """positions (B,T) -> R (B, heads, T, blocks, b, b) fp32, one matrix_exp per distinct position."""
+        unique, inverse = memo.get(
+            ("liere-unique",), lambda: torch.unique(positions, return_inverse=True)
+        )  # (U,), (B, T)
+
+        def compute():
+            skew = self.skew(layer_idx)  # (H, axes, nb, b, b)
+            coords = unique.to(torch.float32)[:, None]  # (U, axes) — 1-D positions
+            generator = torch.einsum("ua,hanij->uhnij", coords, skew)  # (U, H, nb, b, b)
+            rotation = torch.linalg.matrix_exp(generator)  # (U, H, nb, b, b)
+            # Newton-Schulz polar steps R <- R (3I - R^T R) / 2: the fp32 orthogonality error e of
+            # exp(pA), which grows with |p A|, drops to ~1.5 e^2 per step (two small matmuls)
+            eye = torch.eye(rotation.shape[-1], device=rotation.device)
+            for _ in range(2):
+                rotation = rotation @ (1.5 * eye - 0.5 * rotation.transpose(-1, -2) @ rotation)
+            return rotation[inverse].transpose(1, 2)  # (B, H, T, nb, b, b)
+
+        if torch.is_grad_enabled() and self.generators.requires_grad:
+            return compute()
+        key = 0 if self.config.shared_across_layers else layer_idx
+        return memo.get(("liere-rotation", key), compute)
+
+    def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """x (B,H,T,D) rotated by R (B,H|1,T,nb,b,b) on its first d_rot dims; computed in fp32."""
+        b = self.config.block_size
+        rotated, passed = x[..., : self.dim], x[..., self.dim :]
+        blocks = rotated.float()[..., self.perm].unflatten(-1, (self.dim // b, b))  # (B, H, T, nb, b)
+        out = torch.einsum("bhtnij,bhtnj->bhtni", rotation, blocks).flatten(-2)  # (B, H, T, d_rot)
+        out = out[..., self.inverse_perm].to(x.dtype)
+        return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
+
+    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
+        rotation = self.rotations(layer_idx, q_positions, memo)  # (B, Hkv|1, T, nb, b, b)
+        k_rot = self.apply(k, rotation)
+        if rotation.shape[1] > 1:  # query head h uses the generators of its KV head h // group
+            rotation = rotation.repeat_interleave(q.shape[1] // rotation.shape[1], dim=1)
+        return self.apply(q, rotation), k_rot

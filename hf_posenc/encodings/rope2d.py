@@ -1,0 +1,128 @@
+"""Axial rotary position embedding over N-D positions (RoPE-Mixed's axial baseline: Heo et al.
+2024, "Rotary Position Embedding for Vision Transformer", arXiv:2403.13298, naver-ai/rope-vit;
+lucidrains' rotary-embedding-torch ``get_axial_freqs``).
+
+A token at coordinates x = (x_0, .., x_{N-1}) rotates its q/k dimension pairs; the pairs are
+split evenly across the N axes and each pair turns by the coordinate on its own axis:
+
+    pair p (dims p, p + d_rot/2):  axis a_p = p mod N,  angle x_{a_p} * omega_p,
+    omega_p = theta^(-2 * floor(p / N) / (d_rot / N))
+
+so every axis gets the reference's frequency set theta^(-2i/d_axis), i < d_axis/2. Then
+<R(x) q, R(y) k> depends on y - x only. Pairs are interleaved across axes (rather than
+contiguous as in rope-vit, a permutation of dimensions) so that the axis-0 pairs keep the
+frequencies RoPE gives them in a pretrained Llama: text, whose coordinates are
+(token position, 0, .., 0), rotates exactly the native RoPE pairs of axis 0 and leaves the
+others unrotated.
+
+Callers pass coordinates as ``model(input_ids, position_coordinates=coords)`` with ``coords``
+(B|1, T, N) int or float; ``generate(..., position_coordinates=coords)`` takes coordinates
+of the prompt and every token to be generated (L >= prompt + max_new_tokens): each step
+reads its rows. Without them, text positions (padding-aware) are used on axis 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import EncodingConfig, check_number
+from ..errors import InvalidParameterError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .rope import apply_rotary, rotary_dim
+
+MAX_AXES = 16
+
+
+def check_axes(encoding: str, axes: int) -> None:
+    check_number(encoding, "axes", axes, low=1, high=MAX_AXES, integer=True)
+
+
+def token_coordinates(
+    encoding: str, coordinates: torch.Tensor | None, positions: torch.Tensor, axes: int
+) -> torch.Tensor:
+    """(B|1,T,axes) caller coordinates, or text positions (B,T) on axis 0 -> (B,T,axes) fp32."""
+    if coordinates is None:
+        out = positions.new_zeros(*positions.shape, axes, dtype=torch.float32)  # (B, T, axes)
+        out[..., 0] = positions.float()
+        return out
+    if coordinates.shape[-1] != axes:
+        raise InvalidParameterError(
+            f"{encoding}: position_coordinates with {coordinates.shape[-1]} axes is not allowed; "
+            f"allowed: {axes} axes (the encoding's parameter axes={axes})"
+        )
+    return coordinates.float().expand(positions.shape[0], -1, -1)
+
+
+def axial_frequencies(dim: int, axes: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dim/2,) frequency omega_p and (dim/2,) axis index a_p of each rotated pair p."""
+    pair = torch.arange(dim // 2, device=device)
+    per_axis = dim // axes  # d_axis
+    omega = theta ** (-2.0 * torch.div(pair, axes, rounding_mode="floor").double() / per_axis)
+    return omega.float(), pair % axes
+
+
+@dataclasses.dataclass
+class RoPE2DConfig(EncodingConfig):
+    encoding = "rope2d"
+    axes: int = 2
+    theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
+    partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
+
+    def validate(self) -> None:
+        check_axes(self.encoding, self.axes)
+        if self.theta is not None:
+            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
+        if self.partial_rotary_factor is not None:
+            check_number(
+                self.encoding,
+                "partial_rotary_factor",
+                self.partial_rotary_factor,
+                low=0.0,
+                high=1.0,
+                low_inclusive=False,
+            )
+
+    def resolve(self, geometry) -> RoPE2DConfig:
+        out = dataclasses.replace(self)
+        if out.theta is None:
+            out.theta = float(geometry.rope_theta)
+        if out.partial_rotary_factor is None:
+            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        if dim % (2 * out.axes):
+            raise InvalidParameterError(
+                f"{self.encoding}: parameter axes={out.axes} is not allowed for a rotary dimension of {dim}; "
+                f"allowed: a divisor of {dim // 2} (each axis gets the same number of dimension pairs)"
+            )
+        return out
+
+
+@register_encoding
+class RoPE2D(Encoding):
+    name = "rope2d"
+    aliases = ("axial_rope", "rope_axial", "rope_nd")
+    config_class = RoPE2DConfig
+    paper = "Heo et al. 2024, arXiv:2403.13298 (axial RoPE)"
+    summary = "axial RoPE over N-D coordinates (position_coordinates=); text uses axis 0"
+    takes_coordinates = True
+
+    def __init__(self, config: RoPE2DConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+
+    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo, coordinates=None):
+        cfg = self.config
+
+        def rotation():
+            coords = token_coordinates(self.name, coordinates, q_positions, cfg.axes)  # (B, T, N)
+            omega, axis = axial_frequencies(self.dim, cfg.axes, cfg.theta, device=q.device)  # (d_rot/2,)
+            angles = coords[..., axis] * omega  # (B, T, d_rot/2)
+            angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d_rot)
+            return angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+
+        cos, sin = memo.get(("rope2d", q.dtype), rotation)  # (B, 1, T, d_rot) each
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -1,0 +1,169 @@
+"""TAPE, contextualised equivariant positional encoding (Zhu et al. 2025, "Rethinking Addressing
+in Language Models via Contextualized Equivariant Positional Encoding", arXiv:2501.00712;
+reference: VITA-Group/TAPE, ``models/llama/adape.py``, the ``adape`` variant).
+
+Every token carries a positional stream ``E_t`` next to its hidden state: per stream head
+``g`` (one per KV head; the reference's heads, which require MHA) a cosine and a sine
+feature per frequency, stored as ``E = (C, S)`` with ``C, S`` of size ``D/2``:
+
+    (1) init        C^0_t = cos(p_t w),  S^0_t = sin(p_t w),   w_f = theta^(-2f/D)
+    (2) attention   q~_t = q_t * (C,C)_t + rotate_half(q_t) * (S,S)_t   (same for k~ with E of the key)
+                    a_tj = softmax_j(q~_t . k~_j * scaling),  o_t = sum_j a_tj v_j
+    (3) stream mix  E^{l+1/2}_t = E^l_t + gamma_l[g] * mean_{h in group g} sum_j a^h_tj E^l_j
+    (4) PE layer    E^{l+1}_t   = E^{l+1/2}_t + W_down_l (silu(W_x_l x_t) * (W_up_l E^{l+1/2}_t))
+
+``W_up`` (P x heads) and ``W_down`` (heads x P) mix stream heads, identically for every
+feature, gated per token by ``silu(W_x x_t)`` (P channels). With RoPE init, (C_f, S_f) is the
+complex number exp(i p w_f); (2)-(4) only form real combinations of such numbers over tokens
+and heads, so shifting every position by c multiplies every stream by exp(i c w_f) and
+q~_t . k~_j is unchanged: scores depend on relative structure only (equivariance). Since
+(2)-(4) never distinguish the two copies of a frequency, ``C``/``S`` hold each once.
+
+Differences from the reference (the first four forced by the stage contract or decoding):
+``gamma_l`` is a per-head vector: the reference's ``einsum('bqnd,qe->bqnd', e, W)`` with
+``W`` (heads x heads) scales head ``q`` by ``sum_e W[q, e]``, which is exactly this;
+``x_t`` in (4) is the next layer's attention input (after its input norm), as the MLP
+output the reference uses is not visible to an attention patch; (4) for layer ``l`` runs at
+the start of layer ``l+1`` (the last layer's (3)/(4) do not change the output, so they have no
+parameters); the training-time random position offset is not applied (by equivariance it is
+a no-op in exact arithmetic); with GQA the stream lives on KV heads and (3) averages a
+group's query heads. Init (the reference trains from scratch with ``nn.Linear``'s random init
+everywhere): ``gamma = 0``, ``W_down = 0`` (``W_up``, ``W_x`` as ``nn.Linear``), so a patched
+pretrained model starts exactly as RoPE and learns the context dependence.
+The PE-layer matrices are stored fan-in normalised, ``W = raw / sqrt(fan_in)`` (raw ``x_proj``,
+``up``, ``down``; raw init U(-1, 1), the same distribution as ``nn.Linear``'s init of W): the
+same equations, but the stream's gain stays O(1) for O(1) raw values.
+
+KV cache: a cached key needs the stream it had, so the stream ``E^l_j`` rides along with the
+values (``v_j -> (v_j, E^l_j)``, split off again after attention): the cache keeps it aligned
+with its keys, also through sliding windows, cropping and beam reordering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import EncodingConfig, check_number
+from ..errors import InvalidParameterError
+from ..memo import ForwardMemo
+from ..registry import register_encoding
+from .base import Encoding
+from .rope import rotate_half
+
+
+@dataclasses.dataclass
+class TAPEConfig(EncodingConfig):
+    encoding = "tape"
+    theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
+    position_size: int | None = None  # P, channels of the PE layer; default 4 x stream heads
+
+    def validate(self) -> None:
+        if self.theta is not None:
+            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
+        if self.position_size is not None:
+            check_number(self.encoding, "position_size", self.position_size, low=1, integer=True)
+
+    def resolve(self, geometry) -> TAPEConfig:
+        out = dataclasses.replace(self)
+        if out.theta is None:
+            out.theta = float(geometry.rope_theta)
+        if out.position_size is None:
+            out.position_size = 4 * geometry.num_kv_heads
+        if geometry.head_dim % 2:
+            raise InvalidParameterError(
+                f"tape: head_dim={geometry.head_dim} is not allowed; allowed: an even head dimension"
+            )
+        return out
+
+
+def initial_stream(positions: torch.Tensor, theta: float, dim: int, heads: int, dtype) -> torch.Tensor:
+    """(1): positions (B,T) -> E^0 (B, heads, T, dim) = (cos(p w), sin(p w))."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = positions[..., None].to(exact) * inv_freq.to(exact)  # (B, T, dim/2)
+    stream = torch.cat((angles.cos(), angles.sin()), dim=-1)  # (B, T, dim)
+    return stream[:, None].expand(-1, heads, -1, -1).to(dtype)
+
+
+def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """(2): x (B,H,T,D), stream (B,H,T,D) = (C, S) -> x * (C,C) + rotate_half(x) * (S,S)."""
+    c, s = stream.chunk(2, dim=-1)  # (B, H, T, D/2)
+    return x * torch.cat((c, c), dim=-1) + rotate_half(x) * torch.cat((s, s), dim=-1)
+
+
+@register_encoding
+class TAPE(Encoding):
+    name = "tape"
+    aliases = ("adape",)
+    config_class = TAPEConfig
+    paper = "Zhu et al. 2025, arXiv:2501.00712"
+    summary = "RoPE-initialised positional stream updated by attention and a gated head-mixing layer"
+
+    def __init__(self, config: TAPEConfig, geometry) -> None:
+        super().__init__(config, geometry)
+        heads, size, hidden = geometry.num_kv_heads, config.position_size, geometry.hidden_size
+        steps = max(geometry.num_layers - 1, 0)  # transitions l -> l+1 that reach an attention
+        self.groups = geometry.num_heads // heads
+        self.gamma = nn.Parameter(torch.zeros(steps, heads))  # (3), per layer and stream head
+        self.up = nn.Parameter(torch.empty(steps, size, heads))  # (4) W_up
+        self.x_proj = nn.Parameter(torch.empty(steps, size, hidden))  # (4) W_x
+        self.down = nn.Parameter(torch.zeros(steps, heads, size))  # (4) W_down, zero: starts as RoPE
+        #: W = raw / sqrt(fan_in) for W_up, W_x, W_down
+        self.fan_in = {"up": math.sqrt(heads), "x_proj": math.sqrt(hidden), "down": math.sqrt(size)}
+        with torch.no_grad():  # raw U(-1, 1): nn.Linear's default init of W
+            self.up.uniform_(-1.0, 1.0)
+            self.x_proj.uniform_(-1.0, 1.0)
+
+    def active_stages(self) -> list[str]:
+        return ["adjust_qkv", "adjust_output"]
+
+    def _stream(
+        self, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor, memo: ForwardMemo, dtype
+    ):
+        """E^l of this layer's new tokens, (B, Hkv, T, D)."""
+        if layer_idx == 0:
+            dim, heads = self.geometry.head_dim, self.geometry.num_kv_heads
+            return memo.get(
+                ("tape", dtype), lambda: initial_stream(positions, self.config.theta, dim, heads, dtype)
+            )
+        half = memo.carry.get(("tape", layer_idx - 1))
+        if half is None:
+            raise RuntimeError(
+                f"tape: layer {layer_idx} ran without the positional stream of layer {layer_idx - 1}"
+            )
+        step = layer_idx - 1
+        w_x, w_up, w_down = (getattr(self, n)[step] / self.fan_in[n] for n in ("x_proj", "up", "down"))
+        gate = F.silu(hidden @ w_x.to(hidden.dtype).T)  # (B, T, P)
+        mixed = torch.einsum("bgtd,pg->bptd", half, w_up.to(half.dtype))  # (B, P, T, D)
+        mixed = mixed * gate.transpose(1, 2)[..., None].to(half.dtype)
+        return half + torch.einsum("bptd,gp->bgtd", mixed, w_down.to(half.dtype))  # (4)
+
+    def adjust_qkv(self, layer_idx, hidden, positions, q, k, v, state, memo: ForwardMemo):
+        stream = self._stream(layer_idx, hidden, positions, memo, q.dtype)  # (B, Hkv, T, D)
+        memo.carry[("tape-in", layer_idx)] = stream
+        stream_q = (
+            stream.repeat_interleave(self.groups, dim=1) if self.groups > 1 else stream
+        )  # (B, Hq, T, D)
+        # the stream travels with the values, so cached keys keep the features they were rotated by
+        return (
+            rotate_with_stream(q, stream_q),
+            rotate_with_stream(k, stream),
+            torch.cat((v, stream.to(v.dtype)), -1),
+        )
+
+    def adjust_output(self, layer_idx, hidden, out, state, memo: ForwardMemo):
+        b, t = out.shape[:2]
+        d = self.geometry.head_dim
+        out = out.view(b, t, -1, 2 * d)  # (B, T, Hq, 2D): attended values, attended stream
+        if layer_idx < self.gamma.shape[0]:
+            stream = memo.carry[("tape-in", layer_idx)]  # (B, Hkv, T, D)
+            pos = out[..., d:].transpose(1, 2)  # (B, Hq, T, D) = sum_j a_tj E_j
+            pos = pos.reshape(b, -1, self.groups, t, d).mean(2).to(stream.dtype)  # (B, Hkv, T, D)
+            gamma = self.gamma[layer_idx].to(stream.dtype)[None, :, None, None]
+            memo.carry[("tape", layer_idx)] = stream + gamma * pos  # (3)
+        return out[..., :d].reshape(b, t, -1)
