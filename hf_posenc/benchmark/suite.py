@@ -29,6 +29,7 @@ class BenchConfig:
     lengths: list[int] = dataclasses.field(default_factory=lambda: [512, 2048, 4096, 8192])
     modes: list[str] = dataclasses.field(default_factory=lambda: ["forward", "train", "decode"])
     family: str = "llama"
+    vocab_size: int = 32000  # a real tokenizer's size: the logits are part of the memory baseline
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 8
@@ -54,7 +55,7 @@ class Measurement:
 def _model(config: BenchConfig, max_positions: int) -> torch.nn.Module:
     model = tiny_model(
         config.family,
-        vocab_size=1024,
+        vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,
         num_heads=config.num_heads,
@@ -117,7 +118,9 @@ def run_suite(config: BenchConfig, progress: bool = True) -> list[Measurement]:
         for mode in config.modes:
             lengths = [config.decode_prompt] if mode == "decode" else config.lengths
             for length in lengths:
-                ids = torch.randint(0, 1024, (config.batch_size, length), generator=generator).to(device)
+                ids = torch.randint(
+                    0, config.vocab_size, (config.batch_size, length), generator=generator
+                ).to(device)
                 seconds, peak = _measure(model, mode, ids, config, device)
                 results.append(Measurement(name, mode, length, seconds, peak))
                 if progress:

@@ -23,6 +23,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=defaults.lengths)
     parser.add_argument("--modes", nargs="+", default=defaults.modes, choices=["forward", "train", "decode"])
     parser.add_argument("--family", default=defaults.family, choices=["llama", "mistral", "gpt2"])
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
     parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
