@@ -40,7 +40,7 @@ from ..errors import InvalidParameterError
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
-from .rope import rotary_dim
+from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 from .rope2d import axial_frequencies, check_axes, token_coordinates
 
 VARIANTS = ("ap", "ld")
@@ -67,24 +67,11 @@ class ComRoPEConfig(EncodingConfig):
                 "allowed: an even integer in [2, 64] (blocks start as RoPE rotation pairs)"
             )
         check_axes(self.encoding, self.axes)
-        if self.theta is not None:
-            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
-        if self.partial_rotary_factor is not None:
-            check_number(
-                self.encoding,
-                "partial_rotary_factor",
-                self.partial_rotary_factor,
-                low=0.0,
-                high=1.0,
-                low_inclusive=False,
-            )
+        check_rotary_settings(self.encoding, self.theta, self.partial_rotary_factor)
 
     def resolve(self, geometry) -> ComRoPEConfig:
         out = dataclasses.replace(self)
-        if out.theta is None:
-            out.theta = float(geometry.rope_theta)
-        if out.partial_rotary_factor is None:
-            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        fill_rotary_defaults(out, geometry)
         dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
         if dim % (out.block_size * out.axes):
             raise InvalidParameterError(

@@ -35,7 +35,7 @@ from ..config import EncodingConfig, check_bool, check_number
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
-from .rope import rotary_dim, rotate_half
+from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim, rotate_half
 from .rope_scaling import base_inv_freq
 
 
@@ -59,17 +59,7 @@ class FoPEConfig(EncodingConfig):
         check_number(
             self.encoding, "frequencies_per_dim", self.frequencies_per_dim, low=1, high=64, integer=True
         )
-        if self.theta is not None:
-            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
-        if self.partial_rotary_factor is not None:
-            check_number(
-                self.encoding,
-                "partial_rotary_factor",
-                self.partial_rotary_factor,
-                low=0.0,
-                high=1.0,
-                low_inclusive=False,
-            )
+        check_rotary_settings(self.encoding, self.theta, self.partial_rotary_factor)
         check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
         check_bool(self.encoding, "shared_across_heads", self.shared_across_heads)
 
@@ -77,10 +67,7 @@ class FoPEConfig(EncodingConfig):
         out = dataclasses.replace(self)
         if out.train_length is None:
             out.train_length = int(geometry.max_position_embeddings)
-        if out.theta is None:
-            out.theta = float(geometry.rope_theta)
-        if out.partial_rotary_factor is None:
-            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        fill_rotary_defaults(out, geometry)
         rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
         return out
 

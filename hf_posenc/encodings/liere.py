@@ -41,7 +41,7 @@ from ..errors import InvalidParameterError
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
-from .rope import rotary_dim
+from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 
 
 @dataclasses.dataclass
@@ -62,27 +62,14 @@ class LieREConfig(EncodingConfig):
                     f"{self.encoding}: parameter block_size={self.block_size!r} is not allowed; "
                     "allowed: an even integer >= 2 that divides the rotary dimension"
                 )
-        if self.theta is not None:
-            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
-        if self.partial_rotary_factor is not None:
-            check_number(
-                self.encoding,
-                "partial_rotary_factor",
-                self.partial_rotary_factor,
-                low=0.0,
-                high=1.0,
-                low_inclusive=False,
-            )
+        check_rotary_settings(self.encoding, self.theta, self.partial_rotary_factor)
         check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
         check_bool(self.encoding, "shared_across_heads", self.shared_across_heads)
         check_number(self.encoding, "axes", self.axes, low=1, high=1, integer=True)
 
     def resolve(self, geometry) -> LieREConfig:
         out = dataclasses.replace(self)
-        if out.theta is None:
-            out.theta = float(geometry.rope_theta)
-        if out.partial_rotary_factor is None:
-            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        fill_rotary_defaults(out, geometry)
         dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
         if out.block_size is None:
             out.block_size = math.gcd(8, dim)

@@ -39,28 +39,33 @@ class RoPEConfig(EncodingConfig):
     scaling: dict | None = None
 
     def validate(self) -> None:
-        if self.theta is not None:
-            check_number(self.encoding, "theta", self.theta, low=1.0, low_inclusive=False)
-        if self.partial_rotary_factor is not None:
-            check_number(
-                self.encoding,
-                "partial_rotary_factor",
-                self.partial_rotary_factor,
-                low=0.0,
-                high=1.0,
-                low_inclusive=False,
-            )
+        check_rotary_settings(self.encoding, self.theta, self.partial_rotary_factor)
         validate_scaling(self.encoding, self.scaling)
 
     def resolve(self, geometry) -> RoPEConfig:
         out = dataclasses.replace(self)
-        if out.theta is None:
-            out.theta = float(geometry.rope_theta)
-        if out.partial_rotary_factor is None:
-            out.partial_rotary_factor = float(geometry.partial_rotary_factor)
+        fill_rotary_defaults(out, geometry)
         out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
         rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
         return out
+
+
+def check_rotary_settings(encoding: str, theta: float | None, partial_rotary_factor: float | None) -> None:
+    """Validate the settings every rotary encoding shares (None means: the model's own)."""
+    if theta is not None:
+        check_number(encoding, "theta", theta, low=1.0, low_inclusive=False)
+    if partial_rotary_factor is not None:
+        check_number(
+            encoding, "partial_rotary_factor", partial_rotary_factor, low=0.0, high=1.0, low_inclusive=False
+        )
+
+
+def fill_rotary_defaults(config, geometry) -> None:
+    """Fill ``theta`` and ``partial_rotary_factor`` left at None with the model's own values."""
+    if config.theta is None:
+        config.theta = float(geometry.rope_theta)
+    if config.partial_rotary_factor is None:
+        config.partial_rotary_factor = float(geometry.partial_rotary_factor)
 
 
 def rotary_dim(encoding: str, head_dim: int, fraction: float) -> int:
