@@ -36,6 +36,10 @@ class ForwardMemo:
             self._values[key] = value
         return value
 
+    def holds(self, value: object) -> bool:
+        """Whether ``value`` itself is one of this forward's memoised values (so it is shared and alive)."""
+        return any(stored is value for stored in self._values.values())
+
     def clear(self) -> None:
         self._owner = None
         self._values = {}

@@ -33,6 +33,15 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(k_len, device=device)[None, :] <= q_index[:, None])[None, None]
 
 
+def fold_mask(
+    bias: torch.Tensor, mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The float SDPA mask: ``bias`` where a key may be attended, the dtype's minimum elsewhere."""
+    if mask is None:
+        mask = causal_mask(q_len, k_len, bias.device)
+    return bias.to(dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -46,9 +55,11 @@ def attend(
     backend: str = "sdpa",
     transform: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    folded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D).
 
+    ``folded`` is a precomputed :func:`fold_mask` (then ``mask`` and ``bias`` are ignored).
     ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T. ``transform(scores, allowed)`` rewrites
     the scaled scores plus bias before masking (``allowed``: the mask applied next, None when
     every key is allowed); ``normalize(scores, allowed)`` replaces the softmax. Any of the
@@ -57,6 +68,9 @@ def attend(
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     q_len, k_len = q.shape[-2], k.shape[-2]
+    if folded is not None:  # bias and mask already combined by fold_mask (sdpa only)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=folded, dropout_p=dropout_p, scale=scaling)
+        return out.transpose(1, 2), None
     explicit = backend == "eager" or logits is not None or transform is not None or normalize is not None
     if mask is None and (q_len > 1 or normalize is not None):
         if bias is None and not explicit and q_len == k_len:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..encodings.base import ScoreContext
 from ..positions import bind_arguments
-from .core import attend
+from .core import attend, fold_mask
 
 if TYPE_CHECKING:
     from ..runtime import PatchRuntime
@@ -76,6 +76,18 @@ class PatchedAttentionForward:
 
         if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
+        folded = None
+        plain = not (stages.logits or stages.transform_scores or stages.normalize)
+        if (
+            bias is not None
+            and plain
+            and runtime.backend == "sdpa"
+            and memo.holds(bias)
+            and not bias.requires_grad
+        ):
+            # a memoised grad-free bias (alibi, sandwich, ...) is shared by every layer: fold it with the mask once
+            key = ("folded_mask", id(bias), id(mask), q.dtype)
+            folded = memo.get(key, lambda: fold_mask(bias, mask, q.shape[-2], k.shape[-2], q.dtype))
         out, weights = attend(
             q,
             k,
@@ -86,6 +98,7 @@ class PatchedAttentionForward:
             scaling=module.scaling,
             dropout_p=adapter.dropout_p(module),
             backend=runtime.backend,
+            folded=folded,
             transform=(lambda scores, allowed: encoding.transform_scores(_with_mask(score, allowed), scores))
             if stages.transform_scores
             else None,
