@@ -40,6 +40,11 @@ class ForwardMemo:
         """Whether ``value`` itself is one of this forward's memoised values (so it is shared and alive)."""
         return any(stored is value for stored in self._values.values())
 
+    def release(self) -> None:
+        """Drop the memoised tensors after a forward; ``carry`` stays for gradient-checkpoint
+        recomputation, which replays layers after the forward has returned."""
+        self._values = {}
+
     def clear(self) -> None:
         self._owner = None
         self._values = {}

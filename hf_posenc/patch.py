@@ -31,7 +31,7 @@ from .encodings.base import Encoding
 from .errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError, UnsupportedModelError
 from .models.base import Undo, replace_forward
 from .registry import adapter_for, canonical_name, get_encoding
-from .runtime import PatchRuntime, call_hook
+from .runtime import PatchRuntime, call_hook, release_hook
 
 PATCH_ATTRIBUTE = "_hf_posenc_patch"
 MODULE_NAME = "posenc"
@@ -121,6 +121,7 @@ def patch_model(
         undo.append(lambda: model._modules.pop(MODULE_NAME))
         handle = base.register_forward_pre_hook(call_hook(runtime), with_kwargs=True, prepend=True)
         undo.append(handle.remove)
+        undo.append(base.register_forward_hook(release_hook(runtime)).remove)
         undo.extend(adapter.neutralize_native_positions(model))
         for layer_idx, attention in enumerate(adapter.attention_modules(model)):
             undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))

@@ -130,3 +130,13 @@ def call_hook(runtime: PatchRuntime):
         return runtime.before_base_forward(module, args, kwargs)
 
     return hook
+
+
+def release_hook(runtime: PatchRuntime):
+    """A forward hook: once the decoder stack has run, drop the forward's shared tensors
+    (biases, cos/sin, folded masks) instead of holding them until the next forward."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        runtime.memo.release()
+
+    return hook

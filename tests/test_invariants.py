@@ -159,7 +159,7 @@ def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     modules = [n for n, _ in model.named_modules()]
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     impl = model.config._attn_implementation
-    hooks = len(base._forward_pre_hooks)
+    hooks = (len(base._forward_pre_hooks), len(base._forward_hooks))
     config_keys = set(model.config.to_dict())
 
     patch(model, name, params)
@@ -173,7 +173,7 @@ def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     assert [n for n, _ in model.named_modules()] == modules
     assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
     assert model.config._attn_implementation == impl
-    assert len(base._forward_pre_hooks) == hooks
+    assert (len(base._forward_pre_hooks), len(base._forward_hooks)) == hooks
     assert set(model.config.to_dict()) == config_keys and not hasattr(model.config, "posenc")
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert hf_posenc.patch_info(model) is None
