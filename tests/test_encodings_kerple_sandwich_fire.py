@@ -16,17 +16,7 @@ import torch
 from conftest import case_id, make_model, patch, randomize_encoding, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import (  # noqa: F401  (re-collected here for this module's cases)
-    test_bf16_long_input_is_finite,
-    test_cached_decoding_equals_full_forward,
-    test_eager_backend_equals_sdpa_backend,
-    test_generate_with_cache_equals_without,
-    test_gradient_checkpointing_gives_the_same_gradients,
-    test_left_padded_batch_equals_each_sequence_alone,
-    test_optimizer_step_trains_the_encoding,
-    test_save_and_reload_gives_identical_logits,
-    test_unpatch_restores_exactly_and_leaves_no_trace,
-)
+from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc

@@ -15,6 +15,20 @@ import hf_posenc
 
 ATOL = 1e-5
 
+#: the invariants every encoding keeps; test modules for new encodings re-collect them with
+#: `from test_invariants import *` and their own `case` fixture
+__all__ = [
+    "test_bf16_long_input_is_finite",
+    "test_cached_decoding_equals_full_forward",
+    "test_eager_backend_equals_sdpa_backend",
+    "test_generate_with_cache_equals_without",
+    "test_gradient_checkpointing_gives_the_same_gradients",
+    "test_left_padded_batch_equals_each_sequence_alone",
+    "test_optimizer_step_trains_the_encoding",
+    "test_save_and_reload_gives_identical_logits",
+    "test_unpatch_restores_exactly_and_leaves_no_trace",
+]
+
 
 def test_cached_decoding_equals_full_forward(family, case):
     """Token-by-token decoding with a KV cache gives, at every step, the logits a full
