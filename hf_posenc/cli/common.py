@@ -7,15 +7,16 @@ import json
 from typing import Any
 
 
-def parse_params(items: list[str] | None) -> dict[str, Any]:
+def parse_encoding_params(items: list[str] | None) -> dict[str, Any]:
     """``["k=v", ...]`` -> dict; values are JSON when they parse (numbers, bools, dicts), else strings."""
     params: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise argparse.ArgumentTypeError(
-                f"encoding parameter {item!r} is not allowed; allowed: KEY=VALUE"
+                f"--encoding-param {item!r} is not allowed; allowed: KEY=VALUE (VALUE in JSON)"
             )
+        key = key.strip()
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -30,25 +30,10 @@ from ..evaluation.report import (
     write_json,
     write_report,
 )
+from .common import parse_encoding_params
 
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def parse_encoding_params(items: list[str]) -> dict[str, Any]:
-    """``["k=v", ...]`` -> ``{k: v}``; ``v`` is parsed as JSON when it is JSON, else kept as a string."""
-    params: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise EvaluationError(
-                f"--encoding-param {item!r} is not allowed; allowed: KEY=VALUE (VALUE in JSON)"
-            )
-        try:
-            params[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key.strip()] = raw
-    return params
 
 
 def _check_model_dir(directory: str) -> Path:

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from ..training import TrainConfig, train
-from .common import add_encoding_arguments, parse_params
+from .common import add_encoding_arguments, parse_encoding_params
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -63,7 +63,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
-    values["encoding_params"] = parse_params(args.encoding_param)
+    values["encoding_params"] = parse_encoding_params(args.encoding_param)
     return TrainConfig(**values)
 
 

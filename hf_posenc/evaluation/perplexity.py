@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import PosencError, PositionRangeError
-from ..patch import MODULE_NAME, patch_info
+from ..limits import position_limit
 
 #: families whose causal-LM head is a plain ``lm_head(base_model(...))``; their logits are
 #: computed in chunks so a long window never materialises (L, vocab) fp32 logits at once
@@ -104,29 +104,14 @@ def token_budget(available: int, lengths: Sequence[int], max_tokens: int | None 
 
 
 def check_model_length(model: nn.Module, length: int) -> None:
-    """Fail before any work if ``model`` cannot take ``length`` positions.
-
-    A model patched with the ``learned`` encoding stops at its table's size; a native
-    (unpatched) GPT-2 stops at ``n_positions``.
-    """
-    info = patch_info(model)
-    if info is not None and info["encoding"] == "learned":
-        limit = int(getattr(model, MODULE_NAME).table.shape[0])
-        if length > limit:
-            raise PositionRangeError(
-                f"evaluation length {length} is longer than the learned position table "
-                f"(max_positions={limit}); lower --multiples / --train-length to at most {limit} tokens, "
-                "or evaluate a model patched with a larger max_positions"
-            )
-    config = getattr(model, "config", None)
-    if info is None and getattr(config, "model_type", None) == "gpt2":
-        limit = int(config.n_positions)
-        if length > limit:
-            raise PositionRangeError(
-                f"evaluation length {length} is longer than native GPT-2's n_positions={limit} (its wpe "
-                "table); lower --multiples / --train-length, or patch the model with an encoding that "
-                "extrapolates (e.g. --encoding alibi)"
-            )
+    """Fail before any work if ``model`` cannot take ``length`` positions (see :func:`position_limit`)."""
+    limit = position_limit(model)
+    if limit is not None and length > limit[0]:
+        raise PositionRangeError(
+            f"evaluation length {length} is longer than {limit[1].format(limit[0])}; lower --multiples / "
+            f"--train-length to at most {limit[0]} tokens, or evaluate a model patched with an encoding "
+            "(or max_positions) that allows it, e.g. --encoding alibi"
+        )
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..data import check_sources, pack_blocks, read_documents, tokenize_documents
 from ..errors import InvalidParameterError
+from ..limits import position_limit
 from ..loading import load_model
 from ..patch import patch_info, patch_model
 from .batches import BatchOrder
@@ -108,15 +109,11 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:
-    info = patch_info(model)
-    if info and info["encoding"] == "learned" and model.posenc.table.shape[0] < seq_len:
+    limit = position_limit(model)
+    if limit is not None and seq_len > limit[0]:
         raise InvalidParameterError(
-            f"seq_len={seq_len} is longer than the learned position table (max_positions="
-            f"{model.posenc.table.shape[0]}); patch with a larger max_positions"
-        )
-    if info is None and model.config.model_type == "gpt2" and model.config.n_positions < seq_len:
-        raise InvalidParameterError(
-            f"seq_len={seq_len} exceeds GPT-2's n_positions={model.config.n_positions}"
+            f"seq_len={seq_len} is longer than {limit[1].format(limit[0])}; "
+            "lower --seq-len or patch with an encoding (or max_positions) that allows it"
         )
 
 
