@@ -78,7 +78,7 @@ def patch_model(
     encoding: str | EncodingConfig | Mapping[str, Any],
     /,
     *,
-    backend: str = "sdpa",
+    backend: str = "auto",
     **params: Any,
 ) -> nn.Module:
     """Switch ``model``'s positional encoding to ``encoding`` in place and return the model.
@@ -86,7 +86,10 @@ def patch_model(
     ``encoding`` is a name from :func:`list_encodings` (or an alias), an encoding config
     object (e.g. ``hf_posenc.ALiBiConfig()``), or the mapping stored in ``config.posenc``.
     ``params`` are the encoding's parameters. ``backend`` picks the attention backend:
-    ``"sdpa"`` (default) or ``"eager"`` (explicit scores; the reference).
+    ``"auto"`` (default: ``"chunked"`` on CPU and FlexAttention/flash-attn on CUDA for the
+    encodings whose bias comes in blocks, ``"sdpa"`` for the rest), ``"sdpa"`` (the whole
+    bias as one float mask), ``"chunked"``, ``"flex"``, or ``"eager"`` (explicit scores; the
+    reference). See ``hf_posenc/attention/core.py``.
     """
     _reloading = params.pop("_reloading", False)
     adapter = adapter_for(model)

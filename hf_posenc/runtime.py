@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention.blocks import BLOCK_BACKENDS
 from .encodings.base import STAGES, Encoding
 from .errors import InvalidParameterError, UnsupportedModelError
 from .memo import ForwardMemo
@@ -40,6 +41,10 @@ class PatchRuntime:
         self.encoding = encoding
         self.adapter = adapter
         self.backend = backend
+        #: the block backend that serves this encoding's score bias, None: the full sdpa/eager core
+        self.block_backend = (
+            backend if backend in BLOCK_BACKENDS and type(encoding).has_block_bias() else None
+        )
         active = set(encoding.active_stages())
         self.stages = Stages(**{s: s in active for s in STAGES})
         self.memo = ForwardMemo()

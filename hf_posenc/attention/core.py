@@ -1,8 +1,13 @@
-"""The one attention core: softmax(q k^T * scale + bias, masked) v, with two backends.
+"""The one attention core: softmax(q k^T * scale + bias, masked) v, and its backends.
 
-``eager``  the reference: explicit fp32 scores, bias, mask and softmax (returns weights).
-``sdpa``   ``torch.nn.functional.scaled_dot_product_attention`` with the bias folded into a
-           float mask (or ``is_causal`` when there is no bias and no padding).
+``eager``    the reference: explicit fp32 scores, bias, mask and softmax (returns weights).
+``sdpa``     ``torch.nn.functional.scaled_dot_product_attention`` with the whole bias folded
+             into a float mask (or ``is_causal`` when there is no bias and no padding).
+``chunked``  SDPA over query blocks, causal keys only, the bias built per block
+             (``chunked.py``) — for encodings that give their bias as a ``BlockBias``.
+``flex``     FlexAttention ``score_mod`` (``flex.py``), for the same encodings.
+``auto``     (default) ``chunked`` on CPU, flash-attn ALiBi / ``flex`` first on CUDA, for
+             encodings with a ``BlockBias``; ``sdpa`` for every other encoding.
 
 Masks follow transformers' sdpa convention: a boolean (B,1,Tq,Tk) tensor where True means
 "may attend", or ``None`` for a plain causal mask. Query ``i`` of ``Tq`` sits at key index
@@ -16,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "eager")
+BACKENDS = ("auto", "sdpa", "chunked", "flex", "eager")
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -17,9 +17,11 @@ from torch import nn
 
 from ..encodings.base import ScoreContext
 from ..positions import bind_arguments
+from .blocks import attend_blocks
 from .core import attend, fold_mask
 
 if TYPE_CHECKING:
+    from ..positions import ForwardContext
     from ..runtime import PatchRuntime
 
 
@@ -67,28 +69,56 @@ class PatchedAttentionForward:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
 
         score = ScoreContext(layer, q, k, hidden, positions, memo, state)
+        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+            raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
+        plain = not (stages.logits or stages.transform_scores or stages.normalize)
+        if stages.score_bias and plain and runtime.block_backend is not None:
+            out = attend_blocks(
+                runtime.block_backend,
+                q,
+                k,
+                v,
+                bias=encoding.block_bias(score),
+                mask=mask,
+                scaling=module.scaling,
+                dropout_p=adapter.dropout_p(module),
+                memo=memo,
+            )
+            weights = None
+        else:
+            out, weights = self._attend_full(score, context, q, k, v, mask, plain)
+        out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
+        if stages.adjust_output:
+            out = encoding.adjust_output(layer, hidden, out, state, memo)
+        return adapter.output(module, out), weights
+
+
+    def _attend_full(
+        self,
+        score: ScoreContext,
+        context: ForwardContext,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        plain: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sdpa/eager core with the whole (B|1, Hq, Tq, Tk) bias (or none)."""
+        runtime, module, layer = self.runtime, self.module, self.layer_idx
+        encoding, adapter, memo, stages = runtime.encoding, runtime.adapter, runtime.memo, runtime.stages
         logits = bias = None
         if stages.logits:
             key_positions = context.key_positions[:, -k.shape[-2] :]  # (B, Tk)
-            logits = encoding.logits(layer, q, k, positions, key_positions, memo)  # (B, Hq, Tq, Tk)
+            logits = encoding.logits(layer, q, k, score.q_positions, key_positions, memo)  # (B, Hq, Tq, Tk)
         if stages.score_bias:
             bias = encoding.score_bias(score)  # broadcastable to (B, Hq, Tq, Tk)
-
-        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-            raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
+        backend = "eager" if runtime.backend == "eager" else "sdpa"
         folded = None
-        plain = not (stages.logits or stages.transform_scores or stages.normalize)
-        if (
-            bias is not None
-            and plain
-            and runtime.backend == "sdpa"
-            and memo.holds(bias)
-            and not bias.requires_grad
-        ):
+        if bias is not None and plain and backend == "sdpa" and memo.holds(bias) and not bias.requires_grad:
             # a memoised grad-free bias (alibi, sandwich, ...) is shared by every layer: fold it with the mask once
             key = ("folded_mask", id(bias), id(mask), q.dtype)
             folded = memo.get(key, lambda: fold_mask(bias, mask, q.shape[-2], k.shape[-2], q.dtype))
-        out, weights = attend(
+        return attend(
             q,
             k,
             v,
@@ -97,7 +127,7 @@ class PatchedAttentionForward:
             logits=logits,
             scaling=module.scaling,
             dropout_p=adapter.dropout_p(module),
-            backend=runtime.backend,
+            backend=backend,
             folded=folded,
             transform=(lambda scores, allowed: encoding.transform_scores(_with_mask(score, allowed), scores))
             if stages.transform_scores
@@ -108,10 +138,6 @@ class PatchedAttentionForward:
             if stages.normalize
             else None,
         )
-        out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
-        if stages.adjust_output:
-            out = encoding.adjust_output(layer, hidden, out, state, memo)
-        return adapter.output(module, out), weights
 
 
 def _with_mask(score: ScoreContext, allowed: torch.Tensor | None) -> ScoreContext:

@@ -17,7 +17,7 @@ import torch
 
 from ..config import EncodingConfig
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext, query_key_distance
+from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
@@ -56,3 +56,13 @@ class ALiBi(Encoding):
             return -slopes[:, None, None] * distance  # (Hq, Tq, Tk)
 
         return ctx.memo.get(("alibi", q_len, k_len, device), build)
+
+    def block_bias(self, ctx: ScoreContext) -> BlockBias:
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+
+        def build() -> BlockBias:
+            slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
+            distance = torch.arange(k_len, device=device, dtype=torch.float32)  # (Tk,) d = 0 .. Tk-1
+            return BlockBias(q_len, k_len, by_distance=-slopes[:, None] * distance, slopes=slopes)
+
+        return ctx.memo.get(("alibi_blocks", q_len, k_len, device), build)

@@ -32,6 +32,7 @@ from torch import nn
 from ..config import FORMAT_VERSION, EncodingConfig
 from ..memo import ForwardMemo
 from ..models.base import ModelGeometry
+from .block_bias import BlockBias
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
 STAGES = (
@@ -189,6 +190,20 @@ class Encoding(nn.Module):
         shifts both sides equally, so relative biases are padding-invariant.
         """
         raise NotImplementedError
+
+    def block_bias(self, ctx: ScoreContext) -> BlockBias:
+        """The ``score_bias`` of this call as O(T) values (see :class:`BlockBias`).
+
+        Optional: an encoding that implements it runs on the chunked and FlexAttention
+        backends, which never write out the (B, Hq, Tq, Tk) bias. Called instead of (never
+        besides) ``score_bias``, so it has the same side effects (decoding state, projections).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def has_block_bias(cls) -> bool:
+        """Whether this class implements :meth:`block_bias`."""
+        return cls.block_bias is not Encoding.block_bias
 
     def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
         """Scaled logits plus bias (B, Hq, Tq, Tk) fp32 -> new scores (masking comes after).

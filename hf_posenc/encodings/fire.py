@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext, query_key_distance
+from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
 EPS = 1e-6  # the reference's guard on the normaliser
 
@@ -118,6 +118,19 @@ class FIRE(Encoding):
         )  # (Tq, Tk)
         positions = ctx.memo.get(("fire_positions", q_len, device), lambda: _distinct_rows(ctx.q_positions))
         return self.function(ctx.layer_idx)(distance, positions)  # (B|1, Hq, Tq, Tk)
+
+    def block_bias(self, ctx: ScoreContext) -> BlockBias:
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        positions = ctx.memo.get(("fire_positions", q_len, device), lambda: _distinct_rows(ctx.q_positions))
+        function = self.function(ctx.layer_idx)
+        offset = k_len - q_len
+
+        def rows(start: int, stop: int, k_end: int) -> torch.Tensor:
+            query_index = torch.arange(start + offset, stop + offset, device=device)
+            distance = query_index[:, None] - torch.arange(k_end, device=device)[None]  # (rows, keys) i - j
+            return function(distance, positions[:, start:stop])  # (B|1, Hq, rows, keys)
+
+        return BlockBias(q_len, k_len, row_function=rows)
 
 
 def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:

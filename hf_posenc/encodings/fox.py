@@ -26,8 +26,8 @@ import dataclasses
 import torch
 
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext
-from .fox_common import ForgetGateConfig, forget_gates, forgetting_bias, log_forget
+from .base import BlockBias, Encoding, ScoreContext
+from .fox_common import ForgetGateConfig, cumulative_log_forget, forget_gates, forgetting_bias, log_forget
 
 
 @dataclasses.dataclass
@@ -51,3 +51,8 @@ class FoX(Encoding):
     def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
         log_f = log_forget(self.forget[ctx.layer_idx], ctx.hidden)  # (B, Hq, Tq)
         return forgetting_bias(log_f, ctx.k_len, ctx.state)  # (B, Hq, Tq, Tk)
+
+    def block_bias(self, ctx: ScoreContext) -> BlockBias:
+        log_f = log_forget(self.forget[ctx.layer_idx], ctx.hidden)  # (B, Hq, Tq)
+        c = cumulative_log_forget(log_f, ctx.k_len, ctx.state)  # (B, Hq, Tk)
+        return BlockBias(ctx.q_len, ctx.k_len, separable=(c[..., -ctx.q_len :], c))  # D_ij = c_i - c_j

@@ -72,13 +72,13 @@ def log_forget(gate: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     return F.logsigmoid(logits).transpose(1, 2)
 
 
-def forgetting_bias(log_f: torch.Tensor, k_len: int, state: dict[str, Any] | None) -> torch.Tensor:
-    """log f (B, H, Tq) of the new tokens -> D (B, H, Tq, Tk) fp32, D_ij = c_i - c_j.
+def cumulative_log_forget(log_f: torch.Tensor, k_len: int, state: dict[str, Any] | None) -> torch.Tensor:
+    """log f (B, H, Tq) of the new tokens -> c (B, H, Tk) fp32 of every key, c_t = sum_{l <= t} log f_l.
 
-    Queries are the last Tq of the Tk keys (bottom-right aligned). The cumulative sums c are
-    accumulated in fp64 (cheap: one value per key) and rounded to fp32 before the difference,
-    so decoding, which continues the c of the cached keys kept in ``state``, reproduces the
-    full forward's c exactly. ``state`` is updated to the Tk keys of this call.
+    Queries are the last Tq of the Tk keys (bottom-right aligned). The cumulative sums are
+    accumulated in fp64 (cheap: one value per key) and rounded to fp32, so decoding, which
+    continues the c of the cached keys kept in ``state``, reproduces the full forward's c
+    exactly. ``state`` is updated to the Tk keys of this call.
     """
     cumulative = log_f.to(_ACCUMULATE.get(log_f.device.type, torch.float64)).cumsum(dim=-1)  # (B, H, Tq)
     if state is not None:
@@ -92,5 +92,11 @@ def forgetting_bias(log_f: torch.Tensor, k_len: int, state: dict[str, Any] | Non
             f"fox: the KV cache holds {k_len} keys but the forget-gate state knows {cumulative.shape[-1]}; "
             "a cache must be filled by this patched model from its first token (and not reordered or cropped)"
         )
-    c = cumulative.float()  # (B, H, Tk)
+    return cumulative.float()  # (B, H, Tk)
+
+
+def forgetting_bias(log_f: torch.Tensor, k_len: int, state: dict[str, Any] | None) -> torch.Tensor:
+    """log f (B, H, Tq) of the new tokens -> D (B, H, Tq, Tk) fp32, D_ij = c_i - c_j (see
+    :func:`cumulative_log_forget`)."""
+    c = cumulative_log_forget(log_f, k_len, state)  # (B, H, Tk)
     return c[..., -log_f.shape[-1] :, None] - c[..., None, :]  # (B, H, Tq, Tk)

@@ -21,7 +21,7 @@ import torch
 
 from ..config import EncodingConfig, check_number, fail
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext, query_key_distance
+from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
@@ -55,13 +55,24 @@ class Sandwich(Encoding):
     paper = "Chi et al. 2023, arXiv:2212.10356"
     summary = "fixed sinusoidal-kernel bias p_i.p_j - d'/2, scaled per head by H/(8h)"
 
+    def distance_table(self, k_len: int, device: torch.device) -> torch.Tensor:
+        """(Hq, Tk) fp32 bias of every distance 0 .. Tk-1."""
+        kernel = sandwich_kernel(torch.arange(k_len, device=device), self.config.dim)  # (Tk,)
+        ratios = sandwich_ratios(self.geometry.num_heads).to(device)  # (Hq,)
+        return kernel[None] / ratios[:, None]
+
     def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
 
         def build() -> torch.Tensor:
-            kernel = sandwich_kernel(torch.arange(k_len, device=device), self.config.dim)  # (Tk,) by |i-j|
             index = query_key_distance(q_len, k_len, device).abs()  # (Tq, Tk)
-            ratios = sandwich_ratios(self.geometry.num_heads).to(device)  # (Hq,)
-            return kernel[index][None] / ratios[:, None, None]  # (Hq, Tq, Tk)
+            return self.distance_table(k_len, device)[:, index]  # (Hq, Tq, Tk)
 
         return ctx.memo.get(("sandwich", q_len, k_len, device), build)
+
+    def block_bias(self, ctx: ScoreContext) -> BlockBias:
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        return ctx.memo.get(
+            ("sandwich_blocks", q_len, k_len, device),
+            lambda: BlockBias(q_len, k_len, by_distance=self.distance_table(k_len, device)),
+        )

@@ -25,7 +25,7 @@ from torch import nn
 from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext, query_key_distance
+from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
@@ -86,3 +86,13 @@ class T5Bias(Encoding):
         )  # (Tq, Tk)
         table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
         return table(buckets).permute(2, 0, 1).float()  # (Hq, Tq, Tk)
+
+    def block_bias(self, ctx: ScoreContext) -> BlockBias:
+        cfg = self.config
+        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        buckets = ctx.memo.get(
+            ("t5_distance_buckets", k_len, device),
+            lambda: relative_position_bucket(torch.arange(k_len, device=device), cfg.num_buckets, cfg.max_distance),
+        )  # (Tk,) bucket of distance d = 0 .. Tk-1
+        table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
+        return BlockBias(q_len, k_len, by_distance=table(buckets).t().float())  # (Hq, Tk)
