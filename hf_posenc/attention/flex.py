@@ -42,7 +42,7 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flex_function(compiled: bool) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -92,7 +92,6 @@ class PatchedAttentionForward:
             out = encoding.adjust_output(layer, hidden, out, state, memo)
         return adapter.output(module, out), weights
 
-
     def _attend_full(
         self,
         score: ScoreContext,

@@ -92,7 +92,9 @@ class T5Bias(Encoding):
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
         buckets = ctx.memo.get(
             ("t5_distance_buckets", k_len, device),
-            lambda: relative_position_bucket(torch.arange(k_len, device=device), cfg.num_buckets, cfg.max_distance),
+            lambda: relative_position_bucket(
+                torch.arange(k_len, device=device), cfg.num_buckets, cfg.max_distance
+            ),
         )  # (Tk,) bucket of distance d = 0 .. Tk-1
         table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
         return BlockBias(q_len, k_len, by_distance=table(buckets).t().float())  # (Hq, Tk)
