@@ -1,19 +1,45 @@
-"""Timing and peak-memory probes: medians after warm-up, peak extra memory during a call.
+"""Timing and peak-memory probes: paired medians after warm-up, peak extra memory of a call.
+
+Times are taken in pairs: the native model and the patched one run alternately, so slow
+drift of a noisy machine (other processes, frequency scaling) reaches both alike.
 
 CPU memory is the peak resident set size above the level before the call, sampled by a
-background thread every millisecond; CUDA memory is ``torch.cuda.max_memory_allocated``
+background thread every millisecond. glibc would otherwise keep freed memory resident and
+hand it out again, so a second call would look free: :func:`return_freed_memory_to_os`
+makes every allocation of 64 KiB or more its own ``mmap`` (returned to the OS on free), so
+the resident set follows the live tensors. CUDA memory is ``torch.cuda.max_memory_allocated``
 above the allocation before the call.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
+
+M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
+def return_freed_memory_to_os() -> bool:
+    """Make glibc serve allocations >= 64 KiB by ``mmap`` (and trim the heap): True on success."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, 0)
+        )
+    except (OSError, AttributeError):
+        return False
 
 
 class PeakMemory:
@@ -56,20 +82,40 @@ class PeakMemory:
         self.extra = max(0, self._peak - self._start)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed(run: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of one ``run()``."""
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def paired_times(
+    baseline: Callable[[], object],
+    candidate: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``repeats`` calls of each, alternating baseline/candidate, after ``warmup`` of each."""
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    base, cand = [], []
+    for _ in range(repeats):
+        base.append(elapsed(baseline, device))
+        cand.append(elapsed(candidate, device))
+    return base, cand
+
+
 def median_time(run: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
     """Median wall-clock seconds of ``run()`` over ``repeats`` calls after ``warmup`` calls."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for _ in range(warmup):
         run()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(elapsed(run, device) for _ in range(repeats))

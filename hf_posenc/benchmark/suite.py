@@ -8,16 +8,19 @@ model measured in the same run (machines are noisy; ratios within one run are wh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from ..patch import patch_model, unpatch_model
+from ..patch import patch_model
 from ..tiny import tiny_model
-from .measure import PeakMemory, median_time
+from .measure import PeakMemory, paired_times, return_freed_memory_to_os
 
 NATIVE = "native"
 MODES = ("forward", "train", "decode")
@@ -40,7 +43,7 @@ class BenchConfig:
     decode_tokens: int = 256
     device: str = "cpu"
     dtype: str = "float32"
-    backend: str = "sdpa"
+    backend: str = "auto"
 
 
 @dataclasses.dataclass
@@ -48,8 +51,17 @@ class Measurement:
     encoding: str
     mode: str
     length: int
-    seconds: float
-    peak_bytes: int
+    seconds: float  # median; decode: per generated token
+    peak_bytes: int  # peak extra memory of one call (0 for decode: not measured)
+    #: median of the native model's calls alternating with this encoding's (None on native rows)
+    native_seconds: float | None = None
+    error: str | None = None  # e.g. out of memory: the call could not run
+
+    @property
+    def time_ratio(self) -> float | None:
+        if self.error or not self.native_seconds:
+            return None
+        return self.seconds / self.native_seconds
 
 
 def _model(config: BenchConfig, max_positions: int) -> torch.nn.Module:
@@ -90,53 +102,126 @@ def _decode(model, prompt, tokens: int) -> float:
         return (time.perf_counter() - start) / tokens
 
 
-def _measure(
-    model, mode: str, ids: torch.Tensor, config: BenchConfig, device: torch.device
-) -> tuple[float, int]:
-    """(median seconds, peak extra bytes) of one mode at one length; decode: seconds per token."""
-    if mode == "decode":
-        model.eval()
-        _decode(model, ids, 4)  # warm-up
-        return min(_decode(model, ids, config.decode_tokens) for _ in range(max(1, config.repeats // 2))), 0
-    step = _forward if mode == "forward" else _train_step
-    model.train(mode == "train")
-    seconds = median_time(lambda: step(model, ids), device, config.repeats, config.warmup)
-    with PeakMemory(device) as memory:
-        step(model, ids)
-    return seconds, memory.extra
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+class _Bench:
+    """One run: the native model, and each encoding patched onto a copy of it."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        longest = max([*config.lengths, config.decode_prompt + config.decode_tokens])
+        self.native = _model(config, longest)
+        self.native_memory: dict[tuple[str, int], int] = {}
+        self.native_times: dict[tuple[str, int], list[float]] = {}
+
+    def ids(self, length: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(length)
+        shape = (self.config.batch_size, length)
+        return torch.randint(0, self.config.vocab_size, shape, generator=generator).to(self.device)
+
+    def peak(self, model, mode: str, ids: torch.Tensor) -> int:
+        if mode == "decode":
+            return 0
+        step = _forward if mode == "forward" else _train_step
+        with PeakMemory(self.device) as memory:
+            step(model, ids)
+        model.zero_grad(set_to_none=True)
+        return memory.extra
+
+    def times(self, model, mode: str, ids: torch.Tensor) -> tuple[list[float], list[float]]:
+        """(native seconds, model seconds), alternating; decode: seconds per token."""
+        config, native = self.config, self.native
+        if mode == "decode":
+            pairs = [
+                (_decode(native, ids, config.decode_tokens), _decode(model, ids, config.decode_tokens))
+                for _ in range(max(1, config.repeats // 2))
+            ]
+            return [p[0] for p in pairs], [p[1] for p in pairs]
+        step = _forward if mode == "forward" else _train_step
+        return paired_times(
+            lambda: step(native, ids), lambda: step(model, ids), self.device, config.repeats, config.warmup
+        )
+
+    def measure(self, name: str, model, mode: str, length: int) -> Measurement:
+        key = (mode, length)
+        ids = self.ids(length)
+        for m in (self.native, model):
+            m.train(mode == "train")
+        if mode == "decode":
+            _decode(self.native, ids, 2)  # warm-up
+            _decode(model, ids, 2)
+        if key not in self.native_memory:
+            self.native_memory[key] = self.peak(self.native, mode, ids)
+        try:
+            native_seconds, seconds = self.times(model, mode, ids)
+            peak = self.peak(model, mode, ids)
+        except (RuntimeError, MemoryError) as error:
+            if not _is_out_of_memory(error) and not isinstance(error, MemoryError):
+                raise
+            model.zero_grad(set_to_none=True)
+            return Measurement(name, mode, length, math.nan, 0, error="out of memory")
+        self.native_times.setdefault(key, []).extend(native_seconds)
+        return Measurement(
+            name,
+            mode,
+            length,
+            statistics.median(seconds),
+            peak,
+            native_seconds=statistics.median(native_seconds),
+        )
+
+    def native_rows(self) -> list[Measurement]:
+        rows = []
+        for (mode, length), seconds in self.native_times.items():
+            rows.append(
+                Measurement(
+                    NATIVE, mode, length, statistics.median(seconds), self.native_memory[(mode, length)]
+                )
+            )
+        return rows
+
+
+def _lengths(config: BenchConfig, mode: str) -> list[int]:
+    return [config.decode_prompt] if mode == "decode" else config.lengths
 
 
 def run_suite(config: BenchConfig, progress: bool = True) -> list[Measurement]:
-    device = torch.device(config.device)
-    longest = max([*config.lengths, config.decode_prompt + config.decode_tokens])
-    model = _model(config, longest)
+    """Every (encoding, mode, length) of ``config``, timed alternately with the native model."""
+    if config.device == "cpu":
+        return_freed_memory_to_os()
+    bench = _Bench(config)
     results: list[Measurement] = []
-    generator = torch.Generator().manual_seed(0)
-    for name in [NATIVE, *config.encodings]:
-        if name != NATIVE:
-            patch_model(model, name, backend=config.backend)
+    for name in config.encodings or [NATIVE]:
+        model = (
+            bench.native
+            if name == NATIVE
+            else patch_model(copy.deepcopy(bench.native), name, backend=config.backend)
+        )
         for mode in config.modes:
-            lengths = [config.decode_prompt] if mode == "decode" else config.lengths
-            for length in lengths:
-                ids = torch.randint(
-                    0, config.vocab_size, (config.batch_size, length), generator=generator
-                ).to(device)
-                seconds, peak = _measure(model, mode, ids, config, device)
-                results.append(Measurement(name, mode, length, seconds, peak))
+            for length in _lengths(config, mode):
+                m = bench.measure(name, model, mode, length)
+                if name != NATIVE:
+                    results.append(m)
                 if progress:
+                    ratio = f"{m.time_ratio:.2f}x native" if m.time_ratio else (m.error or "")
                     print(
-                        f"[bench] {name:<11} {mode:<8} T={length:<6} {seconds * 1000:9.2f} ms  "
-                        f"+{peak / 2**20:8.1f} MiB",
+                        f"[bench] {name:<11} {mode:<8} T={length:<6} {m.seconds * 1000:9.2f} ms  "
+                        f"+{m.peak_bytes / 2**20:8.1f} MiB  {ratio}",
                         flush=True,
                     )
-        if name != NATIVE:
-            unpatch_model(model)
-        model.zero_grad(set_to_none=True)
-    return results
+        del model
+    return bench.native_rows() + results
 
 
 def ratio_table(results: list[Measurement]) -> str:
-    """Markdown: per encoding, mode and length, time and memory as ratios to native."""
+    """Markdown: per encoding, mode and length, time and memory as ratios to native.
+
+    The time ratio divides by the native calls that alternated with this encoding's calls;
+    the memory ratio by the native model's peak extra memory for the same mode and length.
+    """
     native = {(m.mode, m.length): m for m in results if m.encoding == NATIVE}
     lines = [
         "| encoding | mode | T | time (ms) | time / native | peak extra (MiB) | memory / native |",
@@ -144,7 +229,12 @@ def ratio_table(results: list[Measurement]) -> str:
     ]
     for m in results:
         base = native.get((m.mode, m.length))
-        time_ratio = f"{m.seconds / base.seconds:.2f}x" if base and base.seconds else "-"
+        if m.error:
+            lines.append(f"| {m.encoding} | {m.mode} | {m.length} | {m.error} | - | - | - |")
+            continue
+        time_ratio = f"{m.time_ratio:.2f}x" if m.time_ratio else "-"
+        if m.encoding == NATIVE:
+            time_ratio = "1.00x"
         memory_ratio = f"{m.peak_bytes / base.peak_bytes:.2f}x" if base and base.peak_bytes else "-"
         lines.append(
             f"| {m.encoding} | {m.mode} | {m.length} | {m.seconds * 1000:.2f} | {time_ratio} | "
@@ -153,13 +243,20 @@ def ratio_table(results: list[Measurement]) -> str:
     return "\n".join(lines)
 
 
+def _json_row(m: Measurement) -> dict:
+    row = dataclasses.asdict(m)
+    row["seconds"] = None if math.isnan(m.seconds) else m.seconds  # NaN is not JSON
+    row["time_ratio"] = m.time_ratio
+    return row
+
+
 def write_results(results: list[Measurement], config: BenchConfig, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"table": out_dir / "bench.md", "json": out_dir / "bench.json", "png": out_dir / "bench.png"}
     paths["table"].write_text(ratio_table(results) + "\n")
     paths["json"].write_text(
         json.dumps(
-            {"config": dataclasses.asdict(config), "results": [dataclasses.asdict(m) for m in results]},
+            {"config": dataclasses.asdict(config), "results": [_json_row(m) for m in results]},
             indent=2,
         )
     )

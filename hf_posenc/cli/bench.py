@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..attention import BACKENDS
 from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
 from ..registry import canonical_name, list_encodings
 
@@ -34,7 +35,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--backend", default=defaults.backend, choices=["sdpa", "eager"])
+    parser.add_argument("--backend", default=defaults.backend, choices=list(BACKENDS))
     parser.add_argument("--output-dir", default="posenc-bench")
     parser.set_defaults(run=command_bench)
 

@@ -81,6 +81,39 @@ class FIREFunction(nn.Module):
         h = F.relu(F.linear(x, self.hidden.weight.float(), self.hidden.bias.float()))  # (..., width)
         return F.linear(h, self.out.weight.float(), self.out.bias.float())
 
+    def linear_pieces(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """f_theta as the piecewise-linear function it is (a one-input ReLU MLP):
+
+        (breakpoints (K,) sorted, slopes A (Hq, K+1), intercepts B (Hq, K+1)) such that
+        f(x) = A[:, s] x + B[:, s] with s = the number of breakpoints <= x. Unit k switches at
+        -b1_k / w1_k; on each segment its ReLU is either off or linear, so
+        A[:, s] = sum_{k on} W2[:, k] w1_k and B[:, s] = b2 + sum_{k on} W2[:, k] b1_k.
+        Gradients reach every MLP parameter through A and B (which units are on is a constant
+        of the segment, as the ReLU's derivative is).
+        """
+        w1 = self.hidden.weight.float()[:, 0]  # (K,)
+        b1 = self.hidden.bias.float()  # (K,)
+        w2 = self.out.weight.float()  # (Hq, K)
+        with torch.no_grad():
+            # inputs x lie in [0, 1]: breakpoints outside [-1, 2] (or none, w1 = 0) only matter by side
+            raw = torch.where(w1 == 0, torch.full_like(w1, 2.0), -b1 / torch.where(w1 == 0, 1.0, w1))
+            points = raw.clamp(-1.0, 2.0).sort().values  # (K,)
+            edges = torch.cat((points[:1] - 1.0, points, points[-1:] + 1.0))  # (K+2,)
+            middles = (edges[:-1] + edges[1:]) / 2  # (K+1,) one x inside each segment
+            on = (middles[:, None] * w1[None] + b1[None] > 0).float()  # (K+1, K) unit k is on in segment s
+        slopes = w2 @ (on * w1[None]).t()  # (Hq, K+1)
+        intercepts = w2 @ (on * b1[None]).t() + self.out.bias.float()[:, None]  # (Hq, K+1)
+        return points, slopes, intercepts
+
+    def evaluate_pieces(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Same as :meth:`forward` (to fp32 rounding), through :meth:`linear_pieces`: a few
+        operations per score instead of a width-``K`` hidden layer. -> (B, Hq, Tq, Tk) fp32."""
+        x = self.normalized_distance(distance, positions)  # (B, Tq, Tk)
+        points, slopes, intercepts = self.linear_pieces()
+        segment = torch.searchsorted(points, x.detach(), right=True)  # (B, Tq, Tk) in 0 .. K
+        bias = slopes[:, segment] * x + intercepts[:, segment]  # (Hq, B, Tq, Tk)
+        return bias.movedim(0, 1)
+
     def forward(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """-> (B, Hq, Tq, Tk) fp32 bias."""
         x = self.normalized_distance(distance, positions)[..., None]  # (B, Tq, Tk, 1)
@@ -128,7 +161,7 @@ class FIRE(Encoding):
         def rows(start: int, stop: int, k_end: int) -> torch.Tensor:
             query_index = torch.arange(start + offset, stop + offset, device=device)
             distance = query_index[:, None] - torch.arange(k_end, device=device)[None]  # (rows, keys) i - j
-            return function(distance, positions[:, start:stop])  # (B|1, Hq, rows, keys)
+            return function.evaluate_pieces(distance, positions[:, start:stop])  # (B|1, Hq, rows, keys)
 
         return BlockBias(q_len, k_len, row_function=rows)
 

@@ -1,0 +1,295 @@
+"""Every attention backend gives the eager reference's outputs and gradients.
+
+The chunked backend (query blocks over SDPA, Toeplitz biases as strided views) and the
+FlexAttention backend (uncompiled off CUDA) are checked against ``backend="eager"`` (explicit
+fp32 scores) at fp32 atol 1e-5, and the block core against an fp64 softmax written here.
+Blocks are made tiny (3..5 queries) so every input spans several of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_model, patch, token_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hf_posenc
+import hf_posenc.attention.chunked as chunked
+from hf_posenc.attention.chunked import attend_chunked
+from hf_posenc.attention.flex import attend_flash_alibi, attend_flex
+from hf_posenc.encodings.base import probe_context
+from hf_posenc.encodings.block_bias import BlockBias
+from hf_posenc.registry import get_encoding
+
+ATOL = 1e-5
+#: encodings whose bias comes as a BlockBias, with parameters that exercise their variants
+BLOCK_CASES = [
+    ("alibi", {}),
+    ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
+    ("kerple", {}),
+    ("kerple", {"variant": "power"}),
+    ("sandwich", {"dim": 16}),
+    ("fire", {"init_L": 6.0}),  # L below the inputs' lengths: the non-Toeplitz rows are exercised
+    ("fox", {}),
+    ("fox_pro", {}),
+]
+BLOCK_IDS = [
+    name + ("-" + "-".join(f"{k}={v}" for k, v in p.items()) if p else "") for name, p in BLOCK_CASES
+]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+@pytest.fixture(autouse=True)
+def tiny_blocks(monkeypatch):
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
+
+
+def test_block_cases_cover_every_encoding_with_a_block_bias():
+    with_blocks = {
+        info.name for info in hf_posenc.list_encodings() if get_encoding(info.name).has_block_bias()
+    }
+    assert with_blocks == {name for name, _ in BLOCK_CASES}
+
+
+def _models(family: str, name: str, params: dict, backends: tuple[str, ...]):
+    models = {backend: patch(make_model(family), name, params, backend=backend) for backend in backends}
+    state = models["eager"].posenc.state_dict()
+    for model in models.values():
+        model.posenc.load_state_dict(state)
+    return models
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("backend", ["chunked", "flex", "auto"])
+def test_block_backend_logits_equal_eager_with_and_without_left_padding(family, case, backend):
+    """One forward of 2 x 17 tokens (row 1 left-padded by 4; Mistral's window is 8)."""
+    name, params = case
+    models = _models(family, name, params, ("eager", backend))
+    ids = token_ids(2, 17)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        reference = models["eager"](ids).logits
+        padded_reference = models["eager"](ids, attention_mask=mask).logits
+        logits = models[backend](ids).logits
+        padded = models[backend](ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded[0], padded_reference[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded[1, 4:], padded_reference[1, 4:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_chunked_decoding_with_a_cache_equals_the_eager_full_forward(family, case):
+    """Prefill 11 tokens (3 blocks) then 3 single-token steps and one 4-token step."""
+    from transformers import DynamicCache
+
+    name, params = case
+    models = _models(family, name, params, ("eager", "chunked"))
+    ids = token_ids(1, 18)
+    with torch.no_grad():
+        full = models["eager"](ids).logits
+        model = models["chunked"]
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, :11], past_key_values=cache, use_cache=True).logits]
+        for start, stop in [(11, 12), (12, 13), (13, 14), (14, 18)]:
+            steps.append(model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_chunked_gradients_equal_eager_gradients(family, case):
+    """Loss gradients of every parameter (model and encoding) match, so training is the same;
+    the padded rows go through the per-block path with recomputation in backward."""
+    name, params = case
+    models = _models(family, name, params, ("eager", "chunked"))
+    ids = token_ids(2, 13)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    grads = {}
+    for backend, model in models.items():
+        model.train()
+        for attention_mask in (None, mask):
+            model.zero_grad()
+            labels = ids.clone()
+            if attention_mask is not None:
+                labels[1, :3] = -100  # the first real token is predicted from a padded position
+            model(ids, attention_mask=attention_mask, labels=labels).loss.backward()
+            grads[backend, attention_mask is None] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+    for plain in (True, False):
+        eager, blocks = grads["eager", plain], grads["chunked", plain]
+        assert eager.keys() == blocks.keys()
+        assert any(n.startswith("posenc.") for n in eager) == bool(list(models["eager"].posenc.parameters()))
+        for n in eager:
+            torch.testing.assert_close(blocks[n], eager[n], atol=ATOL, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
+def test_block_bias_equals_score_bias_on_every_attendable_entry(case):
+    """BlockBias (by_distance / separable / rows) is the score_bias of the same call, for a
+    square call and for the last queries of a longer key range (decoding)."""
+    name, params = case
+    model = patch(make_model("llama"), name, params)
+    geometry = model.posenc.geometry
+    shapes = [(9, 9)] if get_encoding(name).stateful else [(9, 9), (3, 9), (1, 9)]  # stateful: no cache here
+    for q_len, k_len in shapes:
+        ctx = probe_context(geometry, q_len, k_len)
+        ctx.hidden = torch.randn(ctx.hidden.shape, generator=torch.Generator().manual_seed(q_len))
+        with torch.no_grad():
+            full = model.posenc.score_bias(ctx).expand(1, -1, q_len, k_len)
+            ctx.memo.clear()
+            blocks = model.posenc.block_bias(ctx).full()
+        causal = torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]  # (Tq, Tk)
+        torch.testing.assert_close(blocks[..., causal], full[..., causal], atol=1e-6, rtol=0)
+
+
+def _reference(q, k, v, bias, allowed, scaling):
+    """fp64 softmax(q k^T * scaling + bias, masked) v with explicit scores: (B, Tq, H, D)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(groups, dim=1)
+    v = v.double().repeat_interleave(groups, dim=1)
+    scores = q.double() @ k.transpose(-1, -2) * scaling + bias.double()
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q_len=st.integers(1, 23),
+    extra_keys=st.integers(0, 9),
+    block=st.integers(1, 8),
+    heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    form=st.sampled_from(["by_distance", "separable", "rows"]),
+    padding=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_chunked_equals_an_fp64_softmax(q_len, extra_keys, block, heads, form, padding, seed):
+    """For any shape, block size, GQA ratio, bias form and left padding of row 1."""
+    generator = torch.Generator().manual_seed(seed)
+    k_len = q_len + extra_keys
+    hq, hkv = heads
+    q = torch.randn(2, hq, q_len, 8, generator=generator)
+    k = torch.randn(2, hkv, k_len, 8, generator=generator)
+    v = torch.randn(2, hkv, k_len, 8, generator=generator)
+    table = torch.randn(hq, k_len, generator=generator)
+    terms = torch.randn(2, hq, k_len, generator=generator).cumsum(-1)
+    rows_i = torch.arange(k_len - q_len, k_len)[:, None]
+    columns = torch.arange(k_len)[None, :]
+    distance = (rows_i - columns).clamp(min=0)  # (Tq, Tk)
+    dense = {
+        "by_distance": table[:, distance][None],
+        "separable": terms[..., -q_len:, None] - terms[..., None, :],
+        "rows": table[:, distance][None] * 0.5 + 1.0,
+    }[form]
+    bias = {
+        "by_distance": lambda: BlockBias(q_len, k_len, by_distance=table),
+        "separable": lambda: BlockBias(q_len, k_len, separable=(terms[..., -q_len:], terms)),
+        "rows": lambda: BlockBias(q_len, k_len, row_function=lambda s, e, end: dense[..., s:e, :end]),
+    }[form]()
+    allowed = (columns <= rows_i)[None, None].expand(2, 1, q_len, k_len).clone()
+    allowed[1, :, :, : min(padding, k_len - 1)] = False
+    allowed[1, :, :, k_len - q_len :] |= torch.eye(q_len, dtype=torch.bool)  # padded queries see themselves
+    mask = allowed if padding else None
+    expected = _reference(q, k, v, dense, allowed, 0.3)
+    out = attend_chunked(q, k, v, bias=bias, mask=mask, scaling=0.3, block=block)
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+
+
+def test_chunked_bf16_stays_within_transformers_sdpa_vs_eager_tolerance():
+    """bf16 on CPU: transformers accepts sdpa vs eager within atol = rtol = 1e-2."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 16, generator=generator) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    bias = BlockBias(64, 64, by_distance=-slopes[:, None] * torch.arange(64.0))
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()[None, None]
+    expected = _reference(q, k, v, bias.full(), causal, 0.25).float()
+    out = attend_chunked(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias, mask=None, scaling=0.25, block=16
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_flex_serves_by_distance_and_separable_but_not_rows():
+    """attend_flex returns None (the caller falls back to chunked) for a row-function bias."""
+    q = k = v = torch.randn(1, 2, 6, 8)
+    rows = BlockBias(6, 6, row_function=lambda s, e, end: torch.zeros(1, 2, e - s, end))
+    assert attend_flex(q, k, v, bias=rows, mask=None, scaling=1.0) is None
+    table = BlockBias(6, 6, by_distance=torch.randn(2, 6))
+    assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0).shape == (1, 6, 2, 8)
+
+
+def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():
+    """With a stand-in for flash_attn_func written from flash-attn's documented semantics
+    (bias -slope * |i - j|, bottom-right causal), the ALiBi path equals the reference."""
+    calls = []
+
+    def flash_reference(q, k, v, dropout_p, softmax_scale, causal, alibi_slopes):  # (B, T, H, D)
+        calls.append((causal, alibi_slopes))
+        q_len, k_len = q.shape[1], k.shape[1]
+        i = torch.arange(k_len - q_len, k_len)[:, None]
+        j = torch.arange(k_len)[None, :]
+        bias = -alibi_slopes[:, None, None] * (i - j).abs()
+        scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2) * softmax_scale + bias
+        scores = scores.masked_fill(j > i, -math.inf)
+        return (torch.softmax(scores, -1) @ v.transpose(1, 2)).transpose(1, 2)
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 8, generator=generator)
+    k, v = (torch.randn(1, 4, 9, 8, generator=generator) for _ in range(2))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    bias = BlockBias(5, 9, by_distance=-slopes[:, None] * torch.arange(9.0), slopes=slopes)
+    out = attend_flash_alibi(q, k, v, bias=bias, mask=None, scaling=0.35, flash_function=flash_reference)
+    expected = attend_chunked(q, k, v, bias=bias, mask=None, scaling=0.35)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    assert calls[0][0] is True
+    assert (
+        attend_flash_alibi(
+            q,
+            k,
+            v,
+            bias=bias,
+            mask=torch.ones(1, 1, 5, 9, dtype=torch.bool),
+            scaling=0.35,
+            flash_function=flash_reference,
+        )
+        is None
+    )  # padding: not served
+
+
+def test_auto_uses_the_chunked_core_on_cpu_and_sdpa_does_not(monkeypatch):
+    import hf_posenc.attention.blocks as blocks
+
+    calls = []
+    original = blocks.attend_chunked
+    monkeypatch.setattr(blocks, "attend_chunked", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    ids = token_ids(1, 9)
+    with torch.no_grad():
+        patch(make_model("llama"), "alibi")(ids)
+        assert len(calls) == 2  # one per layer
+        patch(make_model("llama"), "alibi", backend="sdpa")(ids)
+        patch(make_model("llama"), "rope")(ids)  # no score bias: the plain core
+    assert len(calls) == 2
+
+
+@CUDA
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_auto_backend_equals_eager(case, dtype):
+    """On a GPU: flash-attn ALiBi / compiled FlexAttention / chunked equal eager (bf16: 1e-2)."""
+    name, params = case
+    models = _models("llama", name, params, ("eager", "auto"))
+    ids = token_ids(2, 300).cuda()
+    with torch.no_grad():
+        logits = [models[b].cuda().to(dtype)(ids).logits.float() for b in ("eager", "auto")]
+    tolerance = ATOL if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(
+        logits[1], logits[0], atol=tolerance, rtol=0 if dtype == torch.float32 else 1e-2
+    )
