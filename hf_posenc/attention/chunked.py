@@ -27,6 +27,36 @@ from .core import causal_mask, repeat_kv
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
+#: up to this many queries (decoding steps) the bias block is written out: cheaper than reversing the keys
+FEW_QUERIES = 16
+
+
+class ToeplitzView(torch.autograd.Function):
+    """line (H, L) -> the (1, H, rows, keys) view ``out[0, h, a, b] = line[h, first + a + b]``.
+
+    Forward is free (``as_strided``); backward sums the incoming gradient along its
+    anti-diagonals (skewing it into a (H, rows, keys + rows) buffer), which is much cheaper
+    than autograd's generic backward of an overlapping ``as_strided`` view.
+    """
+
+    @staticmethod
+    def forward(ctx, line: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
+        ctx.first, ctx.shape = first, line.shape
+        heads = line.shape[0]
+        return line.as_strided(
+            (1, heads, rows, keys), (0, line.stride(0), 1, 1), line.storage_offset() + first
+        )
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _, heads, rows, keys = grad.shape
+        width = keys + rows
+        skewed = grad.new_zeros(heads, rows, width)  # skewed[h, a, a + b] = grad[0, h, a, b]
+        skewed.as_strided((heads, rows, keys), (rows * width, width + 1, 1)).copy_(grad[0])
+        sums = skewed.sum(dim=1)[:, : width - 1]  # (H, rows + keys - 1): the sum over a + b = n
+        grad_line = grad.new_zeros(ctx.shape)
+        grad_line[:, ctx.first : ctx.first + width - 1] = sums
+        return grad_line, None, None, None
 
 
 def attend_chunked(
@@ -51,7 +81,7 @@ def attend_chunked(
     offset = k_len - q_len
     spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
 
-    if mask is None and bias.by_distance is not None:
+    if mask is None and bias.by_distance is not None and q_len > FEW_QUERIES:
         minimum = torch.finfo(q.dtype).min
         heads = bias.by_distance.shape[0]
         future = bias.by_distance.new_full((heads, q_len - 1), minimum).to(q.dtype)
@@ -60,11 +90,8 @@ def attend_chunked(
         outputs = []
         for start, stop in spans:
             first = q_len - stop  # the first reversed key a query of this block may attend
-            view = line.as_strided(
-                (1, heads, stop - start, k_len - first),
-                (0, line.stride(0), 1, 1),
-                line.storage_offset() + start + first,
-            )  # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
+            # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
+            view = ToeplitzView.apply(line, start + first, stop - start, k_len - first)
             outputs.append(
                 F.scaled_dot_product_attention(
                     q[:, :, start:stop],
@@ -78,12 +105,16 @@ def attend_chunked(
         return torch.cat(outputs, dim=2).transpose(1, 2)
 
     def one_block(q_block: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        k_end = offset + stop
-        allowed = (
-            causal_mask(stop - start, k_end, q.device) if mask is None else mask[..., start:stop, :k_end]
-        )  # (B|1, 1, rows, keys)
+        k_end, rows = offset + stop, stop - start
         values = bias.rows(start, stop, k_end).to(q.dtype)  # (B|1, Hq, rows, keys)
-        folded = values.masked_fill(~allowed, torch.finfo(q.dtype).min)
+        if mask is None:  # only the last ``rows`` keys hold future ones: mask that corner in place
+            # by_distance and separable rows are fresh tensors; a row function's may be anyone's
+            folded = values if bias.row_function is None else values.clone()
+            corner = folded[..., k_end - rows :]  # (B|1, Hq, rows, rows)
+            corner.masked_fill_(~causal_mask(rows, rows, q.device)[0], torch.finfo(q.dtype).min)
+        else:
+            allowed = mask[..., start:stop, :k_end]  # (B|1, 1, rows, keys)
+            folded = values.masked_fill(~allowed, torch.finfo(q.dtype).min)
         return F.scaled_dot_product_attention(
             q_block, k[:, :, :k_end], v[:, :, :k_end], attn_mask=folded, dropout_p=dropout_p, scale=scaling
         )
