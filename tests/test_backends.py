@@ -293,3 +293,52 @@ def test_cuda_auto_backend_equals_eager(case, dtype):
     torch.testing.assert_close(
         logits[1], logits[0], atol=tolerance, rtol=0 if dtype == torch.float32 else 1e-2
     )
+
+
+#: encodings with explicit scores (transform_scores / normalize), each row-local
+ROW_CASES = [
+    ("cope", {}),
+    ("cape", {}),
+    ("cape", {"base": "kerple"}),
+    ("cape", {"base": "fire", "base_params": {"init_L": 6.0}}),
+    ("sba", {}),
+    ("sba", {"attend_current": True, "remainder": "drop"}),
+]
+ROW_IDS = [name + ("-" + "-".join(f"{k}={v}" for k, v in p.items()) if p else "") for name, p in ROW_CASES]
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=ROW_IDS)
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_explicit_score_encodings_in_query_blocks_equal_eager(family, case):
+    """auto runs cope/cape/sba one block of queries at a time (each with its causal keys):
+    logits with and without left padding, gradients, and cached decoding equal eager's."""
+    from transformers import DynamicCache
+
+    name, params = case
+    models = _models(family, name, params, ("eager", "auto"))
+    assert models["auto"].posenc.rows_independent()
+    ids = token_ids(2, 17)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels = ids.clone()
+    labels[1, :5] = -100  # positions predicted from padding
+    outputs = {}
+    for backend, model in models.items():
+        model.zero_grad()
+        plain = model(ids)
+        padded = model(ids, attention_mask=mask, labels=labels)
+        padded.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            steps = [model(ids[:1, :12], past_key_values=cache, use_cache=True).logits]
+            steps.append(model(ids[:1, 12:], past_key_values=cache, use_cache=True).logits)
+        outputs[backend] = (plain.logits.detach(), padded.logits.detach(), grads, torch.cat(steps, dim=1))
+    (p_e, pad_e, g_e, _), (p_a, pad_a, g_a, steps_a) = outputs["eager"], outputs["auto"]
+    torch.testing.assert_close(p_a, p_e, atol=ATOL, rtol=0)
+    torch.testing.assert_close(pad_a[0], pad_e[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(pad_a[1, 4:], pad_e[1, 4:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(steps_a, p_e[:1], atol=ATOL, rtol=0)
+    assert g_a.keys() == g_e.keys()
+    for n in g_e:
+        torch.testing.assert_close(g_a[n], g_e[n], atol=ATOL, rtol=1e-4, msg=n)

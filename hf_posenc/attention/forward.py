@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..encodings.base import ScoreContext
 from ..positions import bind_arguments
-from .blocks import attend_blocks
+from . import chunked
+from .blocks import BLOCK_BACKENDS, attend_blocks
 from .core import attend, fold_mask
 
 if TYPE_CHECKING:
@@ -85,12 +87,64 @@ class PatchedAttentionForward:
                 memo=memo,
             )
             weights = None
+        elif (
+            runtime.backend in BLOCK_BACKENDS
+            and not stages.logits
+            and (stages.transform_scores or stages.normalize)
+            and encoding.rows_independent()
+            and q.shape[-2] > chunked.QUERY_BLOCK
+        ):
+            out, weights = self._attend_row_blocks(score, context, q, k, v, mask), None
         else:
             out, weights = self._attend_full(score, context, q, k, v, mask, plain)
         out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
         if stages.adjust_output:
             out = encoding.adjust_output(layer, hidden, out, state, memo)
         return adapter.output(module, out), weights
+
+    def _attend_row_blocks(
+        self,
+        score: ScoreContext,
+        context: ForwardContext,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Explicit scores (transform_scores / normalize) one block of queries at a time -> (B,Tq,Hq,D).
+
+        Each query's weights depend on its own row of scores only (``rows_independent``), so
+        blocks of queries, each with just the keys it may attend (bottom-right aligned, as a
+        whole call is), give the whole result with one block of scores in memory; with
+        gradients each block is recomputed in backward.
+        """
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        offset, block = k_len - q_len, chunked.QUERY_BLOCK
+
+        def one_block(q_block: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+            k_end = offset + stop
+            keys, values = k[:, :, :k_end], v[:, :, :k_end]
+            rows = ScoreContext(
+                score.layer_idx,
+                q_block,
+                keys,
+                score.hidden[:, start:stop],
+                score.q_positions[:, start:stop],
+                score.memo,
+                score.state,
+            )
+            block_mask = None if mask is None else mask[..., start:stop, :k_end]
+            return self._attend_full(rows, context, q_block, keys, values, block_mask, plain=False)[0]
+
+        outputs = []
+        for start in range(0, q_len, block):
+            stop = min(q_len, start + block)
+            q_block = q[:, :, start:stop]
+            if torch.is_grad_enabled():
+                outputs.append(checkpoint(one_block, q_block, start, stop, use_reentrant=False))
+            else:
+                outputs.append(one_block(q_block, start, stop))
+        return torch.cat(outputs, dim=1)  # (B, Tq, Hq, D)
 
     def _attend_full(
         self,

@@ -200,6 +200,12 @@ class Encoding(nn.Module):
         """
         raise NotImplementedError
 
+    def rows_independent(self) -> bool:
+        """True when ``transform_scores`` / ``normalize`` treat each query's row of scores on its
+        own (given the keys it may attend): the explicit path may then run one block of queries
+        at a time, each with its causal keys. Encodings that say so are tested for it."""
+        return False
+
     @classmethod
     def has_block_bias(cls) -> bool:
         """Whether this class implements :meth:`block_bias`."""

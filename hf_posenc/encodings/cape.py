@@ -103,6 +103,9 @@ class CAPE(Encoding):
     def initialise_from_model(self, model: nn.Module, adapter) -> None:
         self.base.initialise_from_model(model, adapter)
 
+    def rows_independent(self) -> bool:
+        return not self.base.stateful  # a stateful base (FoX) accumulates over all queries
+
     def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
         bias = self.base.score_bias(ctx).float().expand_as(scores)  # (B, Hq, Tq, Tk)
         features = torch.cat([scores, bias], dim=1).permute(0, 2, 3, 1)  # (B, Tq, Tk, 2Hq)

@@ -78,6 +78,9 @@ class CoPE(Encoding):
         # embeddings[layer]: (npos_max, head_dim), shared by the heads; zero as in the reference
         self.embeddings = nn.Parameter(torch.zeros(tables, config.npos_max, geometry.head_dim))
 
+    def rows_independent(self) -> bool:
+        return True
+
     def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         table = self.embeddings[0 if cfg.shared_across_layers else ctx.layer_idx]  # (npos, D)

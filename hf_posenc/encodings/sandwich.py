@@ -57,9 +57,20 @@ class Sandwich(Encoding):
 
     def distance_table(self, k_len: int, device: torch.device) -> torch.Tensor:
         """(Hq, Tk) fp32 bias of every distance 0 .. Tk-1."""
-        kernel = sandwich_kernel(torch.arange(k_len, device=device), self.config.dim)  # (Tk,)
+        kernel = self._kernel(k_len, device)  # (Tk,)
         ratios = sandwich_ratios(self.geometry.num_heads).to(device)  # (Hq,)
         return kernel[None] / ratios[:, None]
+
+    def _kernel(self, k_len: int, device: torch.device) -> torch.Tensor:
+        """(Tk,) kernel of distances 0 .. Tk-1, kept between forwards (a pure function of the
+        distance: decoding would otherwise recompute dim/2 cosines per cached key every step)."""
+        cache = self.__dict__.setdefault("_kernels", {})  # device -> (capacity,) fp32; not state
+        kernel = cache.get(device)
+        if kernel is None or kernel.shape[0] < k_len:
+            capacity = max(1024, 1 << (k_len - 1).bit_length())  # doubling: O(log T) rebuilds
+            kernel = sandwich_kernel(torch.arange(capacity, device=device), self.config.dim)
+            cache[device] = kernel
+        return kernel[:k_len]
 
     def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device

@@ -71,6 +71,9 @@ class StickBreaking(Encoding):
     paper = "Tan et al. 2024, arXiv:2410.17980"
     summary = "stick-breaking attention replaces the softmax; leftover mass to the current token"
 
+    def rows_independent(self) -> bool:
+        return True
+
     def normalize(self, ctx: ScoreContext, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         q_len, k_len, device = scores.shape[-2], scores.shape[-1], scores.device
