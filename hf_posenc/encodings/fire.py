@@ -149,12 +149,16 @@ class FIRE(Encoding):
         distance = ctx.memo.get(
             ("fire_distance", q_len, k_len, device), lambda: query_key_distance(q_len, k_len, device)
         )  # (Tq, Tk)
-        positions = ctx.memo.get(("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions))
+        positions = ctx.memo.get(
+            ("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions)
+        )
         return self.function(ctx.layer_idx)(distance, positions)  # (B|1, Hq, Tq, Tk)
 
     def block_bias(self, ctx: ScoreContext) -> BlockBias:
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-        positions = ctx.memo.get(("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions))
+        positions = ctx.memo.get(
+            ("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions)
+        )
         function = self.function(ctx.layer_idx)
         offset = k_len - q_len
 
