@@ -342,3 +342,22 @@ def test_explicit_score_encodings_in_query_blocks_equal_eager(family, case):
     assert g_a.keys() == g_e.keys()
     for n in g_e:
         torch.testing.assert_close(g_a[n], g_e[n], atol=ATOL, rtol=1e-4, msg=n)
+
+
+def test_fire_linear_pieces_equal_the_mlp_and_follow_in_place_updates():
+    """FIRE's piecewise-linear evaluation equals its MLP on every attendable (i, j), also after
+    an in-place update of the MLP (an optimizer step) between two no-grad calls (cached pieces)."""
+    from hf_posenc.encodings.fire import FIREFunction
+
+    torch.manual_seed(0)
+    function = FIREFunction(heads=4, width=8, init_c=0.1, init_L=6.0)
+    distance = torch.arange(20)[:, None] - torch.arange(20)[None]  # (T, T) i - j
+    positions = torch.arange(20)[None]
+    attendable = distance >= 0
+    with torch.no_grad():
+        for _ in range(2):
+            for p in function.parameters():
+                p.add_(torch.randn(p.shape) * 0.5)
+            pieces = function.evaluate_pieces(distance, positions)
+            mlp = function(distance, positions)
+            torch.testing.assert_close(pieces[..., attendable], mlp[..., attendable], atol=1e-6, rtol=1e-5)

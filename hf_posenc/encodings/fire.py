@@ -91,6 +91,20 @@ class FIREFunction(nn.Module):
         Gradients reach every MLP parameter through A and B (which units are on is a constant
         of the segment, as the ReLU's derivative is).
         """
+        if not torch.is_grad_enabled():  # decoding: reuse the pieces while the MLP is unchanged
+            key = tuple(
+                (p.data_ptr(), p._version, p.dtype)
+                for p in (*self.hidden.parameters(), *self.out.parameters())
+            )
+            cached = self.__dict__.get("_pieces")  # not module state: (key, pieces)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            pieces = self._linear_pieces()
+            self.__dict__["_pieces"] = (key, pieces)
+            return pieces
+        return self._linear_pieces()
+
+    def _linear_pieces(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w1 = self.hidden.weight.float()[:, 0]  # (K,)
         b1 = self.hidden.bias.float()  # (K,)
         w2 = self.out.weight.float()  # (Hq, K)
