@@ -105,9 +105,10 @@ def test_chunked_decoding_with_a_cache_equals_the_eager_full_forward(family, cas
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_chunked_gradients_equal_eager_gradients(family, case):
     """Loss gradients of every parameter (model and encoding) match, so training is the same;
-    the padded rows go through the per-block path with recomputation in backward."""
+    the padded rows go through the per-block path with recomputation in backward. ``flex``
+    off CUDA (no FlexAttention backward there) trains through ``chunked`` and matches too."""
     name, params = case
-    models = _models(family, name, params, ("eager", "chunked"))
+    models = _models(family, name, params, ("eager", "chunked", "flex"))
     ids = token_ids(2, 13)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -123,8 +124,8 @@ def test_chunked_gradients_equal_eager_gradients(family, case):
             grads[backend, attention_mask is None] = {
                 n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
             }
-    for plain in (True, False):
-        eager, blocks = grads["eager", plain], grads["chunked", plain]
+    for plain, backend in [(True, "chunked"), (False, "chunked"), (True, "flex"), (False, "flex")]:
+        eager, blocks = grads["eager", plain], grads[backend, plain]
         assert eager.keys() == blocks.keys()
         assert any(n.startswith("posenc.") for n in eager) == bool(list(models["eager"].posenc.parameters()))
         for n in eager:
@@ -217,13 +218,32 @@ def test_chunked_bf16_stays_within_transformers_sdpa_vs_eager_tolerance():
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
+def test_flex_serves_every_block_encoding_without_falling_back(case, monkeypatch):
+    """Without gradients (FlexAttention has no CPU backward) flex itself serves each encoding."""
+    import hf_posenc.attention.blocks as blocks
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("fell back to the chunked backend")
+
+    name, params = case
+    models = _models("llama", name, params, ("eager", "flex"))
+    monkeypatch.setattr(blocks, "attend_chunked", no_fallback)
+    ids = token_ids(2, 17)
+    with torch.no_grad():
+        torch.testing.assert_close(models["flex"](ids).logits, models["eager"](ids).logits, atol=ATOL, rtol=0)
+
+
 def test_flex_serves_by_distance_and_separable_but_not_rows():
-    """attend_flex returns None (the caller falls back to chunked) for a row-function bias."""
+    """attend_flex returns None (the caller falls back to chunked) for a row-function bias
+    without its own score_mod, and off CUDA whenever gradients are recorded."""
     q = k = v = torch.randn(1, 2, 6, 8)
     rows = BlockBias(6, 6, row_function=lambda s, e, end: torch.zeros(1, 2, e - s, end))
     assert attend_flex(q, k, v, bias=rows, mask=None, scaling=1.0) is None
     table = BlockBias(6, 6, by_distance=torch.randn(2, 6))
-    assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0).shape == (1, 6, 2, 8)
+    with torch.no_grad():
+        assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0).shape == (1, 6, 2, 8)
+    assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0) is None  # no CPU backward: chunked
 
 
 def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():

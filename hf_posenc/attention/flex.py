@@ -2,7 +2,8 @@
 
 FlexAttention (``torch.nn.attention.flex_attention``) fuses the bias into the attention
 kernel: ``score_mod(score, b, h, q_idx, kv_idx)`` adds the bias from O(T) tensors
-(``BlockBias.by_distance`` or ``BlockBias.separable``) and a block mask skips the future
+(``BlockBias.by_distance``, ``BlockBias.separable``, or the encoding's own
+``BlockBias.score_mod``, e.g. FIRE's) and a block mask skips the future
 (and padding). On CUDA the function is compiled once (``torch.compile``); elsewhere it runs
 uncompiled, which is exact but materialises the scores (for tests, not for speed).
 Causal block masks are cached per (Tq, Tk, device); padding masks per forward.
@@ -76,6 +77,8 @@ def _block_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, d
 
 
 def _score_mod(bias: BlockBias) -> Callable | None:
+    if bias.score_mod is not None:
+        return bias.score_mod
     offset = bias.k_len - bias.q_len
     if bias.by_distance is not None:
         table = bias.by_distance  # (Hq, Tk) fp32
@@ -109,6 +112,8 @@ def attend_flex(
     score_mod = _score_mod(bias)
     if score_mod is None or not flex_available() or "flex" in _failed:
         return None
+    if q.device.type != "cuda" and torch.is_grad_enabled():
+        return None  # FlexAttention has no backward off CUDA
     batch, _, q_len, _ = q.shape
     k_len = k.shape[-2]
     if mask is None:

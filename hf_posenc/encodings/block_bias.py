@@ -34,6 +34,9 @@ class BlockBias:
     row_function: RowsFunction | None = None
     #: (Hq,) when ``by_distance`` is ``-slopes * d`` (ALiBi): lets flash-attn's ``alibi_slopes`` kernel serve it
     slopes: torch.Tensor | None = None
+    #: a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` adding this bias (for ``row_function``
+    #: biases that can be written per score, e.g. FIRE's); the other forms get one built for them
+    score_mod: Callable | None = None
 
     def __post_init__(self) -> None:
         given = [self.by_distance is not None, self.separable is not None, self.row_function is not None]

@@ -128,6 +128,28 @@ class FIREFunction(nn.Module):
         bias = slopes[:, segment] * x + intercepts[:, segment]  # (Hq, B, Tq, Tk)
         return bias.movedim(0, 1)
 
+    def score_mod(self, positions: torch.Tensor, k_len: int):
+        """A FlexAttention ``score_mod`` adding this bias for queries at ``positions`` (B|1, Tq),
+        the last Tq of ``k_len`` keys: psi(i - j) from a (Tk,) table, the normaliser per query,
+        and f as its linear pieces (the segment is the number of breakpoints <= x)."""
+        offset = k_len - positions.shape[-1]
+        c = self.c.float().abs()
+        log_distance = torch.log1p(c * torch.arange(k_len, device=positions.device).float())  # (Tk,)
+        normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B|1, Tq)
+        points, slopes, intercepts = self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
+        shared_rows = normalizer.shape[0] == 1
+
+        def fire(score, b, h, q_idx, kv_idx):
+            distance = torch.clamp(q_idx + offset - kv_idx, min=0)
+            row = 0 if shared_rows else b
+            x = log_distance[distance] / normalizer[row, q_idx]
+            segment = torch.zeros_like(distance)
+            for k in range(points.shape[0]):
+                segment = segment + (x >= points[k]).to(distance.dtype)
+            return score + (slopes[h, segment] * x + intercepts[h, segment])
+
+        return fire
+
     def forward(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """-> (B, Hq, Tq, Tk) fp32 bias."""
         x = self.normalized_distance(distance, positions)[..., None]  # (B, Tq, Tk, 1)
@@ -181,7 +203,7 @@ class FIRE(Encoding):
             distance = query_index[:, None] - torch.arange(k_end, device=device)[None]  # (rows, keys) i - j
             return function.evaluate_pieces(distance, positions[:, start:stop])  # (B|1, Hq, rows, keys)
 
-        return BlockBias(q_len, k_len, row_function=rows)
+        return BlockBias(q_len, k_len, row_function=rows, score_mod=function.score_mod(positions, k_len))
 
 
 def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:
