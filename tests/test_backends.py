@@ -381,3 +381,43 @@ def test_fire_linear_pieces_equal_the_mlp_and_follow_in_place_updates():
             pieces = function.evaluate_pieces(distance, positions)
             mlp = function(distance, positions)
             torch.testing.assert_close(pieces[..., attendable], mlp[..., attendable], atol=1e-6, rtol=1e-5)
+
+
+def test_fla_forgetting_path_passes_bthd_layout_and_log_gates():
+    """With a stand-in for fla's parallel_forgetting_attn written from its documented semantics
+    (g: per-token log forget gates, bias sum_{l=j+1}^{i} g_l, causal), FoX's path equals chunked;
+    with a cache (Tq != Tk) or padding it declines."""
+    from hf_posenc.attention.flex import attend_fla_forgetting
+
+    def forgetting_reference(q, k, v, g, scale):  # (B, T, H, D), g (B, T, H)
+        c = g.float().cumsum(1).transpose(1, 2)  # (B, H, T)
+        scores = (
+            q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2) * scale
+            + c[..., :, None]
+            - c[..., None, :]
+        )
+        t = q.shape[1]
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+        return (torch.softmax(scores, -1) @ v.transpose(1, 2)).transpose(1, 2)
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 11, 8, generator=generator) for _ in range(3))
+    log_f = torch.nn.functional.logsigmoid(torch.randn(2, 4, 11, generator=generator) + 2)
+    c = log_f.double().cumsum(-1).float()
+    bias = BlockBias(11, 11, separable=(c, c), log_forget=log_f)
+    out = attend_fla_forgetting(q, k, v, bias=bias, mask=None, scaling=0.3, kernel=forgetting_reference)
+    torch.testing.assert_close(
+        out, attend_chunked(q, k, v, bias=bias, mask=None, scaling=0.3), atol=ATOL, rtol=0
+    )
+    cached = BlockBias(3, 11, separable=(c[..., -3:], c))
+    assert (
+        attend_fla_forgetting(
+            q[:, :, -3:], k, v, bias=cached, mask=None, scaling=0.3, kernel=forgetting_reference
+        )
+        is None
+    )
+    padded = torch.ones(2, 1, 11, 11, dtype=torch.bool)
+    assert (
+        attend_fla_forgetting(q, k, v, bias=bias, mask=padded, scaling=0.3, kernel=forgetting_reference)
+        is None
+    )

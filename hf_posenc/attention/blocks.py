@@ -2,7 +2,8 @@
 
 ``chunked``  query blocks over SDPA (any device; the CPU default);
 ``flex``     FlexAttention with a ``score_mod`` (falls back to ``chunked`` when it cannot serve);
-``auto``     on CUDA: flash-attn's ALiBi kernel, then FlexAttention, then ``chunked``;
+``auto``     on CUDA: flash-attn's ALiBi kernel or flash-linear-attention's FoX kernel, then
+             FlexAttention, then ``chunked``;
              elsewhere ``chunked``.
 """
 
@@ -13,7 +14,7 @@ import torch
 from ..encodings.block_bias import BlockBias
 from ..memo import ForwardMemo
 from .chunked import attend_chunked
-from .flex import attend_flash_alibi, attend_flex
+from .flex import attend_fla_forgetting, attend_flash_alibi, attend_flex
 
 BLOCK_BACKENDS = ("auto", "chunked", "flex")
 
@@ -34,6 +35,8 @@ def attend_blocks(
     gpu_first = backend == "auto" and q.device.type == "cuda"
     if gpu_first:
         out = attend_flash_alibi(q, k, v, bias=bias, mask=mask, scaling=scaling, dropout_p=dropout_p)
+        if out is None and dropout_p == 0.0:
+            out = attend_fla_forgetting(q, k, v, bias=bias, mask=mask, scaling=scaling)
         if out is not None:
             return out
     if (gpu_first or backend == "flex") and dropout_p == 0.0:

@@ -9,7 +9,9 @@ uncompiled, which is exact but materialises the scores (for tests, not for speed
 Causal block masks are cached per (Tq, Tk, device); padding masks per forward.
 
 flash-attn's ``flash_attn_func(..., alibi_slopes=)`` serves ALiBi (``BlockBias.slopes``)
-without a padding mask in fp16/bf16 on CUDA when the ``flash_attn`` package is installed.
+without a padding mask in fp16/bf16 on CUDA when the ``flash_attn`` package is installed;
+flash-linear-attention's ``parallel_forgetting_attn`` serves FoX (``BlockBias.log_forget``)
+without padding or cache on CUDA when the ``fla`` package is installed.
 
 Either path reports ``None`` when it cannot serve a call, and the caller falls back to the
 chunked backend.
@@ -41,6 +43,10 @@ def flex_available() -> bool:
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
 
 
 @functools.cache
@@ -173,5 +179,36 @@ def attend_flash_alibi(
         softmax_scale=scaling,
         causal=True,
         alibi_slopes=bias.slopes.float(),
+    )
+    return out  # (B, Tq, Hq, D)
+
+
+def attend_fla_forgetting(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    bias: BlockBias,
+    mask: torch.Tensor | None,
+    scaling: float,
+    kernel: Callable | None = None,
+) -> torch.Tensor | None:
+    """FoX through flash-linear-attention's forgetting-attention kernel -> (B,Tq,Hq,D), or None.
+
+    The kernel takes (B, T, H, D) tensors and per-token log forget gates g (B, T, Hq), and adds
+    sum_{l=j+1}^{i} g_l to the causal scores: ``BlockBias.log_forget`` of a call without cache.
+    """
+    if bias.log_forget is None or mask is not None or q.shape[-2] != k.shape[-2]:
+        return None
+    if kernel is None:
+        if q.device.type != "cuda" or not fla_available():
+            return None
+        from fla.ops.forgetting_attn import parallel_forgetting_attn as kernel
+    out = kernel(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        bias.log_forget.transpose(1, 2),  # (B, T, Hq) fp32
+        scale=scaling,
     )
     return out  # (B, Tq, Hq, D)

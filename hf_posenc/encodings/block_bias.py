@@ -34,6 +34,9 @@ class BlockBias:
     row_function: RowsFunction | None = None
     #: (Hq,) when ``by_distance`` is ``-slopes * d`` (ALiBi): lets flash-attn's ``alibi_slopes`` kernel serve it
     slopes: torch.Tensor | None = None
+    #: (B, Hq, Tk) per-key log forget gates when ``separable`` is (c[-Tq:], c) with c their cumulative sum
+    #: from the first key (FoX without a cache): lets flash-linear-attention's forgetting kernel serve it
+    log_forget: torch.Tensor | None = None
     #: a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` adding this bias (for ``row_function``
     #: biases that can be written per score, e.g. FIRE's); the other forms get one built for them
     score_mod: Callable | None = None

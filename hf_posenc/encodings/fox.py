@@ -55,4 +55,7 @@ class FoX(Encoding):
     def block_bias(self, ctx: ScoreContext) -> BlockBias:
         log_f = log_forget(self.forget[ctx.layer_idx], ctx.hidden)  # (B, Hq, Tq)
         c = cumulative_log_forget(log_f, ctx.k_len, ctx.state)  # (B, Hq, Tk)
-        return BlockBias(ctx.q_len, ctx.k_len, separable=(c[..., -ctx.q_len :], c))  # D_ij = c_i - c_j
+        fresh = ctx.q_len == ctx.k_len  # no cached keys: c is the cumulative sum of exactly these log f
+        return BlockBias(
+            ctx.q_len, ctx.k_len, separable=(c[..., -ctx.q_len :], c), log_forget=log_f if fresh else None
+        )  # D_ij = c_i - c_j
