@@ -421,3 +421,70 @@ def test_fla_forgetting_path_passes_bthd_layout_and_log_gates():
         attend_fla_forgetting(q, k, v, bias=bias, mask=padded, scaling=0.3, kernel=forgetting_reference)
         is None
     )
+
+
+@pytest.mark.parametrize("params", [{}, {"attend_current": True, "remainder": "drop"}, {"remainder": "drop"}])
+def test_fla_stickbreaking_path_equals_the_eager_sba(params):
+    """With a stand-in for fla's parallel_stickbreaking_attn written from its documented
+    semantics (A_ij = sigmoid(z_ij) prod_{j<l<i (or <= i)} (1 - sigmoid(z_il)), o = sum_j A_ij v_j,
+    rem = 1 - sum_j A_ij), sba's fused path equals its eager attention, GQA included."""
+    from hf_posenc.attention.core import attend
+    from hf_posenc.attention.flex import attend_fla_stickbreaking
+
+    def stickbreaking_reference(q, k, v, scale, attend_current):  # (B, T, H, D)
+        groups = q.shape[2] // k.shape[2]
+        k, v = (x.repeat_interleave(groups, dim=2).transpose(1, 2).double() for x in (k, v))
+        z = q.transpose(1, 2).double() @ k.transpose(-1, -2) * scale  # (B, H, T, T)
+        t = z.shape[-1]
+        visible = torch.ones(t, t, dtype=torch.bool).tril(0 if attend_current else -1)
+        weights = torch.zeros_like(z)
+        for i in range(t):
+            keep = 1.0
+            for j in reversed(range(t)):
+                if visible[i, j]:
+                    weights[..., i, j] = torch.sigmoid(z[..., i, j]) * keep
+                    keep = keep * (1 - torch.sigmoid(z[..., i, j]))
+        o = (weights @ v).transpose(1, 2).float()
+        return o, (1 - weights.sum(-1)).transpose(1, 2).float()
+
+    model = patch(make_model("llama", num_kv_heads=2), "sba", params)
+    sba = model.posenc
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 9, 8, generator=generator)
+    k, v = (torch.randn(2, 2, 9, 8, generator=generator) for _ in range(2))
+    ctx = probe_context(sba.geometry, 9)
+    with torch.no_grad():
+        fused = attend_fla_stickbreaking(
+            q,
+            k,
+            v,
+            mask=None,
+            scaling=0.4,
+            kernel=stickbreaking_reference,
+            attend_current=sba.config.attend_current,
+            remainder=sba.config.remainder,
+        )
+        eager, _ = attend(
+            q,
+            k,
+            v,
+            mask=None,
+            bias=None,
+            scaling=0.4,
+            backend="eager",
+            normalize=lambda scores, allowed: sba.normalize(ctx, scores, allowed),
+        )
+    torch.testing.assert_close(fused, eager, atol=ATOL, rtol=0)
+    assert (
+        attend_fla_stickbreaking(
+            q,
+            k,
+            v,
+            mask=None,
+            scaling=0.4,
+            kernel=stickbreaking_reference,
+            attend_current=False,
+            remainder="drop",
+        )
+        is None
+    )  # gradients recorded here: not served

@@ -212,3 +212,38 @@ def attend_fla_forgetting(
         scale=scaling,
     )
     return out  # (B, Tq, Hq, D)
+
+
+def attend_fla_stickbreaking(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scaling: float,
+    attend_current: bool,
+    remainder: str,
+    kernel: Callable | None = None,
+) -> torch.Tensor | None:
+    """Stick-breaking attention through flash-linear-attention's kernel -> (B,Tq,Hq,D), or None.
+
+    The kernel returns o = sum_j A_ij v_j over keys j < i (j <= i with ``attend_current``) and
+    the unused stick rem = 1 - sum_j A_ij; ``remainder="current"`` adds max(rem, 0) v_i as the
+    eager ``sba`` does. Served without padding, cache or gradients (older releases of the
+    kernel have no backward), on CUDA with the ``fla`` package installed.
+    """
+    if mask is not None or q.shape[-2] != k.shape[-2] or torch.is_grad_enabled():
+        return None
+    if kernel is None:
+        if q.device.type != "cuda" or not fla_available():
+            return None
+        from fla.ops.stickbreaking_attn import parallel_stickbreaking_attn as kernel
+    groups = q.shape[1] // k.shape[1]
+    values = v.transpose(1, 2)  # (B, T, Hkv, D)
+    out, rem = kernel(
+        q.transpose(1, 2), k.transpose(1, 2), values, scale=scaling, attend_current=attend_current
+    )
+    if remainder == "current":
+        own = values.repeat_interleave(groups, dim=2) if groups > 1 else values  # (B, T, Hq, D)
+        out = out + rem.clamp(min=0.0)[..., None].to(out.dtype) * own
+    return out  # (B, Tq, Hq, D)

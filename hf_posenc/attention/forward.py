@@ -74,7 +74,12 @@ class PatchedAttentionForward:
         if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
         plain = not (stages.logits or stages.transform_scores or stages.normalize)
-        if stages.score_bias and plain and runtime.block_backend is not None:
+        fused = None
+        if runtime.backend == "auto" and q.device.type == "cuda":
+            fused = encoding.fused_attention(q, k, v, mask, module.scaling)  # (B, Tq, Hq, D) or None
+        if fused is not None:
+            out, weights = fused, None
+        elif stages.score_bias and plain and runtime.block_backend is not None:
             out = attend_blocks(
                 runtime.block_backend,
                 q,

@@ -200,6 +200,14 @@ class Encoding(nn.Module):
         """
         raise NotImplementedError
 
+    def fused_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor | None:
+        """Optional: the whole attention of this call from a fused kernel -> (B, Tq, Hq, D), or
+        None when no kernel serves it (then the stages run). Asked first by ``backend="auto"``
+        on CUDA; q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D) after rotation and the cache update."""
+        return None
+
     def rows_independent(self) -> bool:
         """True when ``transform_scores`` / ``normalize`` treat each query's row of scores on its
         own (given the keys it may attend): the explicit path may then run one block of queries

@@ -26,6 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ..attention.flex import attend_fla_stickbreaking
 from ..config import EncodingConfig, check_bool, check_choice
 from ..registry import register_encoding
 from .base import Encoding, ScoreContext
@@ -70,6 +71,14 @@ class StickBreaking(Encoding):
     config_class = SBAConfig
     paper = "Tan et al. 2024, arXiv:2410.17980"
     summary = "stick-breaking attention replaces the softmax; leftover mass to the current token"
+
+    def fused_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor | None:
+        cfg = self.config
+        return attend_fla_stickbreaking(
+            q, k, v, mask=mask, scaling=scaling, attend_current=cfg.attend_current, remainder=cfg.remainder
+        )
 
     def rows_independent(self) -> bool:
         return True
