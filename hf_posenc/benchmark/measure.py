@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import statistics
 import sys
 import threading
 import time
@@ -112,10 +111,3 @@ def paired_times(
         base.append(elapsed(baseline, device))
         cand.append(elapsed(candidate, device))
     return base, cand
-
-
-def median_time(run: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
-    """Median wall-clock seconds of ``run()`` over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        run()
-    return statistics.median(elapsed(run, device) for _ in range(repeats))
