@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import hf_posenc
 import hf_posenc.attention.chunked as chunked
 from hf_posenc.attention.chunked import attend_chunked
-from hf_posenc.attention.flex import attend_flash_alibi, attend_flex
+from hf_posenc.attention.flex import attend_flex
+from hf_posenc.attention.kernels import attend_flash_alibi
 from hf_posenc.encodings.base import probe_context
 from hf_posenc.encodings.block_bias import BlockBias
 from hf_posenc.registry import get_encoding
@@ -387,7 +388,7 @@ def test_fla_forgetting_path_passes_bthd_layout_and_log_gates():
     """With a stand-in for fla's parallel_forgetting_attn written from its documented semantics
     (g: per-token log forget gates, bias sum_{l=j+1}^{i} g_l, causal), FoX's path equals chunked;
     with a cache (Tq != Tk) or padding it declines."""
-    from hf_posenc.attention.flex import attend_fla_forgetting
+    from hf_posenc.attention.kernels import attend_fla_forgetting
 
     def forgetting_reference(q, k, v, g, scale):  # (B, T, H, D), g (B, T, H)
         c = g.float().cumsum(1).transpose(1, 2)  # (B, H, T)
@@ -429,7 +430,7 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
     semantics (A_ij = sigmoid(z_ij) prod_{j<l<i (or <= i)} (1 - sigmoid(z_il)), o = sum_j A_ij v_j,
     rem = 1 - sum_j A_ij), sba's fused path equals its eager attention, GQA included."""
     from hf_posenc.attention.core import attend
-    from hf_posenc.attention.flex import attend_fla_stickbreaking
+    from hf_posenc.attention.kernels import attend_fla_stickbreaking
 
     def stickbreaking_reference(q, k, v, scale, attend_current):  # (B, T, H, D)
         groups = q.shape[2] // k.shape[2]

@@ -14,7 +14,8 @@ import torch
 from ..encodings.block_bias import BlockBias
 from ..memo import ForwardMemo
 from .chunked import attend_chunked
-from .flex import attend_fla_forgetting, attend_flash_alibi, attend_flex
+from .flex import attend_flex
+from .kernels import attend_fla_forgetting, attend_flash_alibi
 
 BLOCK_BACKENDS = ("auto", "chunked", "flex")
 

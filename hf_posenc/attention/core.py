@@ -6,7 +6,7 @@
 ``chunked``  SDPA over query blocks, causal keys only, the bias built per block
              (``chunked.py``) — for encodings that give their bias as a ``BlockBias``.
 ``flex``     FlexAttention ``score_mod`` (``flex.py``), for the same encodings.
-``auto``     (default) ``chunked`` on CPU, flash-attn ALiBi / ``flex`` first on CUDA, for
+``auto``     (default) ``chunked`` on CPU, fused kernels (``kernels.py``) / ``flex`` first on CUDA, for
              encodings with a ``BlockBias``; ``sdpa`` for every other encoding.
 
 Masks follow transformers' sdpa convention: a boolean (B,1,Tq,Tk) tensor where True means

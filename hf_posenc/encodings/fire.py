@@ -119,16 +119,18 @@ class FIREFunction(nn.Module):
         intercepts = w2 @ (on * b1[None]).t() + self.out.bias.float()[:, None]  # (Hq, K+1)
         return points, slopes, intercepts
 
-    def evaluate_pieces(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def evaluate_pieces(
+        self, distance: torch.Tensor, positions: torch.Tensor, pieces: tuple | None = None
+    ) -> torch.Tensor:
         """Same as :meth:`forward` (to fp32 rounding), through :meth:`linear_pieces`: a few
         operations per score instead of a width-``K`` hidden layer. -> (B, Hq, Tq, Tk) fp32."""
         x = self.normalized_distance(distance, positions)  # (B, Tq, Tk)
-        points, slopes, intercepts = self.linear_pieces()
+        points, slopes, intercepts = pieces or self.linear_pieces()
         segment = torch.searchsorted(points, x.detach(), right=True)  # (B, Tq, Tk) in 0 .. K
         bias = slopes[:, segment] * x + intercepts[:, segment]  # (Hq, B, Tq, Tk)
         return bias.movedim(0, 1)
 
-    def score_mod(self, positions: torch.Tensor, k_len: int):
+    def score_mod(self, positions: torch.Tensor, k_len: int, pieces: tuple | None = None):
         """A FlexAttention ``score_mod`` adding this bias for queries at ``positions`` (B|1, Tq),
         the last Tq of ``k_len`` keys: psi(i - j) from a (Tk,) table, the normaliser per query,
         and f as its linear pieces (the segment is the number of breakpoints <= x)."""
@@ -136,7 +138,7 @@ class FIREFunction(nn.Module):
         c = self.c.float().abs()
         log_distance = torch.log1p(c * torch.arange(k_len, device=positions.device).float())  # (Tk,)
         normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B|1, Tq)
-        points, slopes, intercepts = self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
+        points, slopes, intercepts = pieces or self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
         shared_rows = normalizer.shape[0] == 1
 
         def fire(score, b, h, q_idx, kv_idx):
@@ -196,14 +198,19 @@ class FIRE(Encoding):
             ("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions)
         )
         function = self.function(ctx.layer_idx)
+        pieces = function.linear_pieces()  # once per call, shared by every block (and by flex)
         offset = k_len - q_len
 
         def rows(start: int, stop: int, k_end: int) -> torch.Tensor:
             query_index = torch.arange(start + offset, stop + offset, device=device)
             distance = query_index[:, None] - torch.arange(k_end, device=device)[None]  # (rows, keys) i - j
-            return function.evaluate_pieces(distance, positions[:, start:stop])  # (B|1, Hq, rows, keys)
+            return function.evaluate_pieces(
+                distance, positions[:, start:stop], pieces
+            )  # (B|1, Hq, rows, keys)
 
-        return BlockBias(q_len, k_len, row_function=rows, score_mod=function.score_mod(positions, k_len))
+        return BlockBias(
+            q_len, k_len, row_function=rows, score_mod=function.score_mod(positions, k_len, pieces)
+        )
 
 
 def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..attention.flex import attend_fla_stickbreaking
+from ..attention.kernels import attend_fla_stickbreaking
 from ..config import EncodingConfig, check_bool, check_choice
 from ..registry import register_encoding
 from .base import Encoding, ScoreContext
