@@ -23,8 +23,12 @@ import os
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from .errors import PosencError
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_STDLIB = "builtin:stdlib"
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
@@ -91,29 +95,96 @@ def _local_files(source: str) -> list[Path]:
     return matches
 
 
+class DataError(PosencError, ValueError):
+    """A data file that cannot be read as documents; the message names the file and line."""
+
+
+def _undecodable(path: Path, raw: bytes, error: UnicodeDecodeError, first_line: int = 1) -> DataError:
+    line = first_line + raw[: error.start].count(b"\n")
+    bad = raw[error.start : error.start + 4]
+    return DataError(
+        f"{path}:{line}: bytes {bad!r} are not UTF-8; allowed: UTF-8 text (convert the file, e.g. with iconv)"
+    )
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise _undecodable(path, raw, error) from None
+
+
+def _row_text(path: Path, where: str, row: object, text_field: str) -> str:
+    """The ``text_field`` of one JSON row, or a :class:`DataError` naming the file and line/row."""
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{path}:{where}: the row is a JSON {type(row).__name__} ({json.dumps(row)[:60]}); allowed: an "
+            f"object with a string field {text_field!r}"
+        )
+    if text_field not in row:
+        raise DataError(
+            f"{path}:{where}: the row has no field {text_field!r} (fields: {', '.join(sorted(row)) or 'none'}); "
+            "choose the field with --text-field"
+        )
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise DataError(
+            f"{path}:{where}: field {text_field!r} is a JSON {type(text).__name__} "
+            f"({json.dumps(text)[:60]}); allowed: a string"
+        )
+    return text
+
+
+def _first_character(path: Path) -> str:
+    with path.open("rb") as handle:
+        while chunk := handle.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1].decode("latin-1")
+    return ""
+
+
 def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+    """The documents of one local file: the whole file, or one per JSON row (JSON lines or an array)."""
     if path.suffix not in JSON_SUFFIXES:
-        yield path.read_text(encoding="utf-8")
+        yield _read_text(path)
         return
-    with path.open(encoding="utf-8") as handle:
-        if path.suffix == ".json" and handle.read(1) == "[":
-            handle.seek(0)
-            rows: Iterable = json.load(handle)
-        else:
-            handle.seek(0)
-            rows = (json.loads(line) for line in handle if line.strip())
+    if path.suffix == ".json" and _first_character(path) == "[":
+        text = _read_text(path)
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataError(
+                f"{path}:{error.lineno}: not valid JSON ({error.msg}, column {error.colno})"
+            ) from None
         for number, row in enumerate(rows, 1):
-            if text_field not in row:
-                raise KeyError(f"{path}: row {number} has no field {text_field!r} (fields: {sorted(row)})")
-            yield row[text_field]
+            yield _row_text(path, f"row {number}", row, text_field)
+        return
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise _undecodable(path, raw, error, number) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(
+                    f"{path}:{number}: not a JSON value ({error.msg}, column {error.colno}); allowed: one JSON "
+                    "object per line"
+                ) from None
+            yield _row_text(path, str(number), row, text_field)
 
 
 def _hub_documents(source: str, text_field: str, split: str) -> Iterator[str]:
     from datasets import load_dataset
 
     name, _, config = source[len("hf:") :].partition(":")
-    for row in load_dataset(name, config or None, split=split, streaming=True):
-        yield row[text_field]
+    for number, row in enumerate(load_dataset(name, config or None, split=split, streaming=True), 1):
+        yield _row_text(Path(source), f"row {number}", row, text_field)
 
 
 def check_sources(sources: Sequence[str]) -> None:
@@ -159,6 +230,8 @@ def tokenize_documents(
     Documents are encoded ``chunk`` at a time (the fast tokenizer runs a batch in parallel);
     reading stops once ``max_tokens`` tokens are collected.
     """
+    import torch
+
     eos = tokenizer.eos_token_id
     pieces: list[torch.Tensor] = []
     total = 0
@@ -186,3 +259,30 @@ def pack_blocks(tokens: torch.Tensor, length: int) -> torch.Tensor:
     if count == 0:
         raise ValueError(f"only {tokens.numel()} tokens: not enough for one block of {length}")
     return tokens[: count * length].view(count, length)
+
+
+def source_stamps(sources: Sequence[str]) -> list[Any]:
+    """What identifies the current content of ``sources``: each local file's path, size and mtime.
+
+    Cached tokenisations are keyed by it, so an edited file is tokenised again."""
+    stamps: list[Any] = []
+    for source in sources:
+        if source == BUILTIN_STDLIB:
+            stamps.append([source, sysconfig.get_paths()["stdlib"], len(_stdlib_files())])
+        elif source.startswith("hf:"):
+            stamps.append([source])
+        else:
+            for path in _local_files(source):
+                info = path.stat()
+                stamps.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
+    return stamps
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of the tokenizer's full definition (vocabulary, merges, normaliser, special tokens)."""
+    import hashlib
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.eos_token_id, tokenizer.bos_token_id])
+    return hashlib.sha256(f"{extra}\n{text}".encode()).hexdigest()[:20]

@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
-from .data import BUILTIN_STDLIB, check_sources, read_documents, tokenize_documents
+from .data import BUILTIN_STDLIB
 from .errors import InvalidParameterError
-from .registry import canonical_name
 
 DEFAULT_ENCODINGS = ("rope", "alibi", "t5", "nope", "sinusoidal", "expe", "exqpe")
 
@@ -49,6 +49,26 @@ class StudyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in (
+            "train_length",
+            "steps",
+            "pretrain_steps",
+            "batch_size",
+            "eval_tokens",
+            "hidden_size",
+            "num_layers",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(
+                    f"study: {name}={value!r} is not allowed; allowed: an integer >= 1"
+                )
+        if not self.multiples or any(not isinstance(m, int) or m < 1 for m in self.multiples):
+            raise InvalidParameterError(
+                f"study: multiples={self.multiples!r} is not allowed; allowed: integers >= 1, e.g. 1 2 4 8 16"
+            )
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise InvalidParameterError(f"study: lr={self.lr!r} is not allowed; allowed: a finite number > 0")
         if not self.encodings:
             raise InvalidParameterError(
                 "study: no encodings given; allowed: one or more names from `hf-posenc list`"
@@ -68,24 +88,237 @@ def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise InvalidParameterError(
                 f"study: encoding {spec!r} has parameters that are not JSON: {error}"
             ) from error
+        if not isinstance(params, dict):
+            raise InvalidParameterError(
+                f"study: encoding {spec!r}: parameters must be a JSON object, e.g. 't5{{\"num_buckets\": 16}}'"
+            )
+    from .registry import canonical_name
+
     return canonical_name(name.strip()), params
 
 
-def _pretrain_base(config: StudyConfig, out: Path) -> Path:
-    """Train the tokenizer and pretrain the embedded tiny Llama with RoPE; return its directory."""
+def load_study_config(path: str) -> dict[str, Any]:
+    """The fields of a study config file (YAML or JSON, e.g. a previous run's study_config.json)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config {path!r} does not exist")
+    text = file.read_text(encoding="utf-8")
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as error:  # yaml.YAMLError, json.JSONDecodeError
+        raise InvalidParameterError(f"--config {path!r} is not valid YAML/JSON: {error}") from None
+    values = values.get("study", values) if isinstance(values, dict) else values
+    if not isinstance(values, dict):
+        raise InvalidParameterError(f"--config {path!r} must hold a mapping of study settings")
+    allowed = [f.name for f in dataclasses.fields(StudyConfig)]
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise InvalidParameterError(
+            f"--config {path!r}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+        )
+    return values
+
+
+def _tiny_spec(config: StudyConfig) -> str:
+    """The embedded base model as a model "name" that records everything that shapes it."""
+    return (
+        f"builtin:tiny-llama(hidden={config.hidden_size},layers={config.num_layers},vocab={config.vocab_size},"
+        f"positions={config.train_length * max(config.multiples)},seed={config.seed})"
+    )
+
+
+def _base_settings(config: StudyConfig, out: Path):
+    from .training import TrainConfig
+
+    return TrainConfig(
+        model=_tiny_spec(config),
+        output_dir=str(out / "base"),
+        data=list(config.data),
+        split=config.train_split,
+        text_field=config.text_field,
+        max_documents=config.max_documents,
+        seq_len=config.train_length,
+        batch_size=config.batch_size,
+        max_steps=config.pretrain_steps,
+        lr=config.lr,
+        log_every=max(1, config.pretrain_steps // 10),
+        save_every=max(1, config.pretrain_steps // 10),
+        keep_checkpoints=1,
+        seed=config.seed,
+        data_cache=str(out / "data-cache"),
+    )
+
+
+def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
+    from .training import TrainConfig
+
+    name, params = parse_encoding_spec(spec)
+    return TrainConfig(
+        model=str(base),
+        output_dir=str(out / "runs" / spec_slug(spec)),
+        data=list(config.data),
+        split=config.train_split,
+        text_field=config.text_field,
+        max_documents=config.max_documents,
+        encoding=name,
+        encoding_params=params,
+        seq_len=config.train_length,
+        batch_size=config.batch_size,
+        max_steps=config.steps,
+        lr=config.lr,
+        warmup_ratio=0.1,
+        log_every=max(1, config.steps // 5),
+        save_every=max(1, config.steps // 10),
+        keep_checkpoints=1,
+        seed=config.seed,
+        data_cache=str(out / "data-cache"),
+    )
+
+
+def _recorded_config(run: Path) -> dict[str, Any] | None:
+    """The training settings a finished run recorded (None if it recorded none)."""
+    for file, key in ((run / "final" / "training_run.json", "config"), (run / "train_config.json", None)):
+        if file.is_file():
+            try:
+                record = json.loads(file.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            return record[key] if key else record
+    return None
+
+
+def run_status(settings, overwrite: bool = False) -> str:
+    """What the study does with a run: ``reuse``, ``resume``, ``train`` or ``retrain`` (--overwrite).
+
+    A finished or interrupted run whose recorded settings differ from ``settings`` is an error
+    (naming each difference) unless ``overwrite``."""
+    from .training.checkpoints import checkpoint_dirs, read_state
+    from .training.guards import resume_differences
+
+    run = Path(settings.output_dir)
+    current = dataclasses.asdict(settings)
+    if (run / "final" / "config.json").is_file():
+        recorded = _recorded_config(run)
+        changed = ["no recorded settings"] if recorded is None else resume_differences(recorded, current)
+        what = "finished"
+    elif checkpoint_dirs(run):
+        try:
+            changed = resume_differences(read_state(checkpoint_dirs(run)[-1])["config"], current)
+        except (OSError, KeyError, json.JSONDecodeError):
+            changed = []  # a damaged checkpoint: train() falls back to an intact one, or says why not
+        what = "interrupted"
+    else:
+        return "train"
+    if not changed:
+        return "reuse" if what == "finished" else "resume"
+    if overwrite:
+        return "retrain"
+    raise InvalidParameterError(
+        f"study: the {what} run in {str(run)!r} was made with other settings: {', '.join(changed)}; "
+        "pass --overwrite to train it again, or choose another --output-dir"
+    )
+
+
+class _Progress:
+    """``[k/N]`` lines with elapsed time and an ETA from the training steps done so far."""
+
+    def __init__(self, phases: int, steps_to_train: int) -> None:
+        self.phases, self.remaining = phases, steps_to_train
+        self.number, self.done, self.start = 0, 0, time.monotonic()
+
+    def phase(self, message: str, steps: int = 0) -> None:
+        self.number += 1
+        elapsed = time.monotonic() - self.start
+        eta = ""
+        if self.done and self.remaining:
+            eta = f", ETA {_duration(elapsed / self.done * self.remaining)}"
+        print(
+            f"[study {self.number}/{self.phases}] {message} (elapsed {_duration(elapsed)}{eta})", flush=True
+        )
+        self._pending = steps
+
+    def finished(self) -> None:
+        self.done += self._pending
+        self.remaining -= self._pending
+        self._pending = 0
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def spec_slug(spec: str) -> str:
+    """A directory name for an encoding spec: ``expe{"l": 8}`` -> ``expe_l_8``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", spec).strip("_")
+
+
+def check_study(config: StudyConfig) -> Path:
+    """Every check that needs no model: output folder, base model, encodings, parameters, data."""
+    from .data import check_sources
+    from .evaluation.report import check_output_dir
+    from .preflight import check_encoding, check_model_path
+
+    out = check_output_dir(config.output_dir)
+    saved = None
+    if config.base_model:
+        saved = check_model_path(config.base_model, what="--base-model", need_tokenizer=True)
+        if saved and saved.get("posenc"):
+            raise InvalidParameterError(
+                f"study: --base-model {config.base_model!r} is already patched with "
+                f"{saved['posenc'].get('encoding')!r}; start from the original (unpatched) checkpoint"
+            )
+    slugs: dict[str, str] = {}
+    for spec in config.encodings:
+        name, params = parse_encoding_spec(spec)
+        check_encoding(name, params, saved, where=f"study: encoding {spec!r}")
+        if spec_slug(spec) in slugs:
+            raise InvalidParameterError(
+                f"study: encodings {slugs[spec_slug(spec)]!r} and {spec!r} share the run folder {spec_slug(spec)!r}"
+            )
+        slugs[spec_slug(spec)] = spec
+    check_sources(config.data)
+    check_sources(config.eval_data or config.data)
+    return out
+
+
+def plan_study(config: StudyConfig, overwrite: bool = False) -> list[tuple[str, Any, str]]:
+    """(label, training settings, status) of every run, checked against what is on disk."""
+    out = Path(config.output_dir)
+    plan = []
+    base = Path(config.base_model) if config.base_model else out / "base" / "final"
+    if not config.base_model:
+        settings = _base_settings(config, out)
+        plan.append(("base (RoPE pretraining)", settings, run_status(settings, overwrite)))
+    fresh_base = bool(plan) and plan[0][2] in ("train", "retrain")
+    for spec in config.encodings:
+        settings = _run_settings(config, base, spec, out)
+        status = run_status(settings, overwrite)
+        if fresh_base and status in ("reuse", "resume"):
+            if not overwrite:
+                raise InvalidParameterError(
+                    f"study: {settings.output_dir!r} was trained from a base model that is not there any more "
+                    "(the base is trained anew); pass --overwrite to train it again, or choose another --output-dir"
+                )
+            status = "retrain"
+        plan.append((spec, settings, status))
+    return plan
+
+
+def _pretrain_base(config: StudyConfig, settings, status: str):
+    """Train the tokenizer and pretrain the embedded tiny Llama with RoPE; return its final folder."""
+    from .data import read_documents
     from .tiny import tiny_model
     from .tokenizer import train_bpe_tokenizer
-    from .training import TrainConfig, train
+    from .training import train
 
-    final = out / "base" / "final"
-    if (final / "config.json").is_file():
-        print(f"[study] reusing the pretrained base model in {final}")
-        return final
-    print("[study] training a byte-level BPE tokenizer on the corpus")
-    documents = list(
-        read_documents(
-            config.data, text_field=config.text_field, split=config.train_split, limit=config.max_documents
-        )
+    documents = read_documents(
+        config.data, text_field=config.text_field, split=config.train_split, limit=config.max_documents
     )
     tokenizer = train_bpe_tokenizer(documents, vocab_size=config.vocab_size)
     model = tiny_model(
@@ -101,91 +334,86 @@ def _pretrain_base(config: StudyConfig, out: Path) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    print(f"[study] pretraining the base model with RoPE for {config.pretrain_steps} steps")
-    settings = TrainConfig(
-        model="builtin:tiny-llama",
-        output_dir=str(out / "base"),
-        data=config.data,
-        split=config.train_split,
-        text_field=config.text_field,
-        seq_len=config.train_length,
-        batch_size=config.batch_size,
-        max_steps=config.pretrain_steps,
-        lr=config.lr,
-        log_every=max(1, config.pretrain_steps // 10),
-        seed=config.seed,
+    return train(
+        settings, model=model, tokenizer=tokenizer, resume=status == "resume", overwrite=status == "retrain"
+    ).final_dir
+
+
+def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = False) -> dict[str, Path]:
+    """Run the whole study (reusing finished runs, resuming interrupted ones); returns the report files."""
+    from .provenance import provenance
+
+    out = check_study(config)
+    plan = plan_study(config, overwrite)
+    if dry_run:
+        print(f"[study] dry run: every input is valid; output in {out}")
+        for label, settings, status in plan:
+            print(f"  {status:<8} {label}: {settings.max_steps} steps -> {settings.output_dir}")
+        print(f"  evaluate at {', '.join(str(config.train_length * m) for m in config.multiples)} tokens")
+        return {}
+    (out / "study_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    to_train = sum(s.max_steps for _, s, status in plan if status != "reuse")
+    progress = _Progress(len(plan) + 1, to_train)
+    finals: dict[str, Path] = {}
+    try:
+        for label, settings, status in plan:
+            verb = {"reuse": "reusing", "resume": "resuming", "train": "training", "retrain": "retraining"}[
+                status
+            ]
+            steps = 0 if status == "reuse" else settings.max_steps
+            progress.phase(f"{label}: {verb} ({settings.max_steps} steps) in {settings.output_dir}", steps)
+            if status == "reuse":
+                finals[label] = Path(settings.output_dir) / "final"
+            elif label.startswith("base"):
+                finals[label] = _pretrain_base(config, settings, status)
+            else:
+                from .training import train
+
+                finals[label] = train(
+                    settings, resume=status == "resume", overwrite=status == "retrain"
+                ).final_dir
+            progress.finished()
+    except KeyboardInterrupt as stop:
+        raise KeyboardInterrupt(f"{stop or 'stopped'}; run the same command again to continue") from None
+    progress.phase(f"evaluating {len(finals) + (1 if config.base_model else 0)} models")
+    results = _evaluate(config, out, finals)
+    title = f"Loss vs evaluation length (trained at {config.train_length} tokens, {config.steps} steps each)"
+    from .evaluation import format_table, write_report
+
+    paths = write_report(
+        results,
+        out,
+        config.train_length,
+        title,
+        metadata={"study": dataclasses.asdict(config), "provenance": provenance()},
     )
-    return train(settings, model=model, tokenizer=tokenizer).final_dir
+    print(format_table(results))
+    print(f"[study] report: {', '.join(str(p) for p in paths.values())}")
+    return paths
 
 
-def _continue_pretraining(config: StudyConfig, base: Path, spec: str, out: Path) -> Path:
-    from .training import TrainConfig, train
-
-    name, params = parse_encoding_spec(spec)
-    run = out / "runs" / spec_slug(spec)
-    if (run / "final" / "config.json").is_file():
-        print(f"[study] reusing {spec} in {run / 'final'}")
-        return run / "final"
-    print(f"[study] {spec}: continued pretraining for {config.steps} steps")
-    settings = TrainConfig(
-        model=str(base),
-        output_dir=str(run),
-        data=config.data,
-        split=config.train_split,
-        text_field=config.text_field,
-        encoding=name,
-        encoding_params=params,
-        seq_len=config.train_length,
-        batch_size=config.batch_size,
-        max_steps=config.steps,
-        lr=config.lr,
-        warmup_ratio=0.1,
-        log_every=max(1, config.steps // 5),
-        seed=config.seed,
-    )
-    return train(settings).final_dir
-
-
-def spec_slug(spec: str) -> str:
-    """A directory name for an encoding spec: ``expe{"l": 8}`` -> ``expe_l_8``."""
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", spec).strip("_")
-
-
-def run_study(config: StudyConfig) -> dict[str, Path]:
-    """Run the whole study; returns the report files (table, csv, json, png)."""
+def _evaluate(config: StudyConfig, out: Path, finals: dict[str, Path]) -> dict[str, list]:
     from transformers import AutoTokenizer
 
-    from .evaluation import check_model_length, check_output_dir, evaluate_lengths, format_table, write_report
+    from .data import read_documents, tokenize_documents
+    from .evaluation import check_model_length, evaluate_lengths
     from .loading import load_model
 
-    out = check_output_dir(config.output_dir)
-    check_sources(config.data)
-    eval_sources = config.eval_data or config.data
-    check_sources(eval_sources)
-    (out / "study_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-
-    base = Path(config.base_model) if config.base_model else _pretrain_base(config, out)
+    base = Path(config.base_model) if config.base_model else finals.pop("base (RoPE pretraining)")
     tokenizer = AutoTokenizer.from_pretrained(str(base))
-    documents = read_documents(eval_sources, text_field=config.text_field, split=config.eval_split)
+    documents = read_documents(
+        config.eval_data or config.data, text_field=config.text_field, split=config.eval_split
+    )
     longest = config.train_length * max(config.multiples)
     tokens = tokenize_documents(documents, tokenizer, max_tokens=max(config.eval_tokens, longest))
-    runs = {"rope (base, no further training)": base} if not config.base_model else {"base": base}
-    for spec in config.encodings:
-        runs[spec] = _continue_pretraining(config, base, spec, out)
-
+    runs = {"rope (base, no further training)" if not config.base_model else "base": base, **finals}
     results = {}
     for label, directory in runs.items():
         model = load_model(str(directory)).eval()
-        check_model_length(model, config.train_length * max(config.multiples))
+        check_model_length(model, longest)
         print(f"[study] evaluating {label}")
         results[label] = evaluate_lengths(
             model, tokens, config.train_length, config.multiples, max_tokens=config.eval_tokens, batch_size=8
         )
         del model
-    title = f"Loss vs evaluation length (trained at {config.train_length} tokens, {config.steps} steps each)"
-    paths = write_report(
-        results, out, config.train_length, title, metadata={"study": dataclasses.asdict(config)}
-    )
-    print(format_table(results))
-    print(f"[study] report: {', '.join(str(p) for p in paths.values())}")
-    return paths
+    return results

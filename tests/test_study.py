@@ -4,6 +4,9 @@ the same code with bigger numbers), its reuse of finished runs, and its early er
 from __future__ import annotations
 
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -46,12 +49,78 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     assert expe_dir.is_dir(), sorted(p.name for p in (tmp_path / "runs").iterdir())
 
 
-def test_a_second_run_reuses_finished_models(tmp_path, capsys):
-    run_study(StudyConfig(output_dir=str(tmp_path), **{**MINI, "encodings": ["alibi"]}))
+def _recorded_steps(run: Path) -> int:
+    return json.loads((run / "final" / "training_run.json").read_text())["config"]["max_steps"]
+
+
+def test_runs_are_reused_only_when_their_settings_match(tmp_path, capsys):
+    """Same command: every run is reused. Changed --steps: an error naming the difference, nothing
+    retrained or relabelled. With --overwrite: the runs are retrained with the new settings."""
+    mini = {**MINI, "encodings": ["alibi"]}
+    run_study(StudyConfig(output_dir=str(tmp_path), **mini))
     capsys.readouterr()
-    run_study(StudyConfig(output_dir=str(tmp_path), **{**MINI, "encodings": ["alibi"]}))
+    run_study(StudyConfig(output_dir=str(tmp_path), **mini))
     out = capsys.readouterr().out
-    assert "reusing the pretrained base model" in out and "reusing alibi" in out
+    assert "base (RoPE pretraining): reusing" in out and "alibi: reusing" in out
+    before = (tmp_path / "runs" / "alibi" / "final" / "model.safetensors").read_bytes()
+
+    changed = {**mini, "steps": 3}
+    with pytest.raises(hf_posenc.InvalidParameterError, match=r"max_steps=3 \(was 2\)"):
+        run_study(StudyConfig(output_dir=str(tmp_path), **changed))
+    assert _recorded_steps(tmp_path / "runs" / "alibi") == 2
+    assert (tmp_path / "runs" / "alibi" / "final" / "model.safetensors").read_bytes() == before
+
+    run_study(StudyConfig(output_dir=str(tmp_path), **changed), overwrite=True)
+    assert _recorded_steps(tmp_path / "runs" / "alibi") == 3
+    assert json.loads((tmp_path / "results.json").read_text())["metadata"]["study"]["steps"] == 3
+
+
+def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_continues(tmp_path, monkeypatch, capsys):
+    """A real SIGINT during a run's step 2 of 4: the step finishes, a checkpoint is saved, the
+    command exits with code 130; the same command resumes from that checkpoint and finishes."""
+    from hf_posenc.training import loop
+
+    original = loop.check_finite_loss
+    fired = []
+
+    def sigint_once(loss, step):  # the base trains 1 step, so step 2 is alibi's
+        if step == 2 and not fired:
+            fired.append(step)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(loss, step)
+
+    monkeypatch.setattr(loop, "check_finite_loss", sigint_once)
+    settings = {**MINI, "steps": 4, "pretrain_steps": 1, "multiples": [1, 2]}
+    argv = ["study", "--output-dir", str(tmp_path), "--encodings", "alibi"]
+    for key, value in settings.items():
+        if key != "encodings":
+            argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "run the same command again" in err
+    run = tmp_path / "runs" / "alibi"
+    assert (run / "checkpoint-2").is_dir() and not (run / "final").exists()
+
+    monkeypatch.setattr(loop, "check_finite_loss", original)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "alibi: resuming" in out and "resuming from" in out and "(step 2)" in out
+    assert [step for step, _ in json.loads((run / "final" / "losses.json").read_text())] == [1, 2, 3, 4]
+
+
+def test_config_file_is_fed_back_and_dry_run_loads_nothing(tmp_path, capsys):
+    """study_config.json of one study, given to --config, reproduces its settings; flags override
+    it; --dry-run prints the plan and trains nothing."""
+    config = {**MINI, "encodings": ["alibi", "t5"], "output_dir": str(tmp_path / "study")}
+    (tmp_path / "settings.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in config.items()))
+    assert main(["study", "--config", str(tmp_path / "settings.yaml"), "--steps", "7", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run" in out and "train    alibi: 7 steps" in out and "train    t5: 7 steps" in out
+    assert "base (RoPE pretraining): 3 steps" in out
+    assert not (tmp_path / "study" / "base").exists() and not (tmp_path / "study" / "runs").exists()
+    (tmp_path / "bad.json").write_text(json.dumps({"stepz": 3}))
+    assert main(["study", "--config", str(tmp_path / "bad.json"), "--dry-run"]) == 2
+    assert "unknown setting(s) stepz" in capsys.readouterr().err
 
 
 def test_encoding_specs_parse_names_aliases_and_json():
@@ -65,12 +134,16 @@ def test_encoding_specs_parse_names_aliases_and_json():
         (["--encodings", "alibbi"], "Did you mean 'alibi'"),
         (["--encodings", "expe{oops"], "not JSON"),
         (["--data", "no/such/file.txt"], "no/such/file.txt"),
+        (["--base-model", "./my-llama"], "'./my-llama' does not exist"),
+        (["--encodings", 't5{"num_buckets": -1}'], "num_buckets"),
+        (["--steps", "0"], "steps=0"),
     ],
 )
 def test_bad_input_is_refused_before_any_training(tmp_path, capsys, argv, message):
     code = main(["study", "--output-dir", str(tmp_path / "out"), *argv])
     assert code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "base").exists()
 
 

@@ -20,30 +20,11 @@ import torch
 
 from ..patch import patch_model
 from ..tiny import tiny_model
+from .config import BenchConfig
 from .measure import PeakMemory, paired_times, return_freed_memory_to_os
 
 NATIVE = "native"
 MODES = ("forward", "train", "decode")
-
-
-@dataclasses.dataclass
-class BenchConfig:
-    encodings: list[str]
-    lengths: list[int] = dataclasses.field(default_factory=lambda: [512, 2048, 4096, 8192])
-    modes: list[str] = dataclasses.field(default_factory=lambda: ["forward", "train", "decode"])
-    family: str = "llama"
-    vocab_size: int = 32000  # a real tokenizer's size: the logits are part of the memory baseline
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    batch_size: int = 1
-    repeats: int = 5
-    warmup: int = 1
-    decode_prompt: int = 2048
-    decode_tokens: int = 256
-    device: str = "cpu"
-    dtype: str = "float32"
-    backend: str = "auto"
 
 
 @dataclasses.dataclass

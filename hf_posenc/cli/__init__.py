@@ -1,4 +1,10 @@
-"""The ``hf-posenc`` command. Each subcommand lives in its own module with a ``register``."""
+"""The ``hf-posenc`` command. Each subcommand lives in its own module with a ``register``.
+
+Subcommand modules import torch, transformers, accelerate, datasets and matplotlib only when
+a command runs, so ``--help`` and argument errors come back at once. Every error a user can
+cause is one line (``hf-posenc CMD: error: ...``, exit code 2); ``--traceback`` (accepted by
+every subcommand) shows the full traceback instead. Ctrl-C exits with code 130.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,15 @@ COMMAND_MODULES = [
     perplexity_command,
     bench_command,
 ]
+#: errors that come from the user's input or environment: one line, no traceback
+USER_ERRORS = (
+    PosencError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    argparse.ArgumentTypeError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(commands)
+    for name, subparser in commands.choices.items():
+        if name != "lm-eval" and "--traceback" not in subparser._option_string_actions:
+            subparser.add_argument(
+                "--traceback", action="store_true", help="show the full traceback on error"
+            )
     return parser
+
+
+def _hub_error(error: BaseException) -> bool:
+    """A transformers/huggingface_hub error about a missing repo or an unreachable hub."""
+    name = type(error).__name__
+    return name in (
+        "RepositoryNotFoundError",
+        "GatedRepoError",
+        "LocalEntryNotFoundError",
+        "HFValidationError",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,14 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (
-        PosencError,
-        FileNotFoundError,
-        NotADirectoryError,
-        PermissionError,
-        argparse.ArgumentTypeError,
-    ) as error:
+    except KeyboardInterrupt as stop:
         if getattr(args, "traceback", False):
             raise
-        print(f"hf-posenc {args.command}: error: {error}", file=sys.stderr)
+        detail = f" ({stop})" if str(stop) else ""
+        print(f"hf-posenc {args.command}: interrupted{detail}", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if getattr(args, "traceback", False) or not (isinstance(error, USER_ERRORS) or _hub_error(error)):
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"hf-posenc {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..attention import BACKENDS
-from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
-from ..registry import canonical_name, list_encodings
+from ..errors import InvalidParameterError
 
 
 def register(commands: argparse._SubParsersAction) -> None:
+    from ..benchmark.config import BenchConfig
+
     defaults = BenchConfig(encodings=[])
     parser = commands.add_parser(
         "bench",
@@ -35,12 +35,53 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--backend", default=defaults.backend, choices=list(BACKENDS))
-    parser.add_argument("--output-dir", default="posenc-bench")
+    parser.add_argument("--backend", default=defaults.backend, help="attention backend (default: auto)")
+    parser.add_argument("--output-dir", "--output", dest="output_dir", default="posenc-bench")
     parser.set_defaults(run=command_bench)
 
 
+def check_bench_args(args: argparse.Namespace) -> None:
+    """One-line errors for values the suite cannot measure, before any model is built."""
+    for flag in ("lengths",):
+        bad = [n for n in getattr(args, flag) if n < 2]
+        if bad:
+            raise InvalidParameterError(f"--{flag} {bad[0]} is not allowed; allowed: integers >= 2")
+    for flag in ("repeats", "decode_prompt", "decode_tokens", "batch_size", "num_layers", "num_heads"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise InvalidParameterError(f"--{flag.replace('_', '-')} {value} is not allowed; allowed: >= 1")
+    if args.warmup < 0:
+        raise InvalidParameterError(f"--warmup {args.warmup} is not allowed; allowed: >= 0")
+    import torch
+
+    from ..attention import BACKENDS
+
+    if args.backend not in BACKENDS:
+        raise InvalidParameterError(
+            f"--backend {args.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}"
+        )
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise InvalidParameterError(
+            f"--device {args.device!r} is not a device; allowed: cpu, cuda, cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError(
+            f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__}); "
+            "use --device cpu"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidParameterError(
+            f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+
+
 def command_bench(args: argparse.Namespace) -> int:
+    from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
+    from ..registry import canonical_name, list_encodings
+
+    check_bench_args(args)
     names = (
         [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
     )

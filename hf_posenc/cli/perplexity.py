@@ -21,15 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PositionRangeError
-from ..evaluation.perplexity import EvaluationError, check_multiples, token_budget
-from ..evaluation.report import (
-    FILE_NAMES,
-    check_output_dir,
-    format_table,
-    write_csv,
-    write_json,
-    write_report,
-)
+from ..evaluation.errors import EvaluationError
 from .common import parse_encoding_params
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -150,7 +142,15 @@ def command_perplexity(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from ..data import check_sources
-    from ..evaluation.perplexity import evaluate_lengths
+    from ..evaluation.perplexity import check_multiples, evaluate_lengths, token_budget
+    from ..evaluation.report import (
+        FILE_NAMES,
+        check_output_dir,
+        format_table,
+        write_csv,
+        write_json,
+        write_report,
+    )
     from ..loading import load_model
     from ..registry import get_encoding
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..study import StudyConfig, run_study
+from ..study import StudyConfig, load_study_config, run_study
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -16,9 +16,17 @@ def register(commands: argparse._SubParsersAction) -> None:
         "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe "
         "(about 10-15 minutes on 2 CPU cores).",
     )
-    parser.add_argument("--output-dir", default=defaults.output_dir)
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML/JSON of study settings (e.g. a previous study_config.json); flags given here override it",
+    )
+    parser.add_argument("--output-dir", "--output", dest="output_dir", default=defaults.output_dir)
     parser.add_argument(
         "--base-model",
+        "--model",
+        dest="base_model",
         default=None,
         help="checkpoint (with tokenizer) to start from; default: pretrain the embedded tiny Llama",
     )
@@ -37,7 +45,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-split", default=defaults.eval_split)
     parser.add_argument("--text-field", default=defaults.text_field)
     parser.add_argument("--max-documents", type=int, default=None, help="cap on training documents")
-    parser.add_argument("--train-length", type=int, default=defaults.train_length)
+    parser.add_argument(
+        "--train-length", "--seq-len", dest="train_length", type=int, default=defaults.train_length
+    )
     parser.add_argument("--multiples", nargs="+", type=int, default=defaults.multiples)
     parser.add_argument(
         "--steps", type=int, default=defaults.steps, help="continued-pretraining steps per encoding"
@@ -57,10 +67,23 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.set_defaults(run=command_study)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="retrain runs whose recorded settings differ (else: an error)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check every input and print the plan; load and train nothing"
+    )
+    parser.set_defaults(run=command_study, _parser=parser)
 
 
 def command_study(args: argparse.Namespace) -> int:
     fields = {f for f in StudyConfig.__dataclass_fields__}
-    run_study(StudyConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if args.config:
+        parser: argparse.ArgumentParser = args._parser
+        given = {k for k in fields if getattr(args, k) != parser.get_default(k)}
+        values = {**values, **{k: v for k, v in load_study_config(args.config).items() if k not in given}}
+    run_study(StudyConfig(**values), overwrite=args.overwrite, dry_run=args.dry_run)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..training import TrainConfig, train
+from ..training.config import TrainConfig
 from .common import add_encoding_arguments, parse_encoding_params
 
 
@@ -18,7 +18,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     defaults = TrainConfig(model="-", output_dir="-")
     parser.add_argument("--model", required=True, help="hub id or local directory of the checkpoint")
-    parser.add_argument("--output-dir", required=True, help="checkpoints and the final model go here")
+    parser.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output_dir",
+        required=True,
+        help="checkpoints and the final model go here",
+    )
     add_encoding_arguments(parser)
     parser.add_argument(
         "--data",
@@ -31,7 +37,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--text-field", default=defaults.text_field)
     parser.add_argument("--split", default=defaults.split)
     parser.add_argument("--max-documents", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="packed sequence length")
+    parser.add_argument(
+        "--seq-len",
+        "--train-length",
+        dest="seq_len",
+        type=int,
+        default=defaults.seq_len,
+        help="packed sequence length",
+    )
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per process")
     parser.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
     parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
@@ -50,7 +63,33 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--mixed-precision", default=defaults.mixed_precision, choices=["no", "bf16", "fp16"])
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run (checkpoints, final/) already in --output-dir",
+    )
+    parser.add_argument(
+        "--ddp-timeout",
+        type=int,
+        default=defaults.ddp_timeout,
+        metavar="SECONDS",
+        help="how long a collective waits for the other processes before failing (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--report-to",
+        nargs="+",
+        default=[],
+        metavar="TRACKER",
+        help="accelerate trackers: tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, all",
+    )
+    parser.add_argument(
+        "--data-cache",
+        default=None,
+        metavar="DIR",
+        help="tokenised data cache (default: OUTPUT_DIR/data-cache)",
+    )
+    parser.add_argument("--num-proc", type=int, default=None, help="tokenisation worker processes")
     parser.add_argument(
         "--lora", action="store_true", help="LoRA on the base weights; the encoding trains fully"
     )
@@ -68,6 +107,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def command_train(args: argparse.Namespace) -> int:
-    result = train(config_from_args(args), resume=args.resume)
-    print(f"final model: {result.final_dir}  (reload with hf_posenc.from_pretrained)")
+    config = config_from_args(args)
+    from ..training import train
+    from ..training.loop import preflight
+
+    preflight(config)  # before accelerate, torch and the model load
+    result = train(config, resume=args.resume, overwrite=args.overwrite)
+    if result.is_main_process:
+        print(f"final model: {result.final_dir}  (reload with hf_posenc.from_pretrained)")
     return 0

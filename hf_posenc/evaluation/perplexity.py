@@ -23,18 +23,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import PosencError, PositionRangeError
+from ..errors import PositionRangeError
 from ..limits import position_limit
+from .errors import EvaluationError
 
 #: families whose causal-LM head is a plain ``lm_head(base_model(...))``; their logits are
 #: computed in chunks so a long window never materialises (L, vocab) fp32 logits at once
 CHUNKED_HEAD_FAMILIES = ("llama", "mistral", "gpt2")
 #: fp32 logit elements per chunk (~256 MiB)
 CHUNK_ELEMENTS = 1 << 26
-
-
-class EvaluationError(PosencError, ValueError):
-    """The evaluation cannot run as asked (too few tokens, bad multiples, bad budget)."""
 
 
 @dataclasses.dataclass(frozen=True)

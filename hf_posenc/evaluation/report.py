@@ -14,11 +14,12 @@ import math
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .perplexity import LengthResult
+if TYPE_CHECKING:
+    from .perplexity import LengthResult
 
-Results = Mapping[str, Sequence[LengthResult]]
+Results = Mapping[str, Sequence["LengthResult"]]
 CSV_FIELDS = ("label", "multiple", "length", "windows", "tokens", "loss", "perplexity")
 FILE_NAMES = {
     "table": "results.txt",

@@ -1,15 +1,20 @@
-"""Atomic checkpoints: a run killed mid-save resumes from the previous complete one.
+"""Atomic, checksummed checkpoints: a run killed mid-save, or a damaged checkpoint, resumes from
+the latest complete and intact one.
 
-A checkpoint is written to ``checkpoint-N.tmp``, completed with ``trainer_state.json``,
-then renamed to ``checkpoint-N`` (an atomic rename). Only complete directories — those
-with the state file — are ever resumed from; leftovers of interrupted saves are removed.
+A checkpoint is written to ``checkpoint-N.tmp``, completed with ``trainer_state.json`` (which
+records the SHA-256 and size of every other file in it), then renamed to ``checkpoint-N`` (an
+atomic rename). Only complete directories — those with the state file — are candidates;
+leftovers of interrupted saves are removed. :func:`intact_checkpoint` verifies the candidates
+newest first and reports each damaged one by path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +23,7 @@ PREFIX = "checkpoint-"
 
 
 def checkpoint_dirs(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints (with their state file), oldest first."""
     found = []
     for path in output_dir.glob(f"{PREFIX}*"):
         suffix = path.name[len(PREFIX) :]
@@ -33,7 +38,61 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / STATE_FILE).read_text())
+    return json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksums(directory: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"sha256", "bytes"}}`` of every file under ``directory`` but the state file."""
+    return {
+        path.relative_to(directory).as_posix(): {"sha256": file_digest(path), "bytes": path.stat().st_size}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != STATE_FILE
+    }
+
+
+def verify(checkpoint: Path) -> str | None:
+    """None if ``checkpoint`` is intact, else what is wrong with it (one line)."""
+    try:
+        state = read_state(checkpoint)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"{checkpoint / STATE_FILE} is unreadable ({error})"
+    if not isinstance(state, dict) or not {"step", "losses", "config"} <= set(state):
+        return f"{checkpoint / STATE_FILE} is not a trainer state (no step/losses/config)"
+    recorded = state.get("files")
+    if not isinstance(recorded, dict) or not recorded:
+        return f"{checkpoint / STATE_FILE} records no checksums (written by an older hf_posenc?)"
+    for name, expected in recorded.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, {expected['bytes']} were saved (truncated?)"
+        if file_digest(path) != expected["sha256"]:
+            return f"{path} does not match its recorded SHA-256 (damaged)"
+    return None
+
+
+def intact_checkpoint(output_dir: Path, warn: Callable[[str], None] = print) -> Path | None:
+    """The newest complete checkpoint whose files match their checksums; each damaged one is reported."""
+    for checkpoint in reversed(checkpoint_dirs(output_dir)):
+        problem = verify(checkpoint)
+        if problem is None:
+            return checkpoint
+        warn(f"[train] skipping damaged checkpoint {checkpoint}: {problem}")
+    return None
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
 
 
 def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
@@ -46,10 +105,13 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for path in partial.rglob("*"):
+            if path.is_file():
+                _fsync(path)
+        state = {**state, "files": checksums(partial)}
         state_path = partial / STATE_FILE
-        state_path.write_text(json.dumps(state, indent=2))
-        with open(state_path) as handle:
-            os.fsync(handle.fileno())
+        state_path.write_text(json.dumps(state, indent=2), encoding="utf-8")
+        _fsync(state_path)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,10 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # default: attention and MLP projections of the family
+    ddp_timeout: int = 1800  # seconds a collective may wait for the other processes
+    report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers
+    data_cache: str | None = None  # tokenised data (Arrow); default: OUTPUT_DIR/data-cache
+    num_proc: int | None = None  # tokenisation workers
 
     def __post_init__(self) -> None:
         positive = (
@@ -57,6 +62,7 @@ class TrainConfig:
             "keep_checkpoints",
             "log_every",
             "lora_r",
+            "ddp_timeout",
         )
         for name in positive:
             value = getattr(self, name)
@@ -68,18 +74,31 @@ class TrainConfig:
             raise InvalidParameterError(
                 f"train: save_every={self.save_every!r} is not allowed; allowed: >= 0"
             )
-        for name in ("lr", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
+        for name in ("lr", "weight_decay", "max_grad_norm", "lora_dropout", "end_lr_ratio", "warmup_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidParameterError(
-                    f"train: {name}={getattr(self, name)!r} is not allowed; allowed: >= 0"
+                    f"train: {name}={value!r} is not allowed; allowed: a finite number >= 0"
                 )
+        if self.encoding_lr is not None and not (math.isfinite(self.encoding_lr) and self.encoding_lr >= 0):
+            raise InvalidParameterError(
+                f"train: encoding_lr={self.encoding_lr!r} is not allowed; allowed: a finite number >= 0"
+            )
+        if self.num_proc is not None and self.num_proc < 1:
+            raise InvalidParameterError(f"train: num_proc={self.num_proc!r} is not allowed; allowed: >= 1")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.end_lr_ratio <= 1:
             raise InvalidParameterError(
                 f"train: warmup_ratio={self.warmup_ratio!r}, end_lr_ratio={self.end_lr_ratio!r}; allowed: "
                 "warmup_ratio in [0, 1), end_lr_ratio in [0, 1]"
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidParameterError(f"train: dtype={self.dtype!r}; allowed: float32, bfloat16, float16")
+            raise InvalidParameterError(f"train: dtype={self.dtype!r}; allowed: float32, bfloat16")
+        if self.dtype == "float16":
+            raise InvalidParameterError(
+                "train: dtype='float16' (pure fp16 weights) is not allowed: AdamW updates below fp16's "
+                "resolution are lost and the loss overflows to NaN; allowed: --dtype float32 (with "
+                "--mixed-precision fp16 or bf16 on a GPU) or --dtype bfloat16"
+            )
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise InvalidParameterError(
                 f"train: mixed_precision={self.mixed_precision!r}; allowed: no, bf16, fp16"

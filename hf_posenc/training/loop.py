@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,29 +17,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data import check_sources, pack_blocks, read_documents, tokenize_documents
+from ..data import check_sources
 from ..errors import InvalidParameterError
 from ..limits import position_limit
 from ..loading import load_model
 from ..patch import patch_info, patch_model
+from ..preflight import check_encoding, check_model_path, check_tokenizer_path
 from .batches import BatchOrder
-from .checkpoints import latest_checkpoint, read_state, save_checkpoint
+from .checkpoints import intact_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig
+from .corpus import training_blocks
+from .guards import (
+    check_finite_loss,
+    check_finite_weights,
+    check_output_dir,
+    check_world,
+    resume_differences,
+)
+from .interrupt import StopRequest
 from .lora import apply_lora, merge_lora
+from .outputs import write_final
 
 StepCallback = Callable[[int, dict[str, float]], None]
-#: settings a resumed run must share with the run it continues
-RESUME_KEYS = (
-    "data",
-    "seq_len",
-    "batch_size",
-    "grad_accum",
-    "seed",
-    "max_steps",
-    "encoding",
-    "lora",
-    "model",
-)
 
 
 @dataclasses.dataclass
@@ -49,24 +46,7 @@ class TrainResult:
     final_dir: Path
     steps: int
     losses: list[tuple[int, float]]
-
-
-def check_output_dir(output_dir: Path, resume: bool) -> None:
-    """Create ``output_dir`` if needed and refuse to overwrite another run's checkpoints."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise NotADirectoryError(f"output path {str(output_dir)!r} exists and is not a directory")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise PermissionError(f"output directory {str(output_dir)!r} is not writable: {error}") from error
-    if not resume and latest_checkpoint(output_dir) is not None:
-        raise InvalidParameterError(
-            f"{str(output_dir)!r} already holds checkpoints of a run; pass --resume to continue it, "
-            "or choose another --output-dir (nothing is overwritten)"
-        )
+    is_main_process: bool = True
 
 
 def _schedule(config: TrainConfig) -> Callable[[int], float]:
@@ -126,49 +106,96 @@ def prepare_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
     return model.to(dtype)
 
 
+def preflight(config: TrainConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> None:
+    """Every check that needs no model: paths, tokenizer, data sources, encoding and parameters."""
+    saved = None
+    if model is None:
+        saved = check_model_path(config.model, need_tokenizer=tokenizer is None and config.tokenizer is None)
+    if config.tokenizer is not None and tokenizer is None:
+        check_tokenizer_path(config.tokenizer)
+    check_sources(config.data)
+    if model is None or patch_info(model) is None:
+        check_encoding(config.encoding, config.encoding_params, saved)
+
+
+def _tracker_config(config: TrainConfig) -> dict[str, Any]:
+    """The config with lists and dicts as JSON text (trackers take scalars only)."""
+    return {
+        k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
+        for k, v in dataclasses.asdict(config).items()
+    }
+
+
+def _accelerator(config: TrainConfig, output_dir: Path):
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return Accelerator(
+        gradient_accumulation_steps=config.grad_accum,
+        mixed_precision=config.mixed_precision,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
+        log_with=list(config.report_to) or None,
+        project_dir=str(output_dir),
+    )
+
+
 def train(
     config: TrainConfig,
     *,
     model: nn.Module | None = None,
     tokenizer: Any = None,
     resume: bool = False,
+    overwrite: bool = False,
     callbacks: Sequence[StepCallback] = (),
     progress: bool = True,
 ) -> TrainResult:
-    """Run (or ``resume``) continued pretraining; returns where the final model was saved."""
-    from accelerate import Accelerator
+    """Run (or ``resume``) continued pretraining; returns where the final model was saved.
+
+    Raises before loading anything on a bad path, data source, encoding or parameter, on an
+    existing run (unless ``resume`` or ``overwrite``), and on a launch whose processes do not
+    form one world. A non-finite loss stops training with :class:`TrainingError` and no final/.
+    """
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     output_dir = Path(config.output_dir)
-    check_output_dir(output_dir, resume)
-    check_sources(config.data)
+    preflight(config, model=model, tokenizer=tokenizer)
+    accelerator = _accelerator(config, output_dir)
+    check_world(accelerator)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite, is_main=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    checkpoint = None
     if resume:
-        checkpoint = latest_checkpoint(output_dir)
+        warn = print if accelerator.is_main_process else (lambda _: None)
+        checkpoint = intact_checkpoint(output_dir, warn=warn)
         if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint in {str(output_dir)!r}")
-        saved = read_state(checkpoint)["config"]
-        changed = [k for k in RESUME_KEYS if saved.get(k) != getattr(config, k)]
+            raise FileNotFoundError(f"--resume: no complete checkpoint (none intact) in {str(output_dir)!r}")
+        changed = resume_differences(read_state(checkpoint)["config"], dataclasses.asdict(config))
         if changed:
             raise InvalidParameterError(
-                "--resume: settings differ from the interrupted run: "
-                + ", ".join(f"{k}={getattr(config, k)!r} (was {saved.get(k)!r})" for k in changed)
+                f"--resume: settings differ from the run in {str(output_dir)!r}: " + ", ".join(changed)
             )
 
-    accelerator = Accelerator(
-        gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision
-    )
     set_seed(config.seed)
     model = prepare_model(config, model)
     _check_positions(model, config.seq_len)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
 
-    documents = read_documents(
-        config.data, text_field=config.text_field, split=config.split, limit=config.max_documents
-    )
-    blocks = pack_blocks(tokenize_documents(documents, tokenizer), config.seq_len)
+    with accelerator.main_process_first():
+        blocks = training_blocks(
+            config.data,
+            tokenizer,
+            config.seq_len,
+            text_field=config.text_field,
+            split=config.split,
+            limit=config.max_documents,
+            cache_dir=config.data_cache or output_dir / "data-cache",
+            num_proc=config.num_proc,
+        )
     order = BatchOrder(
         blocks, config.batch_size, accelerator.num_processes, accelerator.process_index, config.seed
     )
@@ -191,12 +218,26 @@ def train(
     accelerator.register_for_checkpointing(scheduler)
 
     start, losses = 0, []
-    if resume:
-        accelerator.load_state(str(checkpoint))
+    if checkpoint is not None:
+        try:
+            accelerator.load_state(str(checkpoint))
+        except Exception as error:  # a file that passed its checksum but does not load
+            raise InvalidParameterError(f"--resume: cannot load {checkpoint}: {error}") from error
         state = read_state(checkpoint)
         start, losses = state["step"], [tuple(x) for x in state["losses"]]
+        if accelerator.is_main_process:
+            print(f"[train] resuming from {checkpoint} (step {start})")
     if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(config.to_json())
+    if config.report_to:
+        accelerator.init_trackers("hf-posenc", config=_tracker_config(config))
+
+    def save(step: int) -> None:
+        check_finite_weights(accelerator, model, step)
+        state = {"step": step, "losses": losses, "config": dataclasses.asdict(config)}
+        path = save_checkpoint(accelerator, output_dir, step, state, config.keep_checkpoints)
+        if accelerator.is_main_process:
+            bar.write(f"[train] checkpoint {path}")
 
     bar = tqdm(
         total=config.max_steps,
@@ -204,48 +245,48 @@ def train(
         desc="train",
         disable=not (progress and accelerator.is_main_process),
     )
-    for step in range(start, config.max_steps):
-        step_loss = torch.zeros((), device=accelerator.device)
-        for micro in range(config.grad_accum):
-            batch = order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch, labels=batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            step_loss += loss.detach() / config.grad_accum
-        scheduler.step()
-        mean_loss = accelerator.gather(step_loss[None]).mean().item()
-        losses.append((step + 1, mean_loss))
-        logs = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
-        bar.update(1)
-        bar.set_postfix(loss=f"{mean_loss:.4f}")
-        if accelerator.is_main_process and (step + 1) % config.log_every == 0:
-            bar.write(json.dumps({"step": step + 1, **logs}))
-        if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.max_steps:
-            state = {"step": step + 1, "losses": losses, "config": dataclasses.asdict(config)}
-            save_checkpoint(accelerator, output_dir, step + 1, state, config.keep_checkpoints)
-        for callback in callbacks:
-            callback(step + 1, logs)
+    with StopRequest(enabled=accelerator.num_processes == 1) as stop:
+        for step in range(start, config.max_steps):
+            step_loss = torch.zeros((), device=accelerator.device)
+            for micro in range(config.grad_accum):
+                batch = order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch, labels=batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and config.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                step_loss += loss.detach() / config.grad_accum
+            scheduler.step()
+            mean_loss = accelerator.gather(step_loss[None]).mean().item()
+            check_finite_loss(mean_loss, step + 1)
+            losses.append((step + 1, mean_loss))
+            logs = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
+            bar.update(1)
+            bar.set_postfix(loss=f"{mean_loss:.4f}")
+            if accelerator.is_main_process and (step + 1) % config.log_every == 0:
+                bar.write(json.dumps({"step": step + 1, **logs}))
+            if config.report_to:
+                accelerator.log(logs, step=step + 1)
+            if stop.requested and step + 1 < config.max_steps:
+                save(step + 1)
+                raise KeyboardInterrupt(f"interrupted after step {step + 1}; checkpoint saved")
+            if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.max_steps:
+                save(step + 1)
+            for callback in callbacks:
+                callback(step + 1, logs)
     bar.close()
 
+    check_finite_weights(accelerator, model, config.max_steps)
     final_dir = output_dir / "final"
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
         if config.lora:
             final = merge_lora(final)
-        partial = output_dir / "final.tmp"
-        final.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        (partial / "losses.json").write_text(json.dumps(losses))
-        if final_dir.exists():
-            os.replace(final_dir, output_dir / "final.old")
-        os.replace(partial, final_dir)
-        old = output_dir / "final.old"
-        if old.exists():
-            shutil.rmtree(old)
+        write_final(final, tokenizer, output_dir, config, losses, blocks, accelerator.num_processes)
     accelerator.wait_for_everyone()
-    return TrainResult(final_dir=final_dir, steps=config.max_steps, losses=losses)
+    if config.report_to:
+        accelerator.end_training()
+    return TrainResult(final_dir, config.max_steps, losses, accelerator.is_main_process)

@@ -1,0 +1,214 @@
+"""Training data at any scale: documents and token ids in 🤗 ``datasets`` Arrow files, blocks read
+memory-mapped.
+
+1. Documents become an Arrow dataset: local files and ``builtin:stdlib`` through
+   ``Dataset.from_generator`` (written to disk batch by batch, cached under ``cache_dir``,
+   keyed by each file's path, size and mtime), ``hf:NAME[:CONFIG]`` through ``load_dataset``
+   (the hub's own cached Arrow files).
+2. ``Dataset.map`` tokenises them in batches (``num_proc`` workers, a progress bar), each
+   document followed by the eos token, into a cached Arrow file keyed by the documents and
+   the tokenizer's full definition: a second run, or another process, reuses it.
+3. :class:`TokenBlocks` reads the concatenated token stream as ``(N, seq_len)`` blocks straight
+   from the memory-mapped Arrow buffers: the remainder of the stream is dropped, exactly as
+   packing one in-memory tensor would, and memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..data import (
+    DataError,
+    check_sources,
+    read_documents,
+    source_stamps,
+    tokenizer_fingerprint,
+)
+
+TOKEN_COLUMN = "input_ids"
+
+
+def _local_documents(sources: list[str], text_field: str, split: str, stamps: list[Any]) -> Iterator[dict]:
+    """``Dataset.from_generator``'s generator (``stamps`` only key its cache)."""
+    for document in read_documents(sources, text_field=text_field, split=split):
+        yield {"text": document}
+
+
+def _hub_documents(source: str, text_field: str, split: str, num_proc: int | None):
+    from datasets import load_dataset
+
+    name, _, config = source[len("hf:") :].partition(":")
+    dataset = load_dataset(name, config or None, split=split, num_proc=num_proc)
+    if text_field not in dataset.column_names:
+        raise DataError(
+            f"{source}: split {split!r} has no column {text_field!r} (columns: "
+            f"{', '.join(dataset.column_names)}); choose one with --text-field"
+        )
+    kept = dataset.select_columns([text_field])
+    if text_field != "text":
+        kept = kept.rename_column(text_field, "text")
+    return kept.filter(
+        lambda batch: [bool(t and t.strip()) for t in batch["text"]],
+        batched=True,
+        num_proc=num_proc,
+        desc=f"{source}: non-empty documents",
+    )
+
+
+def document_dataset(
+    sources: Sequence[str],
+    *,
+    text_field: str,
+    split: str,
+    limit: int | None,
+    cache_dir: Path,
+    num_proc: int | None = None,
+):
+    """Every document of ``sources`` in order, as an Arrow dataset with one column ``text``."""
+    from datasets import Dataset, Features, Value, concatenate_datasets
+
+    check_sources(sources)
+    parts, local = [], []
+
+    def flush_local() -> None:
+        if local:
+            parts.append(
+                Dataset.from_generator(
+                    _local_documents,
+                    gen_kwargs={
+                        "sources": list(local),
+                        "text_field": text_field,
+                        "split": split,
+                        "stamps": source_stamps(local),
+                    },
+                    features=Features({"text": Value("string")}),
+                    cache_dir=str(cache_dir / "documents"),
+                )
+            )
+            local.clear()
+
+    for source in sources:
+        if source.startswith("hf:"):
+            flush_local()
+            parts.append(_hub_documents(source, text_field, split, num_proc))
+        else:
+            local.append(source)
+    flush_local()
+    documents = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    if limit is not None and limit < len(documents):
+        documents = documents.select(range(limit))
+    if len(documents) == 0:
+        raise DataError(f"the data sources {list(sources)} hold no non-empty documents")
+    return documents
+
+
+class _Tokenize:
+    """``Dataset.map`` function: texts -> token ids, each document followed by eos."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+
+    def __call__(self, batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        if self.eos is not None:
+            ids = [[*row, self.eos] for row in ids]
+        return {TOKEN_COLUMN: ids}
+
+
+def token_dataset(documents, tokenizer: Any, cache_dir: Path, num_proc: int | None = None):
+    """The documents' token ids (int32 lists), cached in ``cache_dir`` by documents and tokenizer."""
+    from datasets import Features, Sequence, Value
+
+    key = hashlib.sha256(
+        json.dumps([documents._fingerprint, tokenizer_fingerprint(tokenizer), "v1"]).encode()
+    ).hexdigest()[:20]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    workers = num_proc if num_proc and num_proc > 1 and len(documents) >= 2 * num_proc else None
+    return documents.map(
+        _Tokenize(tokenizer),
+        batched=True,
+        batch_size=1000,
+        num_proc=workers,
+        remove_columns=documents.column_names,
+        features=Features({TOKEN_COLUMN: Sequence(Value("int32"))}),
+        cache_file_name=str(cache_dir / f"tokens-{key}.arrow"),
+        new_fingerprint=key,
+        desc="tokenize",
+    )
+
+
+class TokenBlocks:
+    """The token stream of a token dataset as ``(len(self), length)`` blocks, read memory-mapped.
+
+    ``blocks[indices]`` gathers whole blocks (a block may span Arrow chunks); the stream's
+    remainder after the last whole block is dropped.
+    """
+
+    def __init__(self, tokens, length: int) -> None:
+        if length < 2:
+            raise ValueError(f"sequence length {length} is too short; allowed: >= 2")
+        self.length = length
+        column = tokens.data.column(TOKEN_COLUMN)
+        self._chunks = [np.asarray(chunk.flatten()) for chunk in column.chunks if len(chunk)]
+        sizes = np.array([c.shape[0] for c in self._chunks], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(sizes)])
+        self.total_tokens = int(self._starts[-1])
+        self._count = self.total_tokens // length
+        if self._count == 0:
+            raise DataError(
+                f"only {self.total_tokens} tokens in the data: not enough for one block of {length}; "
+                "add data or lower --seq-len"
+            )
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self._count, self.length)
+
+    def block(self, index: int) -> np.ndarray:
+        if not 0 <= index < self._count:
+            raise IndexError(f"block {index} of {self._count}")
+        start, end = index * self.length, (index + 1) * self.length
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pieces, position, chunk = [], start, first
+        while position < end:
+            offset = position - int(self._starts[chunk])
+            take = min(end - position, self._chunks[chunk].shape[0] - offset)
+            pieces.append(self._chunks[chunk][offset : offset + take])
+            position += take
+            chunk += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def __getitem__(self, indices) -> torch.Tensor:
+        rows = [self.block(int(i)) for i in torch.as_tensor(indices).reshape(-1)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def training_blocks(
+    sources: Sequence[str],
+    tokenizer: Any,
+    length: int,
+    *,
+    text_field: str = "text",
+    split: str = "train",
+    limit: int | None = None,
+    cache_dir: str | Path,
+    num_proc: int | None = None,
+) -> TokenBlocks:
+    """Documents -> cached token ids -> memory-mapped ``(N, length)`` blocks."""
+    cache = Path(cache_dir)
+    documents = document_dataset(
+        sources, text_field=text_field, split=split, limit=limit, cache_dir=cache, num_proc=num_proc
+    )
+    tokens = token_dataset(documents, tokenizer, cache, num_proc)
+    return TokenBlocks(tokens, length)
