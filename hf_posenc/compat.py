@@ -22,6 +22,25 @@ def register_attention_implementation() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
+#: attention implementations whose masks a patched forward reads (boolean from sdpa_mask, additive
+#: float from eager_mask); set after patching, the patch keeps working under them
+MASK_COMPATIBLE_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, "sdpa", "eager")
+
+
+def check_attn_implementation(base: Any) -> None:
+    """Refuse a forward of a patched model whose attention implementation was switched (after
+    patching) to one whose masks it cannot read (flash-attention's unpadded 2D masks, ...)."""
+    from .errors import UnsupportedModelError
+
+    name = get_attn_implementation(base.config)
+    if name not in MASK_COMPATIBLE_IMPLEMENTATIONS and name is not None:
+        raise UnsupportedModelError(
+            f"the model's attention implementation was set to {name!r} after patching; a patched model runs "
+            f"with {', '.join(map(repr, MASK_COMPATIBLE_IMPLEMENTATIONS))} (pick the kernel with "
+            "patch_model(..., backend=...)); call model.set_attn_implementation('sdpa') or unpatch first"
+        )
+
+
 def get_attn_implementation(config: Any) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
@@ -30,24 +49,59 @@ def set_attn_implementation(config: Any, name: str | None) -> None:
     config._attn_implementation = name
 
 
-def accept_generate_keyword(model: Any, keyword: str):
-    """Let ``model.generate()`` pass ``keyword`` through to forward; return the undo.
+class AcceptGenerateKeyword:
+    """Let ``model.generate()`` pass ``keyword`` through to forward (instance override).
 
     transformers' ``GenerationMixin._validate_model_kwargs`` rejects keywords that no forward
-    signature names; ours (``position_coordinates``) is consumed by the patch's pre-hook. The
-    override is set on this instance only and removed by the undo."""
-    validate = type(model)._validate_model_kwargs
+    signature names; ours (``position_coordinates``) is consumed by the patch's pre-hook. An
+    object rather than a closure, so copies and pickles of the model carry their own."""
 
-    def _validate_model_kwargs(model_kwargs: dict[str, Any]) -> None:
-        model_kwargs = {k: v for k, v in model_kwargs.items() if k != keyword}
-        return validate(model, model_kwargs)
+    def __init__(self, model: Any, keyword: str) -> None:
+        self.model, self.keyword = model, keyword
 
-    model._validate_model_kwargs = _validate_model_kwargs
+    @classmethod
+    def install(cls, model: Any, keyword: str):
+        """Set the override on ``model``; return the undo."""
+        model._validate_model_kwargs = cls(model, keyword)
+        return RemoveInstanceAttribute(model, "_validate_model_kwargs")
 
-    def undo() -> None:
-        del model._validate_model_kwargs
+    def __call__(self, model_kwargs: dict[str, Any]) -> None:
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k != self.keyword}
+        return type(self.model)._validate_model_kwargs(self.model, model_kwargs)
 
-    return undo
+
+class RemoveInstanceAttribute:
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __call__(self) -> None:
+        self.owner.__dict__.pop(self.name, None)
+
+
+def attention_weights_requested() -> bool:
+    """Whether the running transformers forward records attention weights (``output_attentions``).
+
+    transformers 5 collects them with hooks on the attention modules while a context variable
+    holds the collector; a patched attention must then return explicit weights."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - older/newer layouts: assume not requested
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
+def reentrant_checkpointing(base: Any) -> bool:
+    """Whether the decoder layers of ``base`` run under reentrant gradient checkpointing
+    (transformers' ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``)."""
+    if not getattr(base, "gradient_checkpointing", False) or not base.training:
+        return False
+    for module in base.modules():
+        function = module.__dict__.get("_gradient_checkpointing_func")
+        if function is not None:
+            keywords = getattr(function, "keywords", {}) or {}
+            return bool(keywords.get("use_reentrant", True))
+    return False
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
-from .patch import CONFIG_KEY, MODULE_NAME, patch_model
+from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, check_format_version, patch_model
 from .registry import canonical_name
 
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
@@ -79,9 +79,10 @@ def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:
     with ignore_unexpected_keys(model_class, rf"^{MODULE_NAME}\."):
         model = AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
     saved = dict(getattr(model.config, CONFIG_KEY))
+    check_format_version(saved.get("format_version"))
     delattr(model.config, CONFIG_KEY)
     try:
-        patch_model(model, saved, _reloading=True)
+        apply_patch(model, saved, backend="auto", params={}, initialise=False)
     except BaseException:
         setattr(model.config, CONFIG_KEY, saved)
         raise

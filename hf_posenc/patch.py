@@ -10,7 +10,9 @@ reverse, leaving the model exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -21,7 +23,7 @@ from .attention import BACKENDS
 from .attention.forward import PatchedAttentionForward
 from .compat import (
     ATTN_IMPLEMENTATION,
-    accept_generate_keyword,
+    AcceptGenerateKeyword,
     get_attn_implementation,
     register_attention_implementation,
     set_attn_implementation,
@@ -29,23 +31,140 @@ from .compat import (
 from .config import FORMAT_VERSION, EncodingConfig
 from .encodings.base import Encoding
 from .errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError, UnsupportedModelError
-from .models.base import Undo, replace_forward
+from .models.base import RestoreAttribute, Undo, replace_forward
 from .registry import adapter_for, canonical_name, get_encoding
-from .runtime import PatchRuntime, call_hook, release_hook
+from .runtime import PatchRuntime
 
 PATCH_ATTRIBUTE = "_hf_posenc_patch"
 MODULE_NAME = "posenc"
 CONFIG_KEY = "posenc"
+#: keys of the mapping form (what ``config.posenc`` holds)
+MAPPING_KEYS = ("encoding", "params", "format_version", "hf_posenc_version")
 
 
 @dataclasses.dataclass
 class PatchRecord:
-    """What ``unpatch_model`` needs: the encoding, its config, and the undo actions."""
+    """What ``unpatch_model`` needs: the encoding, its config, and the undo actions.
+
+    Stored on the model itself, and every undo action is an object that refers to the
+    model's own modules (no closures), so ``copy.deepcopy``/pickling a patched model gives
+    an independent patched model whose record points at the copy."""
 
     encoding: Encoding
     config: EncodingConfig
     runtime: PatchRuntime
     undo: list[Undo]
+
+
+class PopModule:
+    """Undo action: detach the encoding module."""
+
+    def __init__(self, owner: nn.Module, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __call__(self) -> None:
+        self.owner._modules.pop(self.name, None)
+
+
+class RestoreAttnImplementation:
+    """Undo action: put back the attention implementation the model's config had."""
+
+    def __init__(self, model: nn.Module, previous: str | None) -> None:
+        self.model, self.previous = model, previous
+
+    def __call__(self) -> None:
+        set_attn_implementation(self.model.config, self.previous)
+
+
+class RemoveConfigEntry:
+    """Undo action: remove ``config.posenc`` from the model's (private) config."""
+
+    def __init__(self, model: nn.Module, key: str) -> None:
+        self.model, self.key = model, key
+
+    def __call__(self) -> None:
+        if hasattr(self.model.config, self.key):
+            delattr(self.model.config, self.key)
+
+
+class InitWeights:
+    """Instance override of the model's ``_init_weights`` while patched: transformers'
+    ``init_weights()`` (after ``to_empty()``, or for missing keys) would give the encoding's
+    tensors generic Linear/Embedding inits; the encoding gets its own designed init instead
+    (and, when patching rather than reloading, what ``initialise_from_model`` copies)."""
+
+    def __init__(self, model: nn.Module, encoding: Encoding, adapter: Any, initialise: bool) -> None:
+        self.model, self.encoding, self.adapter, self.initialise = model, encoding, adapter, initialise
+
+    def __call__(self, module: nn.Module) -> None:
+        if module is self.encoding:  # visited after its submodules
+            self.encoding.reset_parameters()
+            if self.initialise:
+                self.encoding.initialise_from_model(self.model, self.adapter)
+            return
+        if any(module is m for m in self.encoding.modules()):
+            return
+        type(self.model)._init_weights(self.model, module)
+
+
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a wrapper: peft's ``PeftModel`` (``get_base_model()``), or
+    ``model`` itself. The patch lives on this object."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        inner = get_base_model()
+        if isinstance(inner, PreTrainedModel):
+            return inner
+    return model
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` (and every submodule that shares its config object) a private copy.
+
+    transformers 5's ``from_config(other.config)`` makes two models share one config object;
+    the patch writes ``_attn_implementation`` and ``config.posenc`` there, which would leak
+    into the other model (and into what it saves). The copy is kept after unpatching, with
+    the patch's entries removed, so changes a user made to it meanwhile are not lost."""
+    shared = model.config
+    private = copy.deepcopy(shared)
+    for module in model.modules():
+        if module.__dict__.get("config") is shared:
+            module.config = private
+
+
+def _check_mapping(encoding: Mapping[str, Any]) -> None:
+    unknown = sorted(set(encoding) - set(MAPPING_KEYS))
+    if unknown:
+        raise InvalidParameterError(
+            f"the encoding mapping has unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {', '.join(map(repr, MAPPING_KEYS))}"
+        )
+    name = encoding.get("encoding")
+    if not isinstance(name, str):
+        raise InvalidParameterError(
+            f"the encoding mapping needs 'encoding': an encoding name (str), got {name!r}"
+        )
+    params = encoding.get("params", {})
+    if params is None or not isinstance(params, Mapping):
+        raise InvalidParameterError(
+            f"the encoding mapping's 'params' must be a mapping of parameter names to values, got {params!r}"
+        )
+    if "format_version" in encoding:
+        check_format_version(encoding["format_version"])
+
+
+def check_format_version(version: Any) -> None:
+    """Raise for a ``config.posenc`` written in a format this version cannot read."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise InvalidParameterError(
+            f"config.posenc format_version={version!r} is not supported; allowed: "
+            f"{', '.join(str(v) for v in range(1, FORMAT_VERSION + 1))} (written by hf_posenc <= {__version__}; "
+            "a newer hf_posenc may be needed)"
+        )
 
 
 def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Encoding], EncodingConfig]:
@@ -58,7 +177,8 @@ def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Enc
     if isinstance(encoding, Mapping):  # the serialised form stored in config.posenc
         if params:
             raise InvalidParameterError("pass parameters inside the mapping or as keywords, not both")
-        cls = get_encoding(encoding.get("encoding", ""))
+        _check_mapping(encoding)
+        cls = get_encoding(encoding["encoding"])
         return cls, cls.config_class.from_params(encoding.get("params", {}))
     if not isinstance(encoding, str):
         raise InvalidParameterError(
@@ -83,18 +203,34 @@ def patch_model(
 ) -> nn.Module:
     """Switch ``model``'s positional encoding to ``encoding`` in place and return the model.
 
-    ``encoding`` is a name from :func:`list_encodings` (or an alias), an encoding config
-    object (e.g. ``hf_posenc.ALiBiConfig()``), or the mapping stored in ``config.posenc``.
+    ``model`` is any supported transformers model — a causal LM, a headless base model
+    (``LlamaModel``), any head class — or a peft-wrapped one (the patch goes on the model
+    inside). ``encoding`` is a name from :func:`list_encodings` (or an alias), an encoding
+    config object (e.g. ``hf_posenc.ALiBiConfig()``), or the mapping stored in ``config.posenc``.
     ``params`` are the encoding's parameters. ``backend`` picks the attention backend:
     ``"auto"`` (default: ``"chunked"`` on CPU and FlexAttention/flash-attn on CUDA for the
     encodings whose bias comes in blocks, ``"sdpa"`` for the rest), ``"sdpa"`` (the whole
     bias as one float mask), ``"chunked"``, ``"flex"``, or ``"eager"`` (explicit scores; the
     reference). See ``hf_posenc/attention/core.py``.
     """
-    _reloading = params.pop("_reloading", False)
-    adapter = adapter_for(model)
-    adapter.check_supported(model)
-    existing: PatchRecord | None = getattr(model, PATCH_ATTRIBUTE, None)
+    apply_patch(model, encoding, backend=backend, params=params, initialise=True)
+    return model
+
+
+def apply_patch(
+    model: nn.Module,
+    encoding: str | EncodingConfig | Mapping[str, Any],
+    *,
+    backend: str,
+    params: Mapping[str, Any],
+    initialise: bool,
+) -> nn.Module:
+    """:func:`patch_model`; ``initialise=False`` (reloading) skips ``initialise_from_model``
+    (e.g. copying a native table), since the saved tensors are loaded next."""
+    target = transformers_model(model)
+    adapter = adapter_for(target)
+    adapter.check_supported(target)
+    existing: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if existing is not None:
         raise AlreadyPatchedError(
             f"this model is already patched with {existing.config.encoding!r}; "
@@ -102,40 +238,45 @@ def patch_model(
         )
     if backend not in BACKENDS:
         raise InvalidParameterError(f"backend={backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
-    if MODULE_NAME in model._modules or hasattr(type(model), MODULE_NAME):
+    if MODULE_NAME in target._modules or hasattr(type(target), MODULE_NAME):
         raise UnsupportedModelError(
             f"the model already has an attribute {MODULE_NAME!r}; cannot attach the encoding"
         )
 
     cls, config = _encoding_config(encoding, params)
-    geometry = adapter.geometry(model.config)
+    geometry = adapter.geometry(target.config)
     config = config.resolve(geometry)
     module = cls(config, geometry)
-    dtype, device = _model_dtype_device(model)
+    dtype, device = _model_dtype_device(target)
     module.to(device=device, dtype=dtype)
-    if not _reloading:
-        module.initialise_from_model(model, adapter)
+    if initialise:
+        module.initialise_from_model(target, adapter)
 
-    base = adapter.base_model(model)
-    runtime = PatchRuntime(module, adapter, base, backend)
+    base = adapter.base_model(target)
+    runtime = PatchRuntime(module, adapter, base, backend, token=uuid.uuid4().hex)
     undo: list[Undo] = []
     try:
-        model.add_module(MODULE_NAME, module)
-        undo.append(lambda: model._modules.pop(MODULE_NAME))
-        handle = base.register_forward_pre_hook(call_hook(runtime), with_kwargs=True, prepend=True)
+        _own_config(target)
+        target.add_module(MODULE_NAME, module)
+        undo.append(PopModule(target, MODULE_NAME))
+        undo.append(RestoreAttribute(target, "_init_weights"))
+        target._init_weights = InitWeights(target, module, adapter, initialise)
+        # bound methods of the runtime (not closures): copies of the model get their own runtime
+        handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)
-        undo.append(base.register_forward_hook(release_hook(runtime)).remove)
-        undo.extend(adapter.neutralize_native_positions(model))
-        for layer_idx, attention in enumerate(adapter.attention_modules(model)):
+        undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
+        if runtime.stages.embed:
+            undo.append(runtime.hook_embedding(target.get_input_embeddings()))
+        undo.extend(adapter.neutralize_native_positions(target))
+        for layer_idx, attention in enumerate(adapter.attention_modules(target)):
             undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))
-        if cls.takes_coordinates and hasattr(type(model), "_validate_model_kwargs"):
-            undo.append(accept_generate_keyword(model, "position_coordinates"))
+        if cls.takes_coordinates and hasattr(type(target), "_validate_model_kwargs"):
+            undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
         register_attention_implementation()
-        previous_impl = get_attn_implementation(model.config)
-        set_attn_implementation(model.config, ATTN_IMPLEMENTATION)
-        undo.append(lambda: set_attn_implementation(model.config, previous_impl))
+        undo.append(RestoreAttnImplementation(target, get_attn_implementation(target.config)))
+        set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
         setattr(
-            model.config,
+            target.config,
             CONFIG_KEY,
             {
                 "encoding": cls.name,
@@ -144,24 +285,25 @@ def patch_model(
                 "hf_posenc_version": __version__,
             },
         )
-        undo.append(lambda: delattr(model.config, CONFIG_KEY))
+        undo.append(RemoveConfigEntry(target, CONFIG_KEY))
         undo.append(runtime.reset)
     except BaseException:
         for action in reversed(undo):
             action()
         raise
-    setattr(model, PATCH_ATTRIBUTE, PatchRecord(module, config, runtime, undo))
+    setattr(target, PATCH_ATTRIBUTE, PatchRecord(module, config, runtime, undo))
     return model
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_model` exactly: outputs, state_dict keys, modules and config."""
-    record: PatchRecord | None = getattr(model, PATCH_ATTRIBUTE, None)
+    target = transformers_model(model)
+    record: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if record is None:
         raise NotPatchedError(f"{type(model).__name__} is not patched by hf_posenc; nothing to undo")
     for action in reversed(record.undo):
         action()
-    delattr(model, PATCH_ATTRIBUTE)
+    delattr(target, PATCH_ATTRIBUTE)
     return model
 
 
@@ -179,7 +321,7 @@ def patched(
 
 def patch_info(model: nn.Module) -> dict[str, Any] | None:
     """``{'encoding': name, 'params': {...}}`` of a patched model, or None."""
-    record: PatchRecord | None = getattr(model, PATCH_ATTRIBUTE, None)
+    record: PatchRecord | None = getattr(transformers_model(model), PATCH_ATTRIBUTE, None)
     if record is None:
         return None
     return {"encoding": canonical_name(record.config.encoding), "params": record.config.to_dict()}

@@ -27,6 +27,8 @@ class ForwardContext:
     positions: torch.Tensor
     key_positions: torch.Tensor | None
     coordinates: torch.Tensor | None = None
+    #: tokens already in the KV cache before this forward (0 without a cache)
+    past_length: int = 0
 
 
 def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -48,6 +50,7 @@ def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> d
 def _past_length(past_key_values: Any) -> int:
     if past_key_values is None:
         return 0
+    # a static (pre-allocated) cache counts in a 0-d tensor
     return int(past_key_values.get_seq_length())
 
 
@@ -68,16 +71,16 @@ def compute_context(
 ) -> ForwardContext:
     past = _past_length(past_key_values)
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
-    padded = mask is not None and not bool(mask.bool().all())
-
+    # No data-dependent branch on whether the mask has padding (torch.compile(fullgraph=True)
+    # must trace this): positions counting real tokens equal arange(past, past+T) without padding.
     full: torch.Tensor | None = None  # positions of all past+new tokens, when derivable
-    if padded and mask.shape[-1] == past + length:
+    if mask is not None and mask.shape[-1] == past + length:
         full = _mask_positions(mask.to(device))
     if position_ids is not None:
         positions = position_ids.to(device).expand(batch, -1)
     elif full is not None:
         positions = full[:, -length:]
-    elif padded and mask.shape[-1] == length:
+    elif mask is not None and mask.shape[-1] == length:
         positions = _mask_positions(mask.to(device)) + past
     else:
         positions = torch.arange(past, past + length, device=device).unsqueeze(0).expand(batch, -1)
@@ -92,7 +95,7 @@ def compute_context(
             # Without a full-length mask the cached keys are taken to be contiguous.
             start = positions[:, :1] - past
             key_positions = start + torch.arange(past + length, device=device)
-    return ForwardContext(positions=positions, key_positions=key_positions)
+    return ForwardContext(positions=positions, key_positions=key_positions, past_length=past)
 
 
 def select_coordinates(

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from .attention.blocks import BLOCK_BACKENDS
+from .compat import check_attn_implementation, reentrant_checkpointing
+from .decoding_state import layer_state
 from .encodings.base import STAGES, Encoding
 from .errors import InvalidParameterError, UnsupportedModelError
 from .memo import ForwardMemo
@@ -37,25 +38,56 @@ class Stages:
 
 
 class PatchRuntime:
-    def __init__(self, encoding: Encoding, adapter: FamilyAdapter, base: nn.Module, backend: str) -> None:
+    """The encoding, adapter and per-forward memo of one patched model.
+
+    Its hooks are bound methods (``before_base_forward``, ``after_base_forward``) so that
+    ``copy.deepcopy`` and pickling a patched model give the copy its own runtime; transient
+    per-forward values (memo, context, signature cache) are not copied or pickled."""
+
+    def __init__(
+        self, encoding: Encoding, adapter: FamilyAdapter, base: nn.Module, backend: str, token: str
+    ) -> None:
         self.encoding = encoding
         self.adapter = adapter
         self.backend = backend
+        #: identifies this patch's decoding state on a shared KV cache
+        self.token = token
         #: the block backend that serves this encoding's score bias, None: the full sdpa/eager core
         self.block_backend = (
             backend if backend in BLOCK_BACKENDS and type(encoding).has_block_bias() else None
         )
         active = set(encoding.active_stages())
         self.stages = Stages(**{s: s in active for s in STAGES})
-        self.memo = ForwardMemo()
-        self.context: ForwardContext | None = None
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
-        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        params = list(inspect.signature(type(base).forward).parameters.values())[1:]
-        self._base_signature = inspect.Signature(params)
+        self.base_class = type(base)
+        self._transient()
+
+    def _transient(self) -> None:
+        self.memo = ForwardMemo()
+        self.context: ForwardContext | None = None
+        self.pending_embedding: torch.Tensor | None = None
+        self._base_signature: inspect.Signature | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in ("memo", "context", "_base_signature", "pending_embedding"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._transient()
+
+    @property
+    def base_signature(self) -> inspect.Signature:
+        if self._base_signature is None:
+            params = list(inspect.signature(self.base_class.forward).parameters.values())[1:]
+            self._base_signature = inspect.Signature(params)
+        return self._base_signature
 
     def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
         # N-D token coordinates for encodings that take them; transformers never sees the keyword
         coordinates = kwargs.pop("position_coordinates", None)
         if coordinates is not None and not self.encoding.takes_coordinates:
@@ -63,47 +95,91 @@ class PatchRuntime:
                 f"position_coordinates is not allowed with encoding {self.encoding.name!r}; allowed only with "
                 "encodings that take N-D coordinates (e.g. rope2d, comrope)"
             )
-        call = bind_arguments(self._base_signature, args, kwargs)
+        check_attn_implementation(base)
+        if self.encoding.carries_layer_stream and reentrant_checkpointing(base):
+            raise UnsupportedModelError(
+                f"{self.encoding.name} passes a positional stream from layer to layer, which reentrant gradient "
+                "checkpointing cannot differentiate; enable it with "
+                'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
+            )
+        call = bind_arguments(self.base_signature, args, kwargs)
         input_ids = call.get("input_ids")
         inputs_embeds = call.get("inputs_embeds")
-        reference = input_ids if input_ids is not None else inputs_embeds
-        if reference is None:
+        if input_ids is not None:
+            # GPT2DoubleHeadsModel passes (batch, choices, T): the stack flattens leading dims
+            batch, length = int(input_ids.numel() // max(input_ids.shape[-1], 1)), input_ids.shape[-1]
+            device = input_ids.device
+        elif inputs_embeds is not None:
+            batch, length = (
+                int(inputs_embeds[..., 0].numel() // inputs_embeds.shape[-2]),
+                inputs_embeds.shape[-2],
+            )
+            device = inputs_embeds.device
+        else:
             return args, kwargs  # let the model raise its own error
         cache = call.get("past_key_values")
-        if cache is not None and getattr(cache, "is_compileable", False):
-            raise UnsupportedModelError(
-                f"{type(cache).__name__} (a pre-allocated, compileable KV cache) is not supported by a patched "
-                "model yet; use the default DynamicCache (generate() without cache_implementation)"
-            )
+        attention_mask = call.get("attention_mask")
+        position_ids = call.get("position_ids")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 3:
+            attention_mask = attention_mask.reshape(batch, -1)
+        if isinstance(position_ids, torch.Tensor) and position_ids.ndim > 2:
+            position_ids = position_ids.reshape(-1, position_ids.shape[-1])
+        if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 1:
+            position_ids = position_ids[None]
         context = compute_context(
-            batch=reference.shape[0],
-            length=reference.shape[1],
-            device=reference.device,
-            attention_mask=call.get("attention_mask"),
-            position_ids=call.get("position_ids"),
+            batch=batch,
+            length=length,
+            device=device,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             past_key_values=cache,
             want_key_positions=self.stages.logits,
         )
         if coordinates is not None:
             context.coordinates = select_coordinates(
-                coordinates,
-                batch=reference.shape[0],
-                length=reference.shape[1],
-                device=reference.device,
-                past_key_values=cache,
+                coordinates, batch=batch, length=length, device=device, past_key_values=cache
             )
         call["position_ids"] = context.positions
         self.context = context
         self.memo.start(context.positions)
         if self.stages.embed:
-            if inputs_embeds is None:
-                inputs_embeds = base.get_input_embeddings()(input_ids)  # (B, T, hidden)
-                call["input_ids"] = None
             added = self.encoding.embed(context.positions, self.memo)  # (B, T, hidden) fp32
-            call["inputs_embeds"] = inputs_embeds + added.to(
-                device=inputs_embeds.device, dtype=inputs_embeds.dtype
-            )
+            embedding = base.get_input_embeddings()
+            if inputs_embeds is None and self._embedding_hook_on(embedding):
+                # added to the token embeddings by the hook on the embedding module, so the model
+                # sees its own input_ids (any leading shape: GPT2DoubleHeadsModel's (B, choices, T))
+                self.pending_embedding = added
+            else:
+                if inputs_embeds is None:
+                    inputs_embeds = embedding(input_ids.reshape(batch, length))  # (B, T, hidden)
+                    call["input_ids"] = None
+                call["inputs_embeds"] = inputs_embeds + added.reshape(inputs_embeds.shape).to(
+                    device=inputs_embeds.device, dtype=inputs_embeds.dtype
+                )
         return (), call
+
+    def after_base_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook: once the decoder stack has run, drop the forward's shared tensors
+        (biases, cos/sin, folded masks) instead of holding them until the next forward."""
+        self.memo.release()
+        self.pending_embedding = None
+
+    def hook_embedding(self, embedding: nn.Module):
+        """Install :meth:`add_embedding` on the token-embedding module; return the undo."""
+        self.embedding_module = embedding
+        return embedding.register_forward_hook(self.add_embedding).remove
+
+    def _embedding_hook_on(self, embedding: nn.Module) -> bool:
+        # a model whose embeddings were replaced after patching (resize_token_embeddings) falls
+        # back to passing inputs_embeds
+        return getattr(self, "embedding_module", None) is embedding
+
+    def add_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook on the token embeddings: add the ``embed`` stage's vectors of this forward."""
+        added, self.pending_embedding = self.pending_embedding, None
+        if added is None:
+            return None
+        return output + added.reshape(output.shape).to(device=output.device, dtype=output.dtype)
 
     def context_for(self, position_ids: torch.Tensor | None, hidden: torch.Tensor) -> ForwardContext:
         """The context of the running forward; rebuilt from ``position_ids`` when called outside it."""
@@ -118,30 +194,14 @@ class PatchRuntime:
         return ForwardContext(positions=positions, key_positions=positions)
 
     def layer_state(self, cache: Any, layer_idx: int) -> dict[str, Any] | None:
-        """This layer's decoding state for ``cache`` (a dict living as long as the cache), or None."""
+        """This layer's decoding state for ``cache`` (stored on the cache, following its
+        reorder/crop/batch operations; see :mod:`hf_posenc.decoding_state`), or None."""
         if cache is None:
             return None
-        return self._states.setdefault(cache, {}).setdefault(layer_idx, {})
+        return layer_state(
+            cache, self.token, layer_idx, self.encoding.state_sequence_dims, owner=self.encoding.name
+        )
 
     def reset(self) -> None:
         self.context = None
         self.memo.clear()
-
-
-def call_hook(runtime: PatchRuntime):
-    """A forward pre-hook (``with_kwargs=True``) bound to ``runtime``."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        return runtime.before_base_forward(module, args, kwargs)
-
-    return hook
-
-
-def release_hook(runtime: PatchRuntime):
-    """A forward hook: once the decoder stack has run, drop the forward's shared tensors
-    (biases, cos/sin, folded masks) instead of holding them until the next forward."""
-
-    def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        runtime.memo.release()
-
-    return hook

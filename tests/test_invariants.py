@@ -304,13 +304,6 @@ def test_learned_native_init_copies_gpt2_wpe():
         torch.testing.assert_close(patched_logits, model(ids).logits, atol=1e-5, rtol=0)
 
 
-def test_static_cache_is_refused_with_a_clear_error():
-    """A pre-allocated (static) cache would break bottom-right aligned biases: refused, not ignored."""
-    model = patch(make_model("llama"), "alibi")
-    with pytest.raises(hf_posenc.UnsupportedModelError, match="StaticCache"):
-        model.generate(token_ids(1, 6), max_new_tokens=3, do_sample=False, cache_implementation="static")
-
-
 def test_reload_from_sharded_checkpoint_and_in_bf16(tmp_path):
     """from_pretrained finds the encoding's tensors in any shard and honours dtype=."""
     model = patch(make_model("llama"), "t5")

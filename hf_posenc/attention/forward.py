@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..compat import attention_weights_requested
 from ..encodings.base import ScoreContext
+from ..errors import InvalidParameterError
 from ..positions import bind_arguments
 from . import chunked
 from .blocks import BLOCK_BACKENDS, attend_blocks
@@ -67,17 +69,25 @@ class PatchedAttentionForward:
         if stages.rotate:
             extra = {"coordinates": context.coordinates} if encoding.takes_coordinates else {}
             q, k = encoding.rotate(layer, q, k, positions, positions, memo, **extra)
+        mask = boolean_mask(mask)  # (B|1, 1, Tq, Tk) bool or None
         if cache is not None:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
+            if getattr(cache, "is_compileable", False):
+                # a static cache returns its whole pre-allocated buffer, filled from the start: keep
+                # the keys written so far, so queries sit bottom-right as with a dynamic cache
+                valid = min(context.past_length + q.shape[-2], k.shape[-2])
+                k, v = k[:, :, :valid], v[:, :, :valid]
+                mask = None if mask is None else mask[..., :valid]
 
         score = ScoreContext(layer, q, k, hidden, positions, memo, state)
-        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-            raise TypeError(f"hf_posenc expects a boolean attention mask, got {mask.dtype}")
         plain = not (stages.logits or stages.transform_scores or stages.normalize)
         fused = None
-        if runtime.backend == "auto" and q.device.type == "cuda":
+        if runtime.backend == "auto" and q.device.type == "cuda" and not attention_weights_requested():
             fused = encoding.fused_attention(q, k, v, mask, module.scaling)  # (B, Tq, Hq, D) or None
-        if fused is not None:
+        if attention_weights_requested():
+            # output_attentions: explicit weights from the eager core, whatever the backend
+            out, weights = self._attend_full(score, context, q, k, v, mask, plain, force_eager=True)
+        elif fused is not None:
             out, weights = fused, None
         elif stages.score_bias and plain and runtime.block_backend is not None:
             out = attend_blocks(
@@ -160,6 +170,7 @@ class PatchedAttentionForward:
         v: torch.Tensor,
         mask: torch.Tensor | None,
         plain: bool,
+        force_eager: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sdpa/eager core with the whole (B|1, Hq, Tq, Tk) bias (or none)."""
         runtime, module, layer = self.runtime, self.module, self.layer_idx
@@ -170,7 +181,7 @@ class PatchedAttentionForward:
             logits = encoding.logits(layer, q, k, score.q_positions, key_positions, memo)  # (B, Hq, Tq, Tk)
         if stages.score_bias:
             bias = encoding.score_bias(score)  # broadcastable to (B, Hq, Tq, Tk)
-        backend = "eager" if runtime.backend == "eager" else "sdpa"
+        backend = "eager" if runtime.backend == "eager" or force_eager else "sdpa"
         folded = None
         if bias is not None and plain and backend == "sdpa" and memo.holds(bias) and not bias.requires_grad:
             # a memoised grad-free bias (alibi, sandwich, ...) is shared by every layer: fold it with the mask once
@@ -196,6 +207,29 @@ class PatchedAttentionForward:
             if stages.normalize
             else None,
         )
+
+
+def boolean_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Any attention mask transformers or a user passes -> boolean (True = may attend), or None.
+
+    transformers' ``sdpa_mask`` gives booleans; ``eager_mask`` (after
+    ``set_attn_implementation("eager")``) and user 4D masks (packed sequences) are additive
+    floats, 0 where a key may be attended and a very negative value (the dtype's minimum, or
+    -inf) where not. An additive mask with other values would be a bias hf_posenc does not
+    add: refused rather than silently read as allowed/masked.
+    """
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return mask != 0  # 0/1 integer masks
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    if not torch.compiler.is_compiling() and bool((mask.masked_fill(~allowed, 0) != 0).any()):
+        raise InvalidParameterError(
+            "an additive float attention mask with values other than 0 (attend) and a large negative number "
+            "(masked) is not allowed with a patched model; allowed: a boolean mask, or an additive mask of 0 "
+            "and -inf / the dtype's minimum"
+        )
+    return allowed
 
 
 def _with_mask(score: ScoreContext, allowed: torch.Tensor | None) -> ScoreContext:

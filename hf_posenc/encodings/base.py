@@ -107,6 +107,12 @@ class Encoding(nn.Module):
     #: True when ``rotate`` takes the keyword ``coordinates``: the (B|1,T,axes) N-D positions a caller
     #: passed to the model as ``position_coordinates`` (None when not passed); see rope2d
     takes_coordinates: ClassVar[bool] = False
+    #: True when values flow from one layer to the next through ``memo.carry`` (TAPE's positional
+    #: stream): reentrant gradient checkpointing cannot differentiate through that, so it is refused
+    carries_layer_stream: ClassVar[bool] = False
+    #: for stateful encodings: per decoding-state key, the dim aligned with the cached tokens
+    #: (cropped with the cache by assisted decoding), or None when the entry cannot be rolled back
+    state_sequence_dims: ClassVar[dict[str, int | None]] = {}
 
     def __init__(self, config: EncodingConfig, geometry: ModelGeometry) -> None:
         super().__init__()
@@ -118,6 +124,17 @@ class Encoding(nn.Module):
 
     def initialise_from_model(self, model: nn.Module, adapter) -> None:
         """Run once when patching a model (not when reloading one): e.g. copy a native table."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Give every tensor its designed initial value (what ``__init__`` sets): used by
+        transformers' ``init_weights()``, e.g. after building on the meta device and ``to_empty()``."""
+        with torch.device("cpu"):
+            fresh = type(self)(self.config, self.geometry)
+        expected = dict(fresh.named_parameters())
+        expected.update(fresh.named_buffers())
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            tensor.copy_(expected[name])
 
     # -- which stages are implemented -----------------------------------------------
     @classmethod

@@ -34,6 +34,9 @@ class ExPEConfig(ExactPositionConfig):
         super().validate()
         check_number(self.encoding, "theta", self.theta, low=0.0, low_inclusive=False)
 
+    def largest_code(self, position: int) -> float:
+        return abs(self.S) + self.theta * (position + self.l) / self.factor
+
 
 def expe_values(positions: torch.Tensor, l: int, S: float, theta: float, factor: float) -> torch.Tensor:  # noqa: E741, N803
     """positions (B,T) -> (B,T,l) fp32 with value S + theta * (n + j) / factor at [b, t, j]."""

@@ -9,6 +9,13 @@ import torch
 from ..config import EncodingConfig, check_bool, check_choice, check_keys, check_number, fail
 from ..errors import InvalidParameterError
 
+#: codes up to this magnitude keep q.k of two overridden inputs (about code^2 * l * |W|^2)
+#: far inside fp32's range (3.4e38) for any realistic l and projection weights
+CODE_LIMIT = 1e9
+#: positions checked: this many times the model's max_position_embeddings (the extrapolation
+#: range the recipes evaluate)
+CODE_HORIZON = 16
+
 
 @dataclasses.dataclass
 class ExactPositionConfig(EncodingConfig):
@@ -42,7 +49,23 @@ class ExactPositionConfig(EncodingConfig):
             )
         if out.scaling is not None:
             out.scaling = {"type": "linear", "factor": float(out.scaling["factor"])}
+        horizon = CODE_HORIZON * geometry.max_position_embeddings
+        largest = out.largest_code(horizon)
+        if not largest <= CODE_LIMIT:
+            raise InvalidParameterError(
+                f"{self.encoding}: parameters {out.code_parameters()} are not allowed: the codes reach "
+                f"{largest:.3g} at position {horizon} ({CODE_HORIZON}x max_position_embeddings), and attention "
+                f"logits of such inputs overflow fp32; allowed: parameters whose codes stay within {CODE_LIMIT:.0e}"
+            )
         return out
+
+    def largest_code(self, position: int) -> float:
+        """The largest |code| written into the q/k input up to ``position``."""
+        raise NotImplementedError
+
+    def code_parameters(self) -> str:
+        names = ("S", "theta", "theta1", "theta2", "scaling")
+        return ", ".join(f"{n}={getattr(self, n)!r}" for n in names if hasattr(self, n))
 
     @property
     def factor(self) -> float:

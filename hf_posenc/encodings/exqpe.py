@@ -39,6 +39,9 @@ class ExQPEConfig(ExactPositionConfig):
         check_number(self.encoding, "theta1", self.theta1, low=0.0)
         check_number(self.encoding, "theta2", self.theta2, low=0.0, low_inclusive=False)
 
+    def largest_code(self, position: int) -> float:
+        return abs(self.S) + (self.l * self.theta1 + self.theta2 * (position // self.l + 1)) / self.factor
+
 
 def exqpe_values(
     positions: torch.Tensor,

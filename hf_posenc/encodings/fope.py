@@ -55,7 +55,8 @@ class FoPEConfig(EncodingConfig):
         if self.train_length is not None:
             check_number(self.encoding, "train_length", self.train_length, low=1, integer=True)
         check_bool(self.encoding, "clip", self.clip)
-        check_number(self.encoding, "sigma", self.sigma, low=0.0)
+        # coefficients of order sigma rescale q and k: far past the reference's 0.3, q.k overflows fp32
+        check_number(self.encoding, "sigma", self.sigma, low=0.0, high=100.0)
         check_number(
             self.encoding, "frequencies_per_dim", self.frequencies_per_dim, low=1, high=64, integer=True
         )

@@ -27,7 +27,14 @@ import torch
 
 from ..registry import register_encoding
 from .base import BlockBias, Encoding, ScoreContext
-from .fox_common import ForgetGateConfig, cumulative_log_forget, forget_gates, forgetting_bias, log_forget
+from .fox_common import (
+    STATE_KEY,
+    ForgetGateConfig,
+    cumulative_log_forget,
+    forget_gates,
+    forgetting_bias,
+    log_forget,
+)
 
 
 @dataclasses.dataclass
@@ -43,6 +50,7 @@ class FoX(Encoding):
     paper = "Lin et al. 2025, arXiv:2503.02130"
     summary = "data-dependent forget gate: logits + sum of log forget gates between key and query"
     stateful = True
+    state_sequence_dims = {STATE_KEY: -1}
 
     def __init__(self, config: ForgetGateConfig, geometry) -> None:
         super().__init__(config, geometry)

@@ -35,7 +35,7 @@ from ..config import check_bool, check_number
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .fox import FoX
-from .fox_common import ForgetGateConfig
+from .fox_common import STATE_KEY, ForgetGateConfig
 
 QK_NORM_EPS = 1e-5  # the reference's GroupNorm default, used for QK-norm
 OUTPUT_NORM_EPS = 1e-6  # the reference's norm_eps, used for the output norm
@@ -110,6 +110,8 @@ class FoXPro(FoX):
     paper = "Lin et al. 2025, arXiv:2503.02130 (Pro block)"
     summary = "FoX forget gate plus token shift of k/v, QK-norm, output norm and output gate"
     stateful = True
+    # the token shift keeps only the last raw k/v: a crop cannot recover the ones before it
+    state_sequence_dims = {STATE_KEY: -1, "fox_pro_k_previous": None, "fox_pro_v_previous": None}
 
     def __init__(self, config: FoXProConfig, geometry) -> None:
         super().__init__(config, geometry)

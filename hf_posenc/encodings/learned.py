@@ -4,8 +4,11 @@
 
 The table has a hard length limit: a position at or past ``max_positions`` raises
 :class:`~hf_posenc.errors.PositionRangeError` instead of indexing out of range.
+Negative positions raise too (a table has no row for them; native GPT-2 raises as well).
 ``init`` chooses the starting table: ``zeros`` (the patched model starts as NoPE),
-``sinusoidal`` (starts as the sinusoidal encoding), or ``native`` (copy GPT-2's ``wpe``).
+``sinusoidal`` (starts as the sinusoidal encoding), or ``native`` (copy the model's own
+table, GPT-2's ``wpe``). The default is ``native`` on a model that has a learned table of its
+own (so patching GPT-2 with ``learned`` keeps its checkpoint's positions) and ``zeros`` elsewhere.
 """
 
 from __future__ import annotations
@@ -27,21 +30,24 @@ from .sinusoidal import sinusoidal_table
 class LearnedConfig(EncodingConfig):
     encoding = "learned"
     max_positions: int | None = None  # default: the model's max_position_embeddings
-    init: str = "zeros"
+    init: str | None = None  # default: "native" where the model has a learned table, else "zeros"
 
     def validate(self) -> None:
         if self.max_positions is not None:
             check_number(self.encoding, "max_positions", self.max_positions, low=1, integer=True)
-        check_choice(self.encoding, "init", self.init, ("zeros", "sinusoidal", "native"))
+        if self.init is not None:
+            check_choice(self.encoding, "init", self.init, ("zeros", "sinusoidal", "native"))
 
     def resolve(self, geometry) -> LearnedConfig:
         out = dataclasses.replace(self)
         if out.max_positions is None:
             out.max_positions = geometry.max_position_embeddings
-        if out.init == "native" and geometry.family != "gpt2":
+        if out.init is None:
+            out.init = "native" if geometry.learned_position_table else "zeros"
+        if out.init == "native" and not geometry.learned_position_table:
             raise InvalidParameterError(
-                f"learned: init='native' copies GPT-2's wpe table, but this is a {geometry.family} model; "
-                "use init='zeros' or init='sinusoidal'"
+                f"learned: init='native' copies the model's own learned position table, but this "
+                f"{geometry.family} model has none; use init='zeros' or init='sinusoidal'"
             )
         return out
 
@@ -62,20 +68,26 @@ class Learned(Encoding):
         self.table = nn.Parameter(table)
 
     def initialise_from_model(self, model: nn.Module, adapter) -> None:
-        """``init='native'``: start from GPT-2's ``wpe`` (the model's own table is left untouched)."""
+        """``init='native'``: start from the model's own table (left untouched)."""
         if self.config.init != "native":
             return
-        wpe = adapter.base_model(model).wpe.weight
+        wpe = adapter.native_position_table(model)  # (n_positions, hidden)
         rows = min(wpe.shape[0], self.table.shape[0])
         with torch.no_grad():
             self.table[:rows].copy_(wpe[:rows])
 
     def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
         limit = self.table.shape[0]
-        top = int(positions.max()) if positions.numel() else 0
-        if top >= limit:
-            raise PositionRangeError(
-                f"learned: position {top} is past the learned table (max_positions={limit}, positions "
-                f"0..{limit - 1}); shorten the input or patch with a larger max_positions"
-            )
+        if positions.numel() and not torch.compiler.is_compiling():  # data-dependent: eager only
+            top, bottom = int(positions.max()), int(positions.min())
+            if top >= limit:
+                raise PositionRangeError(
+                    f"learned: position {top} is past the learned table (max_positions={limit}, positions "
+                    f"0..{limit - 1}); shorten the input or patch with a larger max_positions"
+                )
+            if bottom < 0:
+                raise PositionRangeError(
+                    f"learned: position {bottom} is negative; the learned table has rows for positions "
+                    f"0..{limit - 1} only (pass non-negative position_ids)"
+                )
         return self.table[positions].float()  # (B, T, hidden)

@@ -36,15 +36,27 @@ class RoPEConfig(EncodingConfig):
     encoding = "rope"
     theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
     partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
-    scaling: dict | None = None
+    #: "model" (default): the checkpoint's own scaling (Llama 3.x's llama3, yarn, linear, ...);
+    #: None: unscaled; or a dict such as {"type": "linear", "factor": 4.0}
+    scaling: dict | str | None = "model"
 
     def validate(self) -> None:
         check_rotary_settings(self.encoding, self.theta, self.partial_rotary_factor)
-        validate_scaling(self.encoding, self.scaling)
+        if self.scaling != "model":
+            validate_scaling(self.encoding, self.scaling)
 
     def resolve(self, geometry) -> RoPEConfig:
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
+        if out.scaling == "model":
+            out.scaling = geometry.rope_scaling
+            try:
+                validate_scaling(self.encoding, out.scaling)
+            except InvalidParameterError as error:
+                raise InvalidParameterError(
+                    f"rope: the checkpoint's own RoPE scaling {out.scaling!r} is not supported ({error}); pass "
+                    "scaling=None to drop it or a supported scaling dict to replace it"
+                ) from None
         out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
         rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
         return out

@@ -99,6 +99,7 @@ def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
 @register_encoding
 class TAPE(Encoding):
     name = "tape"
+    carries_layer_stream = True
     aliases = ("adape",)
     config_class = TAPEConfig
     paper = "Zhu et al. 2025, arXiv:2501.00712"

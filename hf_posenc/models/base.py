@@ -30,6 +30,10 @@ class ModelGeometry:
     max_position_embeddings: int
     rope_theta: float
     partial_rotary_factor: float
+    #: the checkpoint's own RoPE scaling in hf_posenc's form ({"type": ..., ...}), None: unscaled
+    rope_scaling: dict[str, Any] | None = None
+    #: whether the model has a learned absolute position table of its own (GPT-2's ``wpe``)
+    learned_position_table: bool = False
 
 
 class FamilyAdapter:
@@ -45,8 +49,10 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def base_model(self, model: nn.Module) -> nn.Module:
-        """The decoder stack (``model.model`` / ``model.transformer``) whose forward sees positions."""
-        raise NotImplementedError
+        """The decoder stack whose forward sees positions: ``model.model`` / ``model.transformer``
+        under any head class (transformers' ``base_model`` follows ``base_model_prefix``), or the
+        model itself when it is the headless stack (``LlamaModel``, ``GPT2Model``)."""
+        return model.base_model
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """Self-attention modules in layer order."""
@@ -69,35 +75,100 @@ class FamilyAdapter:
     def dropout_p(self, module: nn.Module) -> float:
         raise NotImplementedError
 
+    def native_position_table(self, model: nn.Module) -> torch.Tensor:
+        """The model's own learned position table (n_positions, hidden), for families that have one."""
+        raise NotImplementedError(f"{self.family} models have no learned position table")
+
+
+class RestoreAttribute:
+    """Undo action: put back (or delete) one instance attribute.
+
+    A plain object rather than a closure, so ``copy.deepcopy`` and pickling of the model
+    carry it along pointing at the copy's own module (a closure would keep the original)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner = owner
+        self.name = name
+        self.had = name in owner.__dict__
+        self.previous = owner.__dict__.get(name)
+
+    def __call__(self) -> None:
+        if self.had:
+            setattr(self.owner, self.name, self.previous)
+        else:
+            self.owner.__dict__.pop(self.name, None)
+
+
+#: transformers' ``rope_parameters`` keys for each scaling type, as hf_posenc's ``scaling`` keys
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "truncate",
+    ),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def native_rope_scaling(config: Any) -> dict[str, Any] | None:
+    """The checkpoint's own RoPE scaling (transformers 5 ``config.rope_parameters``) as a
+    ``{"type": ..., ...}`` dict in hf_posenc's form, or None when unscaled. Types hf_posenc
+    does not implement are returned as they are (``{"type": "longrope", ...}``) so that the
+    rope encoding refuses them by name."""
+    params = getattr(config, "rope_parameters", None) or {}
+    legacy = getattr(config, "rope_scaling", None) if not params else None
+    params = dict(params or legacy or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    keys = _ROPE_SCALING_KEYS.get(kind)
+    if keys is None:
+        return {
+            "type": kind,
+            **{k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")},
+        }
+    out: dict[str, Any] = {"type": kind}
+    for key in keys:
+        if params.get(key) is not None:
+            out[key] = params[key]
+    if "original_max_position_embeddings" in keys and "original_max_position_embeddings" not in out:
+        out["original_max_position_embeddings"] = config.max_position_embeddings
+    return out
+
 
 def replace_forward(module: nn.Module, new_forward: Callable[..., Any]) -> Undo:
     """Route ``module``'s calls to ``new_forward`` for this instance only; return the undo.
 
     When accelerate has wrapped the module (``_old_forward`` set by a device-map hook), the
     wrapped inner forward is replaced so the hook keeps moving tensors between devices.
+    ``new_forward`` should be a picklable callable object (not a closure) so that copies of
+    the model get their own.
     """
     attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
-    had_instance_attr = attr in module.__dict__
-    previous = module.__dict__.get(attr)
+    undo = RestoreAttribute(module, attr)
     setattr(module, attr, new_forward)
-
-    def undo() -> None:
-        if had_instance_attr:
-            setattr(module, attr, previous)
-        else:
-            delattr(module, attr)
-
     return undo
+
+
+class RestoreRequiresGrad:
+    """Undo action: give parameters back their ``requires_grad`` flags."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.flags = [(p, p.requires_grad) for p in module.parameters()]
+
+    def __call__(self) -> None:
+        for p, flag in self.flags:
+            p.requires_grad_(flag)
 
 
 def freeze_parameters(module: nn.Module) -> Undo:
     """Stop gradients (and so weight decay) reaching parameters that the patch bypasses."""
-    previous = [(p, p.requires_grad) for p in module.parameters()]
-    for p, _ in previous:
+    undo = RestoreRequiresGrad(module)
+    for p, _ in undo.flags:
         p.requires_grad_(False)
-
-    def undo() -> None:
-        for p, flag in previous:
-            p.requires_grad_(flag)
-
     return undo

@@ -11,6 +11,17 @@ from ..errors import UnsupportedModelError
 from .base import FamilyAdapter, ModelGeometry, Undo, freeze_parameters, replace_forward
 
 
+class ZeroPositions:
+    """Stand-in forward of ``wpe`` while patched: a zero that broadcasts against the token
+    embeddings. An object, not a closure, so copies and pickles of the model carry their own."""
+
+    def __init__(self, wpe: nn.Embedding) -> None:
+        self.wpe = wpe
+
+    def __call__(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.wpe.weight.new_zeros(())
+
+
 class GPT2Adapter(FamilyAdapter):
     family = "gpt2"
     model_types = ("gpt2",)
@@ -34,22 +45,19 @@ class GPT2Adapter(FamilyAdapter):
             max_position_embeddings=config.n_positions,
             rope_theta=10000.0,
             partial_rotary_factor=1.0,
+            learned_position_table=True,
         )
 
-    def base_model(self, model: nn.Module) -> nn.Module:
-        return model.transformer
+    def native_position_table(self, model: nn.Module) -> torch.Tensor:
+        return self.base_model(model).wpe.weight
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return [block.attn for block in self.base_model(model).h]
 
     def neutralize_native_positions(self, model: nn.Module) -> list[Undo]:
         wpe = self.base_model(model).wpe
-
-        def zero_positions(position_ids: torch.Tensor) -> torch.Tensor:
-            return wpe.weight.new_zeros(())  # broadcasts against the token embeddings
-
         # wpe keeps its weights (saved, reloaded, restored by unpatch) but gets no gradient.
-        return [replace_forward(wpe, zero_positions), freeze_parameters(wpe)]
+        return [replace_forward(wpe, ZeroPositions(wpe)), freeze_parameters(wpe)]
 
     def project(self, module, x_qk, x_v):
         d = module.split_size

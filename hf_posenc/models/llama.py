@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilyAdapter, ModelGeometry, Undo, replace_forward
+from .base import FamilyAdapter, ModelGeometry, Undo, native_rope_scaling, replace_forward
 
 
 def _rope_setting(config: Any, key: str, default: Any) -> Any:
@@ -40,10 +40,8 @@ class LlamaAdapter(FamilyAdapter):
             max_position_embeddings=config.max_position_embeddings,
             rope_theta=float(_rope_setting(config, "rope_theta", 10000.0)),
             partial_rotary_factor=float(_rope_setting(config, "partial_rotary_factor", 1.0)),
+            rope_scaling=native_rope_scaling(config),
         )
-
-    def base_model(self, model: nn.Module) -> nn.Module:
-        return model.model
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return [layer.self_attn for layer in self.base_model(model).layers]
