@@ -122,36 +122,43 @@ def test_lora_trains_adapters_and_the_encoding_and_the_result_reloads(workspace)
         assert torch.equal(reloaded(ids).logits, again(ids).logits)
 
 
-def test_two_processes_reach_the_same_loss_as_one(workspace):
-    """2-process CPU DDP with half the per-process batch follows the 1-process trajectory."""
-    single = train(
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "accelerate"
+
+
+@pytest.fixture(scope="module")
+def one_process(workspace):
+    return train(
         config(workspace, "one-process", batch_size=4, save_every=0, max_steps=4, encoding="alibi"),
         progress=False,
     )
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("recipe", ["cpu_2proc", "ddp", "fsdp"])
+def test_two_cpu_processes_from_each_recipe_config_reach_the_same_losses_as_one(
+    workspace, one_process, recipe
+):
+    """`accelerate launch --config_file recipes/accelerate/X.yaml --num_processes 2` on a machine
+    without GPUs: two real ranks (gloo), half the per-process batch, the 1-process losses; one
+    final model written by the main process only."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    output = workspace / f"two-processes-{recipe}"
     command = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "hf_posenc",
-        "train",
-        "--model",
-        str(workspace / "base"),
+        "--config_file",
+        str(RECIPES / f"{recipe}.yaml"),
+    ]
+    command += ["--num_processes", "2", "-m", "hf_posenc", "train", "--model", str(workspace / "base")]
+    command += [
         "--output-dir",
-        str(workspace / "two-processes"),
+        str(output),
         "--data",
         str(workspace / "data.txt"),
         str(workspace / "data.jsonl"),
+    ]
+    command += [
         "--encoding",
         "alibi",
         "--seq-len",
@@ -165,10 +172,14 @@ def test_two_processes_reach_the_same_loss_as_one(workspace):
     ]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    losses = json.loads((workspace / "two-processes" / "final" / "losses.json").read_text())
-    assert len(losses) == len(single.losses) == 4
-    for (step_a, loss_a), (step_b, loss_b) in zip(single.losses, losses, strict=True):
-        assert step_a == step_b and abs(loss_a - loss_b) < 1e-4, (single.losses, losses)
+    assert "2 launched processes train on the CPU" in completed.stdout
+    assert completed.stdout.count("final model:") == 1  # printed by the main process only
+    record = json.loads((output / "final" / "training_run.json").read_text())
+    assert record["num_processes"] == 2
+    losses = json.loads((output / "final" / "losses.json").read_text())
+    assert len(losses) == len(one_process.losses) == 4
+    for (step_a, loss_a), (step_b, loss_b) in zip(one_process.losses, losses, strict=True):
+        assert step_a == step_b and abs(loss_a - loss_b) < 1e-4, (one_process.losses, losses)
 
 
 def test_cli_train_end_to_end(workspace, capsys):

@@ -62,6 +62,20 @@ def _hub_documents(source: str, text_field: str, split: str, num_proc: int | Non
     )
 
 
+def _generate(**kwargs):
+    """``Dataset.from_generator``, re-raising our own data errors instead of datasets' wrapper."""
+    from datasets import Dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return Dataset.from_generator(**kwargs)
+    except DatasetGenerationError as error:
+        cause = error.__cause__ or error.__context__
+        if isinstance(cause, (DataError, OSError)):
+            raise cause from None
+        raise
+
+
 def document_dataset(
     sources: Sequence[str],
     *,
@@ -72,7 +86,7 @@ def document_dataset(
     num_proc: int | None = None,
 ):
     """Every document of ``sources`` in order, as an Arrow dataset with one column ``text``."""
-    from datasets import Dataset, Features, Value, concatenate_datasets
+    from datasets import Features, Value, concatenate_datasets
 
     check_sources(sources)
     parts, local = [], []
@@ -80,8 +94,8 @@ def document_dataset(
     def flush_local() -> None:
         if local:
             parts.append(
-                Dataset.from_generator(
-                    _local_documents,
+                _generate(
+                    generator=_local_documents,
                     gen_kwargs={
                         "sources": list(local),
                         "text_field": text_field,

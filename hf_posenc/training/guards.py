@@ -87,6 +87,24 @@ def resume_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return [f"{k}={after.get(k)!r} (was {before.get(k)!r})" for k in keys if before.get(k) != after.get(k)]
 
 
+def use_cpu_for_a_gpu_launch() -> bool:
+    """Under a multi-process launch (``WORLD_SIZE`` > 1) on a machine without CUDA, have accelerate
+    join the processes on the CPU (gloo) instead of running each alone; True if it did.
+
+    accelerate 1.x only does this with ``ACCELERATE_USE_CPU=true`` in the environment, which a
+    YAML config cannot set: without it, a MULTI_GPU or FSDP config started N unconnected
+    processes that each acted as the main one."""
+    import torch
+
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if not launched.isdigit() or int(launched) < 2 or torch.cuda.is_available():
+        return False
+    if "ACCELERATE_USE_CPU" in os.environ:  # the user decided
+        return False
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    return True
+
+
 def check_world(accelerator) -> None:
     """Stop before training if the launch asked for more processes than accelerate joined.
 
@@ -105,6 +123,23 @@ def check_world(accelerator) -> None:
             "the main one. On CPU launch with `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu "
             "--num_processes N` or recipes/accelerate/cpu_2proc.yaml; on GPUs check that CUDA is visible"
         )
+
+
+def launch_notes(accelerator, on_cpu: bool) -> list[str]:
+    """What a multi-process launch turned into, when that differs from what its config says."""
+    notes = []
+    kind = accelerator.distributed_type.value
+    if on_cpu:
+        notes.append(
+            f"[train] no CUDA device: the {accelerator.num_processes} launched processes train on the CPU "
+            f"(gloo, {kind})"
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and kind != "FSDP":
+        notes.append(
+            f"[train] FSDP was asked for, but accelerate runs {kind} here (it shards with FSDP on GPU-type "
+            "devices only): every process holds the whole model"
+        )
+    return notes
 
 
 def check_finite_loss(loss: float, step: int) -> None:

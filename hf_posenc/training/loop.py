@@ -32,7 +32,9 @@ from .guards import (
     check_finite_weights,
     check_output_dir,
     check_world,
+    launch_notes,
     resume_differences,
+    use_cpu_for_a_gpu_launch,
 )
 from .interrupt import StopRequest
 from .lora import apply_lora, merge_lora
@@ -163,8 +165,12 @@ def train(
 
     output_dir = Path(config.output_dir)
     preflight(config, model=model, tokenizer=tokenizer)
+    on_cpu = use_cpu_for_a_gpu_launch()
     accelerator = _accelerator(config, output_dir)
     check_world(accelerator)
+    if accelerator.is_main_process:
+        for note in launch_notes(accelerator, on_cpu):
+            print(note)
     check_output_dir(output_dir, resume=resume, overwrite=overwrite, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     checkpoint = None
@@ -179,9 +185,6 @@ def train(
                 f"--resume: settings differ from the run in {str(output_dir)!r}: " + ", ".join(changed)
             )
 
-    set_seed(config.seed)
-    model = prepare_model(config, model)
-    _check_positions(model, config.seq_len)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
 
@@ -199,6 +202,9 @@ def train(
     order = BatchOrder(
         blocks, config.batch_size, accelerator.num_processes, accelerator.process_index, config.seed
     )
+    set_seed(config.seed)
+    model = prepare_model(config, model)  # the data is ready (or its error known) before the model loads
+    _check_positions(model, config.seq_len)
 
     if config.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -245,47 +251,53 @@ def train(
         desc="train",
         disable=not (progress and accelerator.is_main_process),
     )
-    with StopRequest(enabled=accelerator.num_processes == 1) as stop:
-        for step in range(start, config.max_steps):
-            step_loss = torch.zeros((), device=accelerator.device)
-            for micro in range(config.grad_accum):
-                batch = order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
-                with accelerator.accumulate(model):
-                    loss = model(input_ids=batch, labels=batch).loss
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and config.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                step_loss += loss.detach() / config.grad_accum
-            scheduler.step()
-            mean_loss = accelerator.gather(step_loss[None]).mean().item()
-            check_finite_loss(mean_loss, step + 1)
-            losses.append((step + 1, mean_loss))
-            logs = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
-            bar.update(1)
-            bar.set_postfix(loss=f"{mean_loss:.4f}")
-            if accelerator.is_main_process and (step + 1) % config.log_every == 0:
-                bar.write(json.dumps({"step": step + 1, **logs}))
-            if config.report_to:
-                accelerator.log(logs, step=step + 1)
-            if stop.requested and step + 1 < config.max_steps:
-                save(step + 1)
-                raise KeyboardInterrupt(f"interrupted after step {step + 1}; checkpoint saved")
-            if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.max_steps:
-                save(step + 1)
-            for callback in callbacks:
-                callback(step + 1, logs)
-    bar.close()
+    try:
+        with StopRequest(enabled=accelerator.num_processes == 1) as stop:
+            for step in range(start, config.max_steps):
+                step_loss = torch.zeros((), device=accelerator.device)
+                for micro in range(config.grad_accum):
+                    batch = order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
+                    with accelerator.accumulate(model):
+                        loss = model(input_ids=batch, labels=batch).loss
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients and config.max_grad_norm > 0:
+                            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    step_loss += loss.detach() / config.grad_accum
+                scheduler.step()
+                mean_loss = accelerator.gather(step_loss[None]).mean().item()
+                check_finite_loss(mean_loss, step + 1)
+                losses.append((step + 1, mean_loss))
+                logs = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
+                bar.update(1)
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+                if accelerator.is_main_process and (step + 1) % config.log_every == 0:
+                    bar.write(json.dumps({"step": step + 1, **logs}))
+                if config.report_to:
+                    accelerator.log(logs, step=step + 1)
+                if stop.requested and step + 1 < config.max_steps:
+                    save(step + 1)
+                    raise KeyboardInterrupt(f"interrupted after step {step + 1}; checkpoint saved")
+                if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.max_steps:
+                    save(step + 1)
+                for callback in callbacks:
+                    callback(step + 1, logs)
+    finally:
+        bar.close()  # an error message starts on its own line
 
     check_finite_weights(accelerator, model, config.max_steps)
     final_dir = output_dir / "final"
     accelerator.wait_for_everyone()
+    # every process takes part in gathering a sharded (FSDP) state dict; the main one writes it
+    state_dict = None if config.lora else accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         final = accelerator.unwrap_model(model)
         if config.lora:
             final = merge_lora(final)
-        write_final(final, tokenizer, output_dir, config, losses, blocks, accelerator.num_processes)
+        write_final(
+            final, tokenizer, output_dir, config, losses, blocks, accelerator.num_processes, state_dict
+        )
     accelerator.wait_for_everyone()
     if config.report_to:
         accelerator.end_training()

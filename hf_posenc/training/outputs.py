@@ -72,14 +72,21 @@ Command:
 
 
 def write_final(
-    model, tokenizer, output_dir: Path, config: TrainConfig, losses: list, blocks, num_processes: int = 1
+    model,
+    tokenizer,
+    output_dir: Path,
+    config: TrainConfig,
+    losses: list,
+    blocks,
+    num_processes: int = 1,
+    state_dict: dict | None = None,
 ) -> Path:
     """Save ``model`` and ``tokenizer`` with losses, provenance and a model card as ``output_dir/final``."""
     final_dir = output_dir / "final"
     partial = output_dir / "final.tmp"
     if partial.exists():
         shutil.rmtree(partial)
-    model.save_pretrained(partial)
+    model.save_pretrained(partial, state_dict=state_dict)
     tokenizer.save_pretrained(partial)
     record = {
         "config": dataclasses.asdict(config),
