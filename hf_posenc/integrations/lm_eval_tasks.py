@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PosencError
+from .lm_eval_schema import check_rows
 
 SUPPORTED_TASKS = ("hellaswag", "mmlu", "arc_easy", "arc_challenge")
 #: preset -> {task: num_fewshot}
@@ -212,7 +213,8 @@ def _local_run(name: str, include: Path, shots: int, folder: Path) -> TaskRun:
             null_splits.append(key)
         else:
             data_files[split] = str(path.resolve())
-    if shots > 0 and fewshot is not None and (rows := count_rows(Path(data_files[fewshot]))) < shots:
+    counts = {split: check_rows(name, Path(path)) for split, path in data_files.items()}  # schema, row by row
+    if shots > 0 and fewshot is not None and (rows := counts[fewshot]) < shots:
         raise BenchmarkError(
             f"{name}: {shots}-shot needs at least {shots} rows in {data_files[fewshot]}, found {rows}"
         )
