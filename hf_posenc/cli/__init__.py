@@ -37,6 +37,7 @@ USER_ERRORS = (
     NotADirectoryError,
     IsADirectoryError,
     PermissionError,
+    OSError,  # e.g. transformers: a hub id that cannot be reached or does not exist
     argparse.ArgumentTypeError,
 )
 

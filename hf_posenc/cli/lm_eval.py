@@ -82,7 +82,13 @@ def _recipe_parser(lm_eval_options: bool) -> argparse.ArgumentParser:
         "--data-dir", metavar="DIR", help="run the packaged tasks on local files (layout below)"
     )
     recipe.add_argument("--mmlu-subjects", nargs="+", metavar="SUBJECT", help="MMLU subset (default: all)")
-    recipe.add_argument("--output", metavar="DIR", help="write lm-eval's results JSON and the table here")
+    recipe.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output",
+        metavar="DIR",
+        help="write lm-eval's results JSON and the table here",
+    )
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
     parser.add_argument("-h", "--help", action="store_true", help="show this help")
     if lm_eval_options:

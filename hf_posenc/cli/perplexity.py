@@ -279,7 +279,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--data", nargs="+", required=True, metavar="SRC", help="file, dir, glob, builtin:stdlib, hf:NAME"
     )
     parser.add_argument(
-        "--train-length", type=int, required=True, help="the models' training sequence length"
+        "--train-length",
+        "--seq-len",
+        dest="train_length",
+        type=int,
+        required=True,
+        help="the models' training sequence length",
     )
     parser.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="K")
     parser.add_argument("--max-tokens", type=int, default=None, help="token budget (default: all the data)")
@@ -291,7 +296,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    parser.add_argument("--output", required=True, metavar="DIR", help="where results.* and the plot go")
+    parser.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output",
+        required=True,
+        metavar="DIR",
+        help="where results.* and the plot go",
+    )
     parser.add_argument("--title", default=None, help="title of the plot and report")
     parser.add_argument("--perplexity", action="store_true", help="also print perplexity columns")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

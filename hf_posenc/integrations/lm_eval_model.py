@@ -120,6 +120,10 @@ def check_model_args(args: ModelArgs) -> None:
     from transformers import AutoConfig
 
     check_checkpoint(args.pretrained)
+    if not args.other.get("tokenizer"):
+        from ..preflight import check_tokenizer_path
+
+        check_tokenizer_path(os.path.expanduser(args.pretrained), what="pretrained")
     for option in UNSUPPORTED_OPTIONS:
         if args.other.get(option):
             raise UnsupportedModelError(f"model_args {option}= is not supported by the hf-posenc model")

@@ -1,0 +1,145 @@
+"""Every subcommand fails the same way on bad input: one line naming the bad value, exit code 2,
+before any model loads; --traceback shows the traceback instead. --help and list stay cheap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_posenc.cli import build_parser, main
+from hf_posenc.data import stdlib_documents
+from hf_posenc.tiny import tiny_model
+from hf_posenc.tokenizer import train_bpe_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli-errors")
+    documents = list(stdlib_documents())[:4]
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=320)
+    tiny_model("llama", vocab_size=len(tokenizer), max_positions=64).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    tiny_model("llama", vocab_size=len(tokenizer), max_positions=64).save_pretrained(root / "no-tokenizer")
+    (root / "data.txt").write_text(documents[0])
+    return root
+
+
+def commands(root: Path, model: str, encoding: list[str]) -> dict[str, list[str]]:
+    out = str(root / "out")
+    data = str(root / "data.txt")
+    return {
+        "train": ["train", "--model", model, "--output-dir", out, "--data", data, *encoding],
+        "study": [
+            "study",
+            "--base-model",
+            model,
+            "--output-dir",
+            out,
+            "--data",
+            data,
+            "--encodings",
+            "alibi",
+        ],
+        "perplexity": ["perplexity", "--model", model, "--data", data, "--train-length", "8", "--output", out]
+        + encoding,
+    }
+
+
+BAD_PARAMETER = ["--encoding", "t5", "--encoding-param", "num_buckets=-3"]
+
+
+def _lm_eval(root: Path, model: str, encoding: list[str]) -> list[str]:
+    args = f"pretrained={model}"
+    if encoding:
+        args += f",encoding={encoding[1]}" + (f",{encoding[3]}" if len(encoding) > 2 else "")
+    return ["lm-eval", "--tasks", "arc_easy", "--model_args", args, "--output", str(root / "out")]
+
+
+CASES = {
+    "missing local model": ("./my-llama", [], "'./my-llama' does not exist"),
+    "model without tokenizer": ("{root}/no-tokenizer", [], "has no tokenizer"),
+    "typo in the encoding": ("{root}/model", ["--encoding", "alibbi"], "Did you mean 'alibi'"),
+    "bad parameter": ("{root}/model", BAD_PARAMETER, "num_buckets"),
+}
+
+
+@pytest.mark.parametrize("command", ["train", "study", "perplexity", "lm-eval"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_before_any_model_loads(model_dir, command, case, capsys):
+    model, encoding, message = CASES[case]
+    model = model.format(root=model_dir)
+    if command == "study" and encoding:
+        spec = encoding[1] + ('{"num_buckets": -3}' if len(encoding) > 2 else "")
+        argv = ["study", "--base-model", model, "--output-dir", str(model_dir / "out")]
+        argv += ["--data", str(model_dir / "data.txt"), "--encodings", spec]
+    elif command == "lm-eval":
+        argv = _lm_eval(model_dir, model, encoding)
+    else:
+        argv = commands(model_dir, model, encoding)[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.strip()]
+    assert len(errors) == 1, err
+    assert errors[0].startswith(f"hf-posenc {command}: error:") and message in errors[0], err
+    assert not (model_dir / "out" / "final").exists()
+
+
+def test_traceback_flag_is_accepted_by_every_subcommand_and_shows_the_traceback(model_dir):
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices
+    for name, subparser in subcommands.items():
+        if name != "lm-eval":
+            assert "--traceback" in subparser._option_string_actions, name
+    with pytest.raises(FileNotFoundError, match="my-llama"):
+        main(["train", "--model", "./my-llama", "--output-dir", str(model_dir / "o"), "--traceback"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--lengths", "0"], "--lengths 0 is not allowed; allowed: integers >= 2"),
+        (["bench", "--device", "cuda:7"], "--device cuda:7"),
+        (["bench", "--encodings", "alibbi", "--lengths", "8"], "Did you mean 'alibi'"),
+        (["bench", "--backend", "fast"], "--backend 'fast' is not allowed"),
+    ],
+)
+def test_bench_bad_input_is_one_line(argv, message, capsys, tmp_path):
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+
+
+def test_flag_names_are_shared_across_subcommands():
+    """--output-dir (alias --output) everywhere; --seq-len and --train-length name the same value."""
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices
+    for name in ("train", "study", "perplexity", "bench"):
+        options = subcommands[name]._option_string_actions
+        assert "--output-dir" in options and "--output" in options, name
+    for name in ("train", "study", "perplexity"):
+        options = subcommands[name]._option_string_actions
+        assert options["--seq-len"] is options["--train-length"], name
+
+
+def test_the_command_line_imports_no_heavy_module_of_its_own():
+    """Importing the CLI adds no torch-, accelerate-, datasets-, matplotlib- or lm-eval-dependent
+    module of hf_posenc to what `import hf_posenc` already loads (--help does not wait for them)."""
+    code = (
+        "import sys, hf_posenc; before = set(sys.modules); import hf_posenc.cli; "
+        "print(sorted(set(sys.modules) - before))"
+    )
+    added = eval(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    )
+    heavy = (
+        "accelerate",
+        "datasets",
+        "matplotlib",
+        "lm_eval",
+        "hf_posenc.training.loop",
+        "hf_posenc.benchmark.suite",
+    )
+    assert not [m for m in added if m.startswith(heavy)], added
