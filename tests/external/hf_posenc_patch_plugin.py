@@ -10,6 +10,11 @@ Environment:
     encoding name or alias (``rope``, ``alibi``, ...); unset, empty or ``baseline``: no patching.
 ``HF_POSENC_PARAMS``
     optional JSON object of encoding parameters, passed to ``patch_model`` as keywords.
+``HF_POSENC_ON_PATCH_ERROR``
+    ``raise`` (default): an error from ``patch_model`` fails the test that built the model.
+    ``skip``: the model stays unpatched and the error is counted (terminal summary, junit
+    property ``hf_posenc_unpatched``), so failures further on (in classes the engine does
+    patch) are not hidden behind a refusal of one class (e.g. a headless ``LlamaModel``).
 ``HF_POSENC_FROM_PRETRAINED``
     how models built by ``from_pretrained`` get patched:
 
@@ -49,10 +54,13 @@ import pytest
 ENV_ENCODING = "HF_POSENC_ENCODING"
 ENV_PARAMS = "HF_POSENC_PARAMS"
 ENV_FROM_PRETRAINED = "HF_POSENC_FROM_PRETRAINED"
+ENV_ON_ERROR = "HF_POSENC_ON_PATCH_ERROR"
 BASELINE_NAMES = ("", "baseline", "native", "unpatched")
 
 _state = threading.local()
 _counts = {"patched": 0, "skipped_nested": 0, "already": 0, "errors": 0}
+#: ``HF_POSENC_ON_PATCH_ERROR=skip``: model class -> first line of the error that left it unpatched
+_unpatched: dict[str, str] = {}
 
 
 def _encoding() -> str | None:
@@ -75,6 +83,13 @@ def _mode() -> str:
     if mode not in ("construct", "after"):
         raise pytest.UsageError(f"{ENV_FROM_PRETRAINED} must be 'construct' or 'after', got {mode!r}")
     return mode
+
+
+def _on_error() -> str:
+    value = os.environ.get(ENV_ON_ERROR, "raise").strip() or "raise"
+    if value not in ("raise", "skip"):
+        raise pytest.UsageError(f"{ENV_ON_ERROR} must be 'raise' or 'skip', got {value!r}")
+    return value
 
 
 def _inside_enclosing_model_init(model: Any, model_base: type) -> bool:
@@ -100,9 +115,14 @@ def _patch(model: Any, spec: Any = None) -> None:
             hf_posenc.patch_model(model, _encoding(), **_params())
         else:
             hf_posenc.patch_model(model, spec)
-    except BaseException:
+    except Exception as error:
         _counts["errors"] += 1
-        raise
+        if _on_error() == "raise":
+            raise
+        message = (str(error).splitlines() or [""])[0]
+        _unpatched.setdefault(type(model).__name__, f"{type(error).__name__}: {message}"[:300])
+        _state.test_unpatched = getattr(_state, "test_unpatched", 0) + 1
+        return
     _counts["patched"] += 1
     _state.test_patched = getattr(_state, "test_patched", 0) + 1
 
@@ -187,6 +207,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if name.lower() not in known:
         raise pytest.UsageError(f"{ENV_ENCODING}={name!r} is not an hf_posenc encoding: {sorted(known)}")
     _params()
+    _on_error()
     _install()
 
 
@@ -194,17 +215,23 @@ def pytest_report_header(config: pytest.Config) -> str:
     name = getattr(config, "_hf_posenc_encoding", None)
     if name is None:
         return "hf_posenc: baseline (no patching)"
-    return f"hf_posenc: patching every model with {name!r} params={_params()} from_pretrained={_mode()}"
+    return (
+        f"hf_posenc: patching every model with {name!r} params={_params()} "
+        f"from_pretrained={_mode()} on_patch_error={_on_error()}"
+    )
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _state.test_patched = 0
+    _state.test_unpatched = 0
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if call.when == "call" and getattr(item.config, "_hf_posenc_encoding", None) is not None:
         item.user_properties.append(("hf_posenc_patched", getattr(_state, "test_patched", 0)))
+        if getattr(_state, "test_unpatched", 0):
+            item.user_properties.append(("hf_posenc_unpatched", _state.test_unpatched))
     yield
 
 
@@ -218,3 +245,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         f"{_counts['errors']} patch errors, {_counts['already']} already patched, "
         f"{_counts['skipped_nested']} nested models left to their outer model"
     )
+    for cls, error in sorted(_unpatched.items()):
+        terminalreporter.write_line(
+            f"hf_posenc: left unpatched (HF_POSENC_ON_PATCH_ERROR=skip): {cls}: {error}"
+        )
