@@ -40,9 +40,18 @@ def git_commit(directory: Path | None = None) -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+_COMMAND: list[str] | None = None
+
+
+def set_command(argv: list[str]) -> None:
+    """Record the command being run (``hf-posenc`` sets it from its arguments)."""
+    global _COMMAND
+    _COMMAND = list(argv)
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed (shell-quoted), ``hf-posenc`` for the console script."""
-    args = list(sys.argv if argv is None else argv)
+    args = list(argv if argv is not None else _COMMAND if _COMMAND is not None else sys.argv)
     if args and Path(args[0]).name in ("hf-posenc", "__main__.py"):
         args[0] = "hf-posenc"
     return shlex.join(args)

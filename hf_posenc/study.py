@@ -124,106 +124,6 @@ def load_study_config(path: str) -> dict[str, Any]:
     return values
 
 
-def _tiny_spec(config: StudyConfig) -> str:
-    """The embedded base model as a model "name" that records everything that shapes it."""
-    return (
-        f"builtin:tiny-llama(hidden={config.hidden_size},layers={config.num_layers},vocab={config.vocab_size},"
-        f"positions={config.train_length * max(config.multiples)},seed={config.seed})"
-    )
-
-
-def _base_settings(config: StudyConfig, out: Path):
-    from .training import TrainConfig
-
-    return TrainConfig(
-        model=_tiny_spec(config),
-        output_dir=str(out / "base"),
-        data=list(config.data),
-        split=config.train_split,
-        text_field=config.text_field,
-        max_documents=config.max_documents,
-        seq_len=config.train_length,
-        batch_size=config.batch_size,
-        max_steps=config.pretrain_steps,
-        lr=config.lr,
-        log_every=max(1, config.pretrain_steps // 10),
-        save_every=max(1, config.pretrain_steps // 10),
-        keep_checkpoints=1,
-        seed=config.seed,
-        data_cache=str(out / "data-cache"),
-    )
-
-
-def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
-    from .training import TrainConfig
-
-    name, params = parse_encoding_spec(spec)
-    return TrainConfig(
-        model=str(base),
-        output_dir=str(out / "runs" / spec_slug(spec)),
-        data=list(config.data),
-        split=config.train_split,
-        text_field=config.text_field,
-        max_documents=config.max_documents,
-        encoding=name,
-        encoding_params=params,
-        seq_len=config.train_length,
-        batch_size=config.batch_size,
-        max_steps=config.steps,
-        lr=config.lr,
-        warmup_ratio=0.1,
-        log_every=max(1, config.steps // 5),
-        save_every=max(1, config.steps // 10),
-        keep_checkpoints=1,
-        seed=config.seed,
-        data_cache=str(out / "data-cache"),
-    )
-
-
-def _recorded_config(run: Path) -> dict[str, Any] | None:
-    """The training settings a finished run recorded (None if it recorded none)."""
-    for file, key in ((run / "final" / "training_run.json", "config"), (run / "train_config.json", None)):
-        if file.is_file():
-            try:
-                record = json.loads(file.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError):
-                continue
-            return record[key] if key else record
-    return None
-
-
-def run_status(settings, overwrite: bool = False) -> str:
-    """What the study does with a run: ``reuse``, ``resume``, ``train`` or ``retrain`` (--overwrite).
-
-    A finished or interrupted run whose recorded settings differ from ``settings`` is an error
-    (naming each difference) unless ``overwrite``."""
-    from .training.checkpoints import checkpoint_dirs, read_state
-    from .training.guards import resume_differences
-
-    run = Path(settings.output_dir)
-    current = dataclasses.asdict(settings)
-    if (run / "final" / "config.json").is_file():
-        recorded = _recorded_config(run)
-        changed = ["no recorded settings"] if recorded is None else resume_differences(recorded, current)
-        what = "finished"
-    elif checkpoint_dirs(run):
-        try:
-            changed = resume_differences(read_state(checkpoint_dirs(run)[-1])["config"], current)
-        except (OSError, KeyError, json.JSONDecodeError):
-            changed = []  # a damaged checkpoint: train() falls back to an intact one, or says why not
-        what = "interrupted"
-    else:
-        return "train"
-    if not changed:
-        return "reuse" if what == "finished" else "resume"
-    if overwrite:
-        return "retrain"
-    raise InvalidParameterError(
-        f"study: the {what} run in {str(run)!r} was made with other settings: {', '.join(changed)}; "
-        "pass --overwrite to train it again, or choose another --output-dir"
-    )
-
-
 class _Progress:
     """``[k/N]`` lines with elapsed time and an ETA from the training steps done so far."""
 
@@ -251,6 +151,23 @@ class _Progress:
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def display_label(spec: str) -> str:
+    """A readable label for an encoding spec: ``expe{"scaling": {"type": "linear", "factor": 2}}`` ->
+    ``expe (scaling linear x2)``."""
+    name, params = parse_encoding_spec(spec)
+    parts = []
+    for key, value in params.items():
+        if isinstance(value, dict) and "type" in value:
+            factor = f" x{value['factor']:g}" if isinstance(value.get("factor"), (int, float)) else ""
+            rest = ", ".join(f"{k}={v}" for k, v in value.items() if k not in ("type", "factor"))
+            parts.append(f"{key} {value['type']}{factor}" + (f" ({rest})" if rest else ""))
+        elif isinstance(value, dict):
+            parts.extend(f"{key}.{k}={v}" for k, v in value.items())
+        else:
+            parts.append(f"{key}={value}")
+    return f"{name} ({', '.join(parts)})" if parts else name
 
 
 def spec_slug(spec: str) -> str:
@@ -287,29 +204,6 @@ def check_study(config: StudyConfig) -> Path:
     return out
 
 
-def plan_study(config: StudyConfig, overwrite: bool = False) -> list[tuple[str, Any, str]]:
-    """(label, training settings, status) of every run, checked against what is on disk."""
-    out = Path(config.output_dir)
-    plan = []
-    base = Path(config.base_model) if config.base_model else out / "base" / "final"
-    if not config.base_model:
-        settings = _base_settings(config, out)
-        plan.append(("base (RoPE pretraining)", settings, run_status(settings, overwrite)))
-    fresh_base = bool(plan) and plan[0][2] in ("train", "retrain")
-    for spec in config.encodings:
-        settings = _run_settings(config, base, spec, out)
-        status = run_status(settings, overwrite)
-        if fresh_base and status in ("reuse", "resume"):
-            if not overwrite:
-                raise InvalidParameterError(
-                    f"study: {settings.output_dir!r} was trained from a base model that is not there any more "
-                    "(the base is trained anew); pass --overwrite to train it again, or choose another --output-dir"
-                )
-            status = "retrain"
-        plan.append((spec, settings, status))
-    return plan
-
-
 def _pretrain_base(config: StudyConfig, settings, status: str):
     """Train the tokenizer and pretrain the embedded tiny Llama with RoPE; return its final folder."""
     from .data import read_documents
@@ -342,6 +236,7 @@ def _pretrain_base(config: StudyConfig, settings, status: str):
 def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = False) -> dict[str, Path]:
     """Run the whole study (reusing finished runs, resuming interrupted ones); returns the report files."""
     from .provenance import provenance
+    from .study_runs import plan_study
 
     out = check_study(config)
     plan = plan_study(config, overwrite)
@@ -406,7 +301,12 @@ def _evaluate(config: StudyConfig, out: Path, finals: dict[str, Path]) -> dict[s
     )
     longest = config.train_length * max(config.multiples)
     tokens = tokenize_documents(documents, tokenizer, max_tokens=max(config.eval_tokens, longest))
-    runs = {"rope (base, no further training)" if not config.base_model else "base": base, **finals}
+    runs = {
+        "rope (base, no further training)" if not config.base_model else "base (no further training)": base
+    }
+    for spec, directory in finals.items():
+        label = display_label(spec)
+        runs[label if label not in runs else f"{label} [{spec}]"] = directory
     results = {}
     for label, directory in runs.items():
         model = load_model(str(directory)).eval()

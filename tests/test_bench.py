@@ -44,3 +44,28 @@ def test_bench_reports_ratios_to_native_for_each_encoding_mode_and_length(tmp_pa
     assert {r["encoding"] for r in data["results"]} == {"native", "alibi", "expe"}
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     assert "time / native" in capsys.readouterr().out
+
+
+def test_bench_plots_only_the_modes_that_ran_and_records_provenance(tmp_path):
+    import torch
+
+    from hf_posenc.benchmark import BenchConfig, run_suite, write_results
+    from hf_posenc.benchmark.suite import _panels
+
+    config = BenchConfig(
+        encodings=["alibi"],
+        lengths=[32],
+        modes=["decode", "forward"],
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        repeats=1,
+        decode_prompt=16,
+        decode_tokens=2,
+    )
+    results = run_suite(config, progress=False)
+    assert _panels(results) == [("forward", "seconds"), ("decode", "seconds"), ("forward", "peak_bytes")]
+    paths = write_results(results, config, tmp_path)
+    record = json.loads(paths["json"].read_text())["provenance"]
+    assert record["versions"]["torch"] == torch.__version__ and record["command"] and record["date"]
+    assert paths["png"].read_bytes().startswith(b"\x89PNG")

@@ -349,6 +349,9 @@ def test_cli_end_to_end_table_csv_json_png_with_one_row_per_model(workspace, tmp
     document = json.loads((out / "results.json").read_text())
     assert list(document["results"]) == ["llama (native)", "gpt2-alibi (alibi)"]
     assert (out / "loss_vs_length.png").read_bytes()[:8] == PNG_SIGNATURE
+    record = document["metadata"]["provenance"]  # what produced these numbers
+    assert record["versions"]["torch"] == torch.__version__ and record["versions"]["hf-posenc"]
+    assert record["date"] and "perplexity" in record["command"]
 
     texts = [(root / "valid.txt").read_text()] + [
         json.loads(line)["text"] for line in (root / "valid.jsonl").read_text().splitlines()

@@ -38,7 +38,7 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     assert paths["png"].read_bytes().startswith(b"\x89PNG")
     report = json.loads(paths["json"].read_text())
     text = paths["table"].read_text()
-    for label in ["rope (base, no further training)", "rope", "alibi", MINI["encodings"][2]]:
+    for label in ["rope (base, no further training)", "rope", "alibi", "expe (scaling linear x2)"]:
         assert label in text and label in out
     assert "loss (ev=4)" in text
     assert report  # machine-readable copy of the same numbers
@@ -121,6 +121,14 @@ def test_config_file_is_fed_back_and_dry_run_loads_nothing(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps({"stepz": 3}))
     assert main(["study", "--config", str(tmp_path / "bad.json"), "--dry-run"]) == 2
     assert "unknown setting(s) stepz" in capsys.readouterr().err
+
+
+def test_plot_labels_are_readable():
+    from hf_posenc.study import display_label
+
+    assert display_label('expe{"scaling": {"type": "linear", "factor": 2}}') == "expe (scaling linear x2)"
+    assert display_label('t5{"num_buckets": 16}') == "t5 (num_buckets=16)"
+    assert display_label("rotary") == "rope"
 
 
 def test_encoding_specs_parse_names_aliases_and_json():

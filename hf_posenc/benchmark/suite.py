@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..patch import patch_model
+from ..provenance import provenance
 from ..tiny import tiny_model
 from .config import BenchConfig
 from .measure import PeakMemory, paired_times, return_freed_memory_to_os
@@ -237,35 +238,82 @@ def write_results(results: list[Measurement], config: BenchConfig, out_dir: Path
     paths["table"].write_text(ratio_table(results) + "\n")
     paths["json"].write_text(
         json.dumps(
-            {"config": dataclasses.asdict(config), "results": [_json_row(m) for m in results]},
+            {
+                "config": dataclasses.asdict(config),
+                "provenance": provenance(),
+                "results": [_json_row(m) for m in results],
+            },
             indent=2,
         )
     )
-    _plot(results, paths["png"])
+    _plot(results, paths["png"], config)
     return paths
 
 
-def _plot(results: list[Measurement], path: Path) -> None:
+def _panels(results: list[Measurement]) -> list[tuple[str, str]]:
+    """(mode, field) of each panel, for the modes that ran: time per mode, and memory of forward/train."""
+    modes = [mode for mode in MODES if any(m.mode == mode and not m.error for m in results)]
+    panels = [(mode, "seconds") for mode in modes]
+    panels += [(mode, "peak_bytes") for mode in modes if mode != "decode"]
+    return panels
+
+
+def _plot(results: list[Measurement], path: Path, config: BenchConfig | None = None) -> None:
+    """One panel per measured (mode, quantity): lines over T for forward/train, bars for decode."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    figure = Figure(figsize=(11, 4))
+    from ..evaluation.report import line_styles
+
+    panels = _panels(results) or [("forward", "seconds")]
+    names = list(dict.fromkeys(m.encoding for m in results))
+    styles = dict(zip(names, line_styles(len(names)), strict=True))
+    figure = Figure(figsize=(4.2 * len(panels) + 2.5, 4.5), dpi=110)
     FigureCanvasAgg(figure)
-    panels = [("forward", "seconds"), ("forward", "peak_bytes"), ("train", "seconds")]
-    for index, (mode, field) in enumerate(panels):
-        axis = figure.add_subplot(1, len(panels), index + 1)
-        for name in dict.fromkeys(m.encoding for m in results):
-            points = sorted(
-                (m.length, getattr(m, field)) for m in results if m.encoding == name and m.mode == mode
+    axes_list = figure.subplots(1, len(panels), squeeze=False)[0]
+    for axis, (mode, field) in zip(axes_list, panels, strict=True):
+        scale = 1000 if field == "seconds" else 1 / 2**20
+        unit = ("ms per token" if mode == "decode" else "ms") if field == "seconds" else "peak extra MiB"
+        rows = [m for m in results if m.mode == mode and not m.error]
+        if mode == "decode":
+            values = [(m.encoding, getattr(m, field) * scale) for m in rows]
+            axis.bar(
+                range(len(values)), [v for _, v in values], color=[styles[n]["color"] for n, _ in values]
             )
-            if points:
-                scale = 1000 if field == "seconds" else 1 / 2**20
-                axis.plot([p[0] for p in points], [p[1] * scale for p in points], marker="o", label=name)
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("T (tokens)")
-        axis.set_ylabel("ms" if field == "seconds" else "peak extra MiB")
-        axis.set_title(f"{mode} {'time' if field == 'seconds' else 'memory'}")
+            axis.set_xticks(range(len(values)), [n for n, _ in values], rotation=60, ha="right", fontsize=7)
+            prompt = rows[0].length if rows else "?"
+            axis.set_title(f"decode: per-token latency after {prompt} tokens", fontsize=9)
+        else:
+            lengths = sorted({m.length for m in rows})
+            for name in names:
+                points = sorted((m.length, getattr(m, field) * scale) for m in rows if m.encoding == name)
+                if points:
+                    axis.plot([p[0] for p in points], [p[1] for p in points], label=name, **styles[name])
+            axis.set_xscale("log", base=2)
+            axis.xaxis.set_major_locator(FixedLocator(lengths))
+            axis.xaxis.set_minor_locator(NullLocator())
+            axis.set_xticklabels([str(n) for n in lengths])
+            axis.set_xlabel("T (tokens)")
+            kind = "time" if field == "seconds" else "memory"
+            axis.set_title(f"{'forward+backward' if mode == 'train' else mode} {kind}", fontsize=9)
+        formatter = ScalarFormatter(useOffset=False)
+        formatter.set_scientific(False)
+        axis.yaxis.set_major_formatter(formatter)
+        axis.set_ylabel(unit)
         axis.grid(alpha=0.3)
-    figure.axes[0].legend(fontsize=7)
-    figure.tight_layout()
+    if config is not None:
+        figure.suptitle(
+            f"hf-posenc bench: {config.family}, hidden {config.hidden_size}, {config.num_layers} layers, "
+            f"batch {config.batch_size}, {config.device}, {config.dtype}, backend {config.backend}"
+        )
+    handles, labels = [], []
+    for axis in axes_list:
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    if handles:
+        figure.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, 0, 1 - 2.2 / (4.2 * len(panels) + 2.5), 0.95))
     figure.savefig(path, format="png")

@@ -70,8 +70,11 @@ def _hub_error(error: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ..provenance import set_command
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_command(["hf-posenc", *(sys.argv[1:] if argv is None else argv)])
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt as stop:

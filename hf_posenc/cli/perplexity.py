@@ -152,6 +152,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
         write_report,
     )
     from ..loading import load_model
+    from ..provenance import provenance
     from ..registry import get_encoding
 
     hf_logging.set_verbosity_error()
@@ -200,6 +201,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
         "device": device,
         "batch_size": args.batch_size,
         "models": {},
+        "provenance": provenance(),
     }
     title = args.title or f"Loss at multiples of the training length ({args.train_length} tokens)"
     for number, (directory, label, encoding, (tokens, budget)) in enumerate(

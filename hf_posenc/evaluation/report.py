@@ -137,35 +137,88 @@ def write_json(
     return path
 
 
+def line_styles(count: int) -> list[dict[str, Any]]:
+    """Distinguishable styles for ``count`` lines: 10 colours, then dashed/dotted variants, distinct markers."""
+    from matplotlib import colormaps
+
+    colours = colormaps["tab10"].colors
+    dashes = ["-", "--", "-.", ":"]
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
+    return [
+        {
+            "color": colours[i % 10],
+            "linestyle": dashes[(i // 10) % len(dashes)],
+            "marker": markers[(i + i // 10) % len(markers)],
+        }
+        for i in range(count)
+    ]
+
+
+def _zoom_past_outliers(axes, changes: dict[str, list[float]]) -> None:
+    """Limit the y-range to the lines that are not far out (max change > 3x the median line's), and
+    name those off scale in the panel, so they do not flatten the rest."""
+    spans = {label: max((abs(c) for c in values), default=0.0) for label, values in changes.items()}
+    ordered = sorted(spans.values())
+    if len(ordered) < 3 or ordered[len(ordered) // 2] <= 0:
+        return
+    limit = 3 * ordered[len(ordered) // 2]
+    outliers = [label for label, span in spans.items() if span > limit]
+    kept = [c for label, values in changes.items() if label not in outliers for c in values]
+    if not outliers or not kept:
+        return
+    low, high = min(kept + [0.0]), max(kept + [0.0])
+    margin = 0.1 * (high - low or 1.0)
+    axes.set_ylim(low - margin, high + margin)
+    note = "off scale: " + "; ".join(
+        f"{label} (up to {max(changes[label], key=abs):+.3g})" for label in outliers
+    )
+    axes.text(0.02, 0.98, note, transform=axes.transAxes, va="top", fontsize="small", wrap=True)
+
+
 def plot_losses(results: Results, path: str | Path, *, train_length: int, title: str | None = None) -> Path:
-    """PNG of loss against evaluation length (log2 x-axis in tokens), one line per label.
+    """PNG with two panels against evaluation length (log2 x-axis in tokens), one line per label:
+    the loss, and its change relative to the shortest length (1x), so one model far above the
+    others (e.g. sinusoidal past its training length) does not flatten every other line.
 
     Draws on a bare Agg canvas (no pyplot, no display, the global backend untouched).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FixedLocator, NullLocator
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    figure = Figure(figsize=(7, 4.5), dpi=120)
+    figure = Figure(figsize=(13, 5), dpi=120)
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    for label, entries in results.items():
-        ordered = sorted(entries, key=lambda r: r.length)
-        axes.plot([r.length for r in ordered], [r.loss for r in ordered], marker="o", label=label)
-    axes.axvline(
-        train_length, color="gray", linestyle="--", linewidth=1, label=f"training length ({train_length})"
-    )
+    absolute, relative = figure.subplots(1, 2)
     lengths = sorted({r.length for rows in results.values() for r in rows} | {train_length})
-    axes.set_xscale("log", base=2)
-    axes.xaxis.set_major_locator(FixedLocator(lengths))
-    axes.xaxis.set_minor_locator(NullLocator())
-    axes.set_xticklabels([str(n) for n in lengths])
-    axes.set_xlabel("evaluation length (tokens, log2 scale)")
-    axes.set_ylabel("loss (mean token NLL, nats)")
-    axes.set_title(title or "Loss against evaluation length")
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
+    changes = {}
+    for (label, entries), style in zip(results.items(), line_styles(len(results)), strict=True):
+        ordered = sorted(entries, key=lambda r: r.length)
+        x = [r.length for r in ordered]
+        absolute.plot(x, [r.loss for r in ordered], label=label, **style)
+        if ordered:
+            changes[label] = [r.loss - ordered[0].loss for r in ordered if math.isfinite(r.loss)]
+            relative.plot(x, [r.loss - ordered[0].loss for r in ordered], label=label, **style)
+    _zoom_past_outliers(relative, changes)
+    for axes in (absolute, relative):
+        axes.axvline(train_length, color="gray", linestyle="--", linewidth=1)
+        axes.set_xscale("log", base=2)
+        axes.xaxis.set_major_locator(FixedLocator(lengths))
+        axes.xaxis.set_minor_locator(NullLocator())
+        axes.set_xticklabels([str(n) for n in lengths])
+        axes.set_xlabel("evaluation length (tokens, log2 scale; dashed: training length)")
+        formatter = ScalarFormatter(useOffset=False)
+        formatter.set_scientific(False)
+        axes.yaxis.set_major_formatter(formatter)
+        axes.grid(True, alpha=0.3)
+    relative.axhline(0, color="black", linewidth=0.8)
+    absolute.set_ylabel("loss (mean token NLL, nats)")
+    relative.set_ylabel("loss minus loss at the shortest length (nats)")
+    absolute.set_title("loss")
+    relative.set_title("change relative to 1x")
+    figure.suptitle(title or "Loss against evaluation length")
+    handles, labels = absolute.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="center right", fontsize="small", frameon=False)
+    figure.tight_layout(rect=(0, 0, 0.8, 1))
     path = Path(path)
     figure.savefig(path, format="png")
     return path
