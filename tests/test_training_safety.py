@@ -232,3 +232,23 @@ def test_final_folder_has_a_model_card_and_provenance(workspace):
     assert record["provenance"]["versions"]["torch"] == torch.__version__
     assert record["provenance"]["versions"]["transformers"] and record["provenance"]["date"]
     assert record["provenance"]["command"]
+
+
+def test_report_to_tensorboard_logs_every_step_loss(workspace):
+    """--report-to goes through accelerate's trackers: the TensorBoard event file holds the
+    same per-step losses as losses.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = train(
+        settings(workspace, "tracked", save_every=0, max_steps=3, report_to=["tensorboard"]), progress=False
+    )
+    events = sorted(
+        (workspace / "tracked" / "hf-posenc").glob("events.out.tfevents.*")
+    )  # hparams: a subfolder
+    assert events, sorted(p.name for p in (workspace / "tracked").rglob("*"))
+    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator.Reload()
+    logged = [(e.step, e.value) for e in accumulator.Scalars("loss")]
+    assert [step for step, _ in logged] == [1, 2, 3]
+    for (step, value), (expected_step, expected) in zip(logged, result.losses, strict=True):
+        assert step == expected_step and value == pytest.approx(expected, rel=1e-6)
