@@ -33,6 +33,8 @@ from ..data import (
 )
 
 TOKEN_COLUMN = "input_ids"
+#: documents tokenised (and written) at a time: memory depends on this, not on the corpus size
+BATCH_DOCUMENTS = 64
 
 
 def _local_documents(sources: list[str], text_field: str, split: str, stamps: list[Any]) -> Iterator[dict]:
@@ -131,7 +133,9 @@ class _Tokenize:
         self.eos = tokenizer.eos_token_id
 
     def __call__(self, batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        ids = self.tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(
+            batch["text"], add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False
+        )["input_ids"]
         if self.eos is not None:
             ids = [[*row, self.eos] for row in ids]
         return {TOKEN_COLUMN: ids}
@@ -149,7 +153,8 @@ def token_dataset(documents, tokenizer: Any, cache_dir: Path, num_proc: int | No
     return documents.map(
         _Tokenize(tokenizer),
         batched=True,
-        batch_size=1000,
+        batch_size=BATCH_DOCUMENTS,
+        writer_batch_size=BATCH_DOCUMENTS,
         num_proc=workers,
         remove_columns=documents.column_names,
         features=Features({TOKEN_COLUMN: Sequence(Value("int32"))}),
