@@ -243,3 +243,48 @@ def test_existing_run_is_never_overwritten_and_resume_checks_settings(workspace)
         train(config(workspace, "guarded", seq_len=32), resume=True, progress=False)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         train(config(workspace, "fresh"), resume=True, progress=False)
+
+
+def test_a_stopped_rank_makes_the_other_fail_after_the_ddp_timeout(workspace):
+    """SIGSTOP on rank 1 of a 2-process run: rank 0 stops with a one-line error within
+    --ddp-timeout (5 s) plus slack, instead of waiting for the 30-minute default; no final/."""
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    output = workspace / "stopped-rank"
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(RECIPES / "cpu_2proc.yaml"),
+    ]
+    command += ["-m", "hf_posenc", "train", "--model", str(workspace / "base"), "--output-dir", str(output)]
+    command += ["--data", str(workspace / "data.txt"), "--seq-len", "32", "--batch-size", "2"]
+    command += ["--max-steps", "100000", "--log-every", "1", "--ddp-timeout", "5"]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in launcher.stdout:  # wait until both ranks train
+            if '"step": 3' in line:
+                break
+        ranks = {}
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                ranks[child.environ().get("RANK")] = child
+            except psutil.Error:
+                continue
+        ranks["1"].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        waited = time.monotonic() - stopped
+    finally:
+        for child in psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []:
+            child.kill()
+        launcher.kill()
+    assert launcher.returncode != 0
+    assert "did not answer within --ddp-timeout 5 s" in err, err[-3000:]
+    assert waited < 60
+    assert not (output / "final").exists()

@@ -28,6 +28,7 @@ from .checkpoints import intact_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig
 from .corpus import training_blocks
 from .guards import (
+    TrainingError,
     check_finite_loss,
     check_finite_weights,
     check_output_dir,
@@ -283,6 +284,14 @@ def train(
                     save(step + 1)
                 for callback in callbacks:
                     callback(step + 1, logs)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            raise
+        raise TrainingError(
+            f"another process did not answer within --ddp-timeout {config.ddp_timeout} s (stuck or dead); "
+            f"stopped at step {len(losses)}, the last checkpoint is the resume point "
+            f"({str(error).splitlines()[0][-120:]})"
+        ) from error
     finally:
         bar.close()  # an error message starts on its own line
 
