@@ -34,6 +34,8 @@ DEFAULT_MARKERS = "not is_tensor_parallel_test and not is_fsdp_test"
 #: label suffix of runs with HF_POSENC_ON_PATCH_ERROR=skip (models the engine refuses stay unpatched)
 LENIENT = "+lenient"
 FRAME = re.compile(r"^(?P<path>\S+?\.py):(?P<line>\d+): in (?P<func>\S+)")
+#: frames quoted inside a message (torch.compile's user stack): 'File "x.py", line N, in f'
+QUOTED_FRAME = re.compile(r'^(?:E\s+)?File "(?P<path>[^"]+?\.py)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
 def test_file(checkout: Path, family: str) -> Path:
@@ -180,7 +182,7 @@ def posenc_frame(text: str) -> str:
     there is none, '(no hf_posenc frame) <innermost frame>'."""
     found = innermost = ""
     for line in text.splitlines():
-        m = FRAME.match(line.strip())
+        m = FRAME.match(line.strip()) or QUOTED_FRAME.match(line.strip())
         if not m or "tests/external" in m["path"]:
             continue
         where = f"{short_path(m['path'])}:{m['line']} in {m['func']}"
@@ -195,7 +197,7 @@ def excerpt(text: str, width: int = 12) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     start = None
     for i, line in enumerate(lines):
-        m = FRAME.match(line.strip())
+        m = FRAME.match(line.strip()) or QUOTED_FRAME.match(line.strip())
         if m and "hf_posenc" in m["path"] and "tests/external" not in m["path"]:
             start = i
     if start is None:
