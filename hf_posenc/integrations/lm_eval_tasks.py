@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -179,16 +178,6 @@ def _data_file(folder: Path, split: str) -> Path | None:
         if (folder / f"{split}{suffix}").is_file():
             return folder / f"{split}{suffix}"
     return None
-
-
-def count_rows(path: Path) -> int:
-    """Rows in a JSON-lines file, or in a JSON file holding an array."""
-    with path.open(encoding="utf-8") as handle:
-        if path.suffix == ".json" and handle.read(1) == "[":
-            handle.seek(0)
-            return len(json.load(handle))
-        handle.seek(0)
-        return sum(1 for line in handle if line.strip())
 
 
 def _local_run(name: str, include: Path, shots: int, folder: Path) -> TaskRun:
