@@ -143,3 +143,23 @@ def test_the_command_line_imports_no_heavy_module_of_its_own():
         "hf_posenc.benchmark.suite",
     )
     assert not [m for m in added if m.startswith(heavy)], added
+
+
+@pytest.mark.parametrize(
+    ("model_args", "message"),
+    [
+        ("pretrained=./my-llama", "'./my-llama' does not exist"),
+        ("pretrained={root}/no-tokenizer", "has no tokenizer"),
+        ("pretrained={root}/model,encoding=alibbi", "Did you mean 'alibi'"),
+    ],
+)
+def test_lm_eval_passthrough_checks_the_model_before_lm_eval_starts(
+    model_dir, model_args, message, capsys, monkeypatch
+):
+    import hf_posenc.cli.lm_eval as command
+
+    monkeypatch.setattr(command, "run_lm_eval_cli", lambda argv: pytest.fail("lm-eval started"))
+    argv = ["lm-eval", "--model", "hf-posenc", "--model_args", model_args.format(root=model_dir)]
+    assert main([*argv, "--tasks", "arc_easy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err

@@ -130,6 +130,55 @@ def _with_default_model(argv: Sequence[str]) -> list[str]:
     return [*prefix, "--model", "hf-posenc", *body]
 
 
+def _option_values(argv: Sequence[str], names: tuple[str, ...]) -> list[str]:
+    """The values given to any of ``names`` (``--name VALUE ...`` or ``--name=VALUE``)."""
+    values: list[str] = []
+    for index, token in enumerate(argv):
+        for name in names:
+            if token.startswith(name + "="):
+                values.append(token[len(name) + 1 :])
+            elif token == name:
+                following = []
+                for item in argv[index + 1 :]:
+                    if item.startswith("-"):
+                        break
+                    following.append(item)
+                values.append(",".join(following))
+    return values
+
+
+def check_passthrough_model(argv: Sequence[str]) -> None:
+    """Before lm-eval imports and indexes its tasks (tens of seconds): the hf-posenc model's
+    checkpoint folder, tokenizer and encoding name (the parameters are checked when it loads)."""
+    argv = _with_default_model(argv)
+    models = _option_values(argv, ("--model", "-M"))
+    if not models or models[-1] != "hf-posenc":
+        return
+    from ..preflight import check_model_path
+
+    for text in _option_values(argv, ("--model_args", "-a")):
+        if text.lstrip().startswith("{"):
+            try:
+                args = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise BenchmarkError(f"--model_args {text!r} is not valid JSON ({error})") from None
+        else:
+            args = dict(item.partition("=")[::2] for item in text.split(",") if item)
+        pretrained = str(args.get("pretrained") or "")
+        if not pretrained:
+            raise BenchmarkError(
+                f"--model_args {text!r} has no pretrained=DIR (a checkpoint folder or hub id)"
+            )
+        saved = check_model_path(
+            os.path.expanduser(pretrained), what="pretrained", need_tokenizer="tokenizer" not in args
+        )
+        encoding = args.get("encoding")
+        if encoding and not (saved or {}).get("posenc"):
+            from ..registry import canonical_name
+
+            canonical_name(str(encoding))
+
+
 def run_lm_eval_cli(argv: Sequence[str]) -> int:
     """lm-eval's own command line on ``argv`` (model default ``hf-posenc``), with the model registered."""
     from lm_eval.__main__ import cli_evaluate
@@ -305,6 +354,7 @@ def command_lm_eval(args: argparse.Namespace) -> int:
         _recipe_parser(lm_eval_options=True).print_help()
         return 0 if argv else 2
     if not any(getattr(first, flag) for flag in RECIPE_FLAGS):
+        check_passthrough_model(argv)
         return run_lm_eval_cli(argv)
     opts, rest = _recipe_parser(lm_eval_options=True).parse_known_args(argv)
     if rest:
