@@ -22,6 +22,11 @@ def model_card(config: TrainConfig, losses: list[tuple[int, float]], record: dic
     encoding = f"`{config.encoding}` ({params})" if config.encoding else "the base model's own (unchanged)"
     first, last = (losses[0][1], losses[-1][1]) if losses else (float("nan"), float("nan"))
     tokens = config.max_steps * config.grad_accum * record["global_batch"] * config.seq_len
+    summary = (
+        f"Continued pretraining of `{config.model}` after switching its positional encoding to {encoding}"
+        if config.encoding
+        else f"Continued pretraining of `{config.model}` with its own positional encoding"
+    )
     versions = ", ".join(f"{k} {v}" for k, v in record["provenance"]["versions"].items())
     return f"""---
 library_name: transformers
@@ -31,8 +36,7 @@ base_model: {config.model}
 
 # {config.model} with the {config.encoding or "native"} positional encoding
 
-Continued pretraining of `{config.model}` after switching its positional encoding to {encoding},
-made with `hf-posenc train` (hf_posenc).
+{summary}, made with `hf-posenc train` (hf_posenc).
 
 | | |
 |---|---|
