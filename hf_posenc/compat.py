@@ -70,6 +70,23 @@ class AcceptGenerateKeyword:
         return type(self.model)._validate_model_kwargs(self.model, model_kwargs)
 
 
+class NoAutoCompile:
+    """``generate()`` decodes without its automatic compilation (static caches on CUDA).
+
+    transformers compiles the decoding step with CUDA graphs; an encoding that keeps decoding
+    state beside the KV cache (FoX) would read, at step t+1, tensors that the graph's next
+    replay overwrote, and the block-bias attention path (alibi, t5, fire, ...) failed the same
+    way on an H100. Instance override of ``GenerationMixin._valid_auto_compile_criteria``."""
+
+    @classmethod
+    def install(cls, model: Any):
+        model._valid_auto_compile_criteria = cls()
+        return RemoveInstanceAttribute(model, "_valid_auto_compile_criteria")
+
+    def __call__(self, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
+        return False
+
+
 class RemoveInstanceAttribute:
     def __init__(self, owner: Any, name: str) -> None:
         self.owner, self.name = owner, name

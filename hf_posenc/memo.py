@@ -30,6 +30,11 @@ class ForwardMemo:
             self.carry = {}
 
     def get(self, key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # inside torch.compile the graph shares repeated work itself; a Python-side cache would
+            # be a data-dependent branch (fullgraph) and would keep CUDA-graph outputs alive across
+            # replays (transformers' compiled generation), which the next replay overwrites
+            return compute()
         value = self._values.get(key)
         if value is None:
             value = compute()
@@ -38,6 +43,8 @@ class ForwardMemo:
 
     def holds(self, value: object) -> bool:
         """Whether ``value`` itself is one of this forward's memoised values (so it is shared and alive)."""
+        if torch.compiler.is_compiling():
+            return False
         return any(stored is value for stored in self._values.values())
 
     def release(self) -> None:

@@ -24,6 +24,7 @@ from .attention.forward import PatchedAttentionForward
 from .compat import (
     ATTN_IMPLEMENTATION,
     AcceptGenerateKeyword,
+    NoAutoCompile,
     get_attn_implementation,
     register_attention_implementation,
     set_attn_implementation,
@@ -270,6 +271,10 @@ def apply_patch(
         undo.extend(adapter.neutralize_native_positions(target))
         for layer_idx, attention in enumerate(adapter.attention_modules(target)):
             undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))
+        if (cls.stateful or cls.has_block_bias()) and hasattr(type(target), "_valid_auto_compile_criteria"):
+            # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
+            # failing under transformers' compiled decoding on an H100): generate() stays eager
+            undo.append(NoAutoCompile.install(target))
         if cls.takes_coordinates and hasattr(type(target), "_validate_model_kwargs"):
             undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
         register_attention_implementation()

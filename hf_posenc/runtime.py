@@ -163,6 +163,11 @@ class PatchRuntime:
         (biases, cos/sin, folded masks) instead of holding them until the next forward."""
         self.memo.release()
         self.pending_embedding = None
+        if torch.compiler.is_compiling():
+            # a compiled forward's tensors may be CUDA-graph outputs that the next replay
+            # overwrites; kept on the runtime, dynamo's guards would read them on the next call
+            self.context = None
+            self.memo.clear()
 
     def hook_embedding(self, embedding: nn.Module):
         """Install :meth:`add_embedding` on the token-embedding module; return the undo."""

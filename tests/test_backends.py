@@ -304,16 +304,22 @@ def test_auto_uses_the_chunked_core_on_cpu_and_sdpa_does_not(monkeypatch):
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_auto_backend_equals_eager(case, dtype):
-    """On a GPU: flash-attn ALiBi / compiled FlexAttention / chunked equal eager (bf16: 1e-2)."""
+    """On a GPU: flash-attn ALiBi / compiled FlexAttention / chunked equal eager. fp32: within 1e-4
+    (GPU kernels accumulate in another order than the eager matmul + softmax; measured up to 3.7e-5
+    on an H100). bf16: the fused path is no further from the fp32 eager reference than the eager
+    path in bf16 is (twice its error plus bf16's resolution at these logits, 1/64)."""
     name, params = case
     models = _models("llama", name, params, ("eager", "auto"))
     ids = token_ids(2, 300).cuda()
     with torch.no_grad():
+        reference = models["eager"].cuda()(ids).logits.float()
         logits = [models[b].cuda().to(dtype)(ids).logits.float() for b in ("eager", "auto")]
-    tolerance = ATOL if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(
-        logits[1], logits[0], atol=tolerance, rtol=0 if dtype == torch.float32 else 1e-2
-    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits[1], reference, atol=1e-4, rtol=0)
+        return
+    eager_error = (logits[0] - reference).abs().max().item()
+    fused_error = (logits[1] - reference).abs().max().item()
+    assert fused_error <= 2 * eager_error + 1 / 64, (fused_error, eager_error)
 
 
 #: encodings with explicit scores (transform_scores / normalize), each row-local

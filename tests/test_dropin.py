@@ -496,3 +496,52 @@ def test_meta_device_build_then_init_weights_gives_the_designed_init(name):
             continue
         assert torch.allclose(got[key], value), key
     assert bool(logits(model, token_ids(1, 8)).isfinite().all())
+
+
+# -- CUDA: offloaded caches, compiled static-cache generation -------------------------------------
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+@CUDA
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_cuda_offloaded_and_compiled_static_cache_generation_equal_default(name):
+    """The fast serving path: an offloaded cache, and a static cache with transformers' compiled
+    decoding step, give the default cache's greedy output."""
+    from transformers import CompileConfig
+
+    model = patch(make_model("llama"), name).cuda()
+    ids = token_ids(2, 6).cuda()
+    expected = _generate(model, ids)
+    assert torch.equal(_generate(model, ids, cache_implementation="offloaded"), expected)
+    torch._dynamo.reset()
+    compiled = _generate(
+        model,
+        ids,
+        cache_implementation="static",
+        compile_config=CompileConfig(fullgraph=False, dynamic=False),
+    )
+    assert torch.equal(compiled, expected)
+
+
+#: seen on an H100 (torch 2.11): a fullgraph compile around the block-bias backends fails inside
+#: the nested FlexAttention call ("Attempted to call function marked as skipped"); strict, so a
+#: fix is noticed
+_NESTED_FLEX = pytest.mark.xfail(strict=True, reason="fullgraph compile around FlexAttention fails (H100)")
+
+
+@CUDA
+@pytest.mark.parametrize(
+    "name",
+    ["rope", "expe", pytest.param("alibi", marks=_NESTED_FLEX), pytest.param("t5", marks=_NESTED_FLEX)],
+)
+def test_cuda_compiled_fullgraph_forward_with_mask_equals_eager(name):
+    model = patch(make_model("llama"), name).cuda()
+    ids = token_ids(2, 40).cuda()
+    mask = torch.ones(2, 40, dtype=torch.long, device="cuda")
+    mask[0, :5] = 0
+    expected = logits(model, ids, attention_mask=mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(out, expected, atol=1e-4)

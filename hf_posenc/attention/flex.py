@@ -112,7 +112,10 @@ def attend_flex(
         block_mask = _block_mask(None, batch, q_len, k_len, q.device)
     else:
         build = functools.partial(_block_mask, mask, batch, q_len, k_len, q.device)
-        block_mask = memo_get(("flex_block_mask", id(mask), q_len, k_len), build) if memo_get else build()
+        if memo_get is None or torch.compiler.is_compiling():  # id() cannot be traced; no memo there
+            block_mask = build()
+        else:
+            block_mask = memo_get(("flex_block_mask", id(mask), q_len, k_len), build)
     compiled = q.device.type == "cuda"
     gqa = q.shape[1] != k.shape[1]
     try:
