@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..study import StudyConfig, load_study_config, run_study
 
 
+def _defaults() -> argparse.Namespace:
+    values = {}
+    for field in dataclasses.fields(StudyConfig):
+        if field.default is not dataclasses.MISSING:
+            values[field.name] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            values[field.name] = field.default_factory()
+    return argparse.Namespace(**values)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
-    defaults = StudyConfig()
+    defaults = _defaults()  # no StudyConfig(): validating its encodings would import the engine
     parser = commands.add_parser(
         "study",
         help="patch a base model with each encoding, continue pretraining, report loss vs length",
