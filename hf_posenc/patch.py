@@ -23,6 +23,7 @@ from .attention import BACKENDS
 from .attention.forward import PatchedAttentionForward
 from .compat import (
     ATTN_IMPLEMENTATION,
+    MASK_COMPATIBLE_IMPLEMENTATIONS,
     AcceptGenerateKeyword,
     NoAutoCompile,
     get_attn_implementation,
@@ -277,9 +278,15 @@ def apply_patch(
             undo.append(NoAutoCompile.install(target))
         if cls.takes_coordinates and hasattr(type(target), "_validate_model_kwargs"):
             undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
-        register_attention_implementation()
-        undo.append(RestoreAttnImplementation(target, get_attn_implementation(target.config)))
-        set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
+        # The patched forwards read sdpa's boolean and eager's additive masks alike, so the
+        # user's choice stays visible (config._attn_implementation, output_attentions rules);
+        # other implementations (flash-attention's unpadded masks) get hf_posenc's, which
+        # builds sdpa-style masks.
+        previous_impl = get_attn_implementation(target.config)
+        if previous_impl not in MASK_COMPATIBLE_IMPLEMENTATIONS:
+            register_attention_implementation()
+            undo.append(RestoreAttnImplementation(target, previous_impl))
+            set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
         setattr(
             target.config,
             CONFIG_KEY,

@@ -31,19 +31,21 @@ class ForwardContext:
     past_length: int = 0
 
 
-def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Map a call's positional and keyword arguments to parameter names (``**kwargs`` flattened)."""
-    bound = signature.bind_partial(*args, **kwargs)
-    out: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        param = signature.parameters[name]
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise TypeError(f"unexpected extra positional arguments: {len(value)}")
-        else:
-            out[name] = value
+def positional_names(signature: inspect.Signature) -> tuple[str, ...]:
+    """Names that positional arguments bind to, in order (computed once per forward signature)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in signature.parameters.values() if p.kind in kinds)
+
+
+def bind_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Map a call's positional and keyword arguments to parameter names.
+
+    By a precomputed name table rather than ``inspect.Signature.bind``, which torch.compile
+    cannot trace (fullgraph compiled generation passes through here)."""
+    if len(args) > len(names):
+        raise TypeError(f"unexpected extra positional arguments: {len(args) - len(names)}")
+    out = dict(zip(names, args, strict=False))
+    out.update(kwargs)
     return out
 
 

@@ -21,7 +21,7 @@ from .encodings.base import STAGES, Encoding
 from .errors import InvalidParameterError, UnsupportedModelError
 from .memo import ForwardMemo
 from .models.base import FamilyAdapter
-from .positions import ForwardContext, bind_arguments, compute_context, select_coordinates
+from .positions import ForwardContext, bind_arguments, compute_context, positional_names, select_coordinates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +67,11 @@ class PatchRuntime:
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
         self.pending_embedding: torch.Tensor | None = None
-        self._base_signature: inspect.Signature | None = None
+        self._base_names: tuple[str, ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("memo", "context", "_base_signature", "pending_embedding"):
+        for key in ("memo", "context", "_base_names", "pending_embedding"):
             state.pop(key, None)
         return state
 
@@ -80,11 +80,11 @@ class PatchRuntime:
         self._transient()
 
     @property
-    def base_signature(self) -> inspect.Signature:
-        if self._base_signature is None:
-            params = list(inspect.signature(self.base_class.forward).parameters.values())[1:]
-            self._base_signature = inspect.Signature(params)
-        return self._base_signature
+    def base_names(self) -> tuple[str, ...]:
+        """Positional parameter names of the decoder stack's forward (``self`` dropped)."""
+        if self._base_names is None:
+            self._base_names = positional_names(inspect.signature(self.base_class.forward))[1:]
+        return self._base_names
 
     def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
@@ -102,7 +102,7 @@ class PatchRuntime:
                 "checkpointing cannot differentiate; enable it with "
                 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
             )
-        call = bind_arguments(self.base_signature, args, kwargs)
+        call = bind_arguments(self.base_names, args, kwargs)
         input_ids = call.get("input_ids")
         inputs_embeds = call.get("inputs_embeds")
         if input_ids is not None:

@@ -545,3 +545,30 @@ def test_cuda_compiled_fullgraph_forward_with_mask_equals_eager(name):
     with torch.no_grad():
         out = compiled(input_ids=ids, attention_mask=mask).logits
     assert torch.allclose(out, expected, atol=1e-4)
+
+
+def test_patching_keeps_the_users_attention_implementation():
+    """``config._attn_implementation`` stays what the user chose (sdpa or eager): transformers'
+    own rules for it (``output_attentions`` on an eager config) keep applying."""
+    model = make_model("llama")
+    model.set_attn_implementation("eager")
+    hf_posenc.patch_model(model, "alibi")
+    assert model.config._attn_implementation == "eager"
+    model.config.output_attentions = True  # allowed on an eager config, as natively
+    with torch.no_grad():
+        out = model(token_ids(1, 7))
+    assert len(out.attentions) == model.config.num_hidden_layers
+
+
+def test_output_attentions_over_a_static_cache_span_the_whole_cache():
+    """As natively, attention maps over a pre-allocated cache have its full length (unused slots 0)."""
+    from transformers import StaticCache
+
+    model = patch(make_model("llama"), "alibi")
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    with torch.no_grad():
+        out = model(token_ids(1, 7), past_key_values=cache, output_attentions=True, use_cache=True)
+    weights = out.attentions[0]
+    assert weights.shape[-1] == 12
+    assert torch.all(weights[..., 7:] == 0)
+    assert torch.allclose(weights.sum(-1), torch.ones_like(weights.sum(-1)), atol=1e-5)

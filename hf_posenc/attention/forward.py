@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ..compat import attention_weights_requested
 from ..encodings.base import ScoreContext
 from ..errors import InvalidParameterError
-from ..positions import bind_arguments
+from ..positions import bind_arguments, positional_names
 from . import chunked
 from .blocks import BLOCK_BACKENDS, attend_blocks
 from .core import attend, fold_mask
@@ -36,10 +36,8 @@ class PatchedAttentionForward:
         self.module = module
         self.layer_idx = layer_idx
         self.runtime = runtime
-        self.signature = inspect.signature(type(module).forward)
-        # drop ``self`` so calls bind as they arrive at the bound method
-        params = list(self.signature.parameters.values())[1:]
-        self.signature = self.signature.replace(parameters=params)
+        # positional parameter names without ``self``: calls bind as they arrive at the bound method
+        self.names = positional_names(inspect.signature(type(module).forward))[1:]
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         # Llama/Mistral layers call with keywords only, GPT-2 passes hidden_states first
@@ -47,7 +45,7 @@ class PatchedAttentionForward:
             return kwargs
         if len(args) == 1 and "hidden_states" not in kwargs:
             return {"hidden_states": args[0], **kwargs}
-        return bind_arguments(self.signature, args, kwargs)
+        return bind_arguments(self.names, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         call = self._arguments(args, kwargs)
@@ -72,10 +70,11 @@ class PatchedAttentionForward:
         mask = boolean_mask(mask)  # (B|1, 1, Tq, Tk) bool or None
         if cache is not None:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
+            allocated = k.shape[-2]
             if getattr(cache, "is_compileable", False):
                 # a static cache returns its whole pre-allocated buffer, filled from the start: keep
                 # the keys written so far, so queries sit bottom-right as with a dynamic cache
-                valid = min(context.past_length + q.shape[-2], k.shape[-2])
+                valid = min(context.past_length + q.shape[-2], allocated)
                 k, v = k[:, :, :valid], v[:, :, :valid]
                 mask = None if mask is None else mask[..., :valid]
 
@@ -112,6 +111,9 @@ class PatchedAttentionForward:
             out, weights = self._attend_row_blocks(score, context, q, k, v, mask), None
         else:
             out, weights = self._attend_full(score, context, q, k, v, mask, plain)
+        if weights is not None and cache is not None and weights.shape[-1] < allocated:
+            # output_attentions over a static cache: native maps span the whole buffer (unused slots 0)
+            weights = torch.nn.functional.pad(weights, (0, allocated - weights.shape[-1]))
         out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
         if stages.adjust_output:
             out = encoding.adjust_output(layer, hidden, out, state, memo)

@@ -136,7 +136,7 @@ def native_rope_scaling(config: Any) -> dict[str, Any] | None:
     for key in keys:
         if params.get(key) is not None:
             out[key] = params[key]
-    if "original_max_position_embeddings" in keys and "original_max_position_embeddings" not in out:
+    if kind in ("dynamic", "yarn", "llama3") and "original_max_position_embeddings" not in out:
         out["original_max_position_embeddings"] = config.max_position_embeddings
     return out
 

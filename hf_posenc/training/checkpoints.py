@@ -67,8 +67,10 @@ def verify(checkpoint: Path) -> str | None:
     if not isinstance(state, dict) or not {"step", "losses", "config"} <= set(state):
         return f"{checkpoint / STATE_FILE} is not a trainer state (no step/losses/config)"
     recorded = state.get("files")
+    if recorded is None:  # written before checkpoints recorded checksums: cannot be verified
+        return None
     if not isinstance(recorded, dict) or not recorded:
-        return f"{checkpoint / STATE_FILE} records no checksums (written by an older hf_posenc?)"
+        return f"{checkpoint / STATE_FILE} records no files"
     for name, expected in recorded.items():
         path = checkpoint / name
         if not path.is_file():
@@ -85,6 +87,8 @@ def intact_checkpoint(output_dir: Path, warn: Callable[[str], None] = print) -> 
     for checkpoint in reversed(checkpoint_dirs(output_dir)):
         problem = verify(checkpoint)
         if problem is None:
+            if "files" not in read_state(checkpoint):
+                warn(f"[train] {checkpoint} records no checksums (an older hf_posenc): resuming unverified")
             return checkpoint
         warn(f"[train] skipping damaged checkpoint {checkpoint}: {problem}")
     return None
