@@ -100,8 +100,9 @@ class InitWeights:
 
     def __call__(self, module: nn.Module) -> None:
         if module is self.encoding:  # visited after its submodules
-            self.encoding.reset_parameters()
-            if self.initialise:
+            # tensors loaded from a checkpoint (from_pretrained marks them) keep their values
+            reset = self.encoding.reset_parameters(keep_loaded=True)
+            if self.initialise and reset:
                 self.encoding.initialise_from_model(self.model, self.adapter)
             return
         if any(module is m for m in self.encoding.modules()):

@@ -572,3 +572,17 @@ def test_output_attentions_over_a_static_cache_span_the_whole_cache():
     assert weights.shape[-1] == 12
     assert torch.all(weights[..., 7:] == 0)
     assert torch.allclose(weights.sum(-1), torch.ones_like(weights.sum(-1)), atol=1e-5)
+
+
+def test_init_weights_keeps_tensors_loaded_from_a_checkpoint():
+    """transformers marks tensors it loaded (``_is_hf_initialized``) and initialises the rest; the
+    encoding's loaded tensors keep their values, the others get the designed init."""
+    model = patch(make_model("llama"), "t5", {"shared_across_layers": False})  # random tables, not zero
+    loaded = model.posenc.tables[0].weight
+    before = loaded.detach().clone()
+    loaded._is_hf_initialized = True
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
+    assert torch.equal(model.posenc.tables[0].weight, before)
+    assert torch.all(model.posenc.tables[1].weight == 0)  # not loaded: t5's zero init

@@ -126,15 +126,23 @@ class Encoding(nn.Module):
         """Run once when patching a model (not when reloading one): e.g. copy a native table."""
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Give every tensor its designed initial value (what ``__init__`` sets): used by
-        transformers' ``init_weights()``, e.g. after building on the meta device and ``to_empty()``."""
+    def reset_parameters(self, keep_loaded: bool = False) -> list[str]:
+        """Give tensors their designed initial value (what ``__init__`` sets): used by
+        transformers' ``init_weights()``, e.g. after building on the meta device and ``to_empty()``.
+
+        ``keep_loaded``: leave tensors that transformers marked as loaded from a checkpoint
+        (``_is_hf_initialized``) as they are. Returns the names of the tensors reset."""
         with torch.device("cpu"):
             fresh = type(self)(self.config, self.geometry)
         expected = dict(fresh.named_parameters())
         expected.update(fresh.named_buffers())
+        reset = []
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if keep_loaded and getattr(tensor, "_is_hf_initialized", False):
+                continue
             tensor.copy_(expected[name])
+            reset.append(name)
+        return reset
 
     # -- which stages are implemented -----------------------------------------------
     @classmethod
