@@ -80,6 +80,17 @@ def case(request):
     return request.param
 
 
+#: encodings covering every stage kind for the drop-in checks: rotary, score bias, learned bias,
+#: layer input, MLP bias, stateful score bias, layer stream
+DROPIN_ENCODINGS = ("rope", "alibi", "t5", "expe", "fire", "fox", "tape")
+
+
+def no_grad_logits(model, ids, **kwargs) -> torch.Tensor:
+    """The model's logits for ``ids`` without recording gradients."""
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
 def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
