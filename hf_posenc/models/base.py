@@ -99,45 +99,28 @@ class RestoreAttribute:
             self.owner.__dict__.pop(self.name, None)
 
 
-#: transformers' ``rope_parameters`` keys for each scaling type, as hf_posenc's ``scaling`` keys
-_ROPE_SCALING_KEYS = {
-    "linear": ("factor",),
-    "dynamic": ("factor", "original_max_position_embeddings"),
-    "yarn": (
-        "factor",
-        "original_max_position_embeddings",
-        "beta_fast",
-        "beta_slow",
-        "attention_factor",
-        "truncate",
-    ),
-    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-}
+#: keys of transformers' ``rope_parameters`` that are not part of the scaling itself
+_ROPE_BASE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
 def native_rope_scaling(config: Any) -> dict[str, Any] | None:
     """The checkpoint's own RoPE scaling (transformers 5 ``config.rope_parameters``) as a
-    ``{"type": ..., ...}`` dict in hf_posenc's form, or None when unscaled. Types hf_posenc
-    does not implement are returned as they are (``{"type": "longrope", ...}``) so that the
-    rope encoding refuses them by name."""
+    ``{"type": ..., ...}`` dict, or None when unscaled. Every key is passed on (the rope
+    encoding validates them, so a type or key it does not implement, e.g. ``longrope``, is
+    refused by name rather than dropped); the original length follows transformers: dynamic
+    NTK grows from ``max_position_embeddings``, yarn and llama3 default to it."""
     params = getattr(config, "rope_parameters", None) or {}
     legacy = getattr(config, "rope_scaling", None) if not params else None
     params = dict(params or legacy or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return None
-    keys = _ROPE_SCALING_KEYS.get(kind)
-    if keys is None:
-        return {
-            "type": kind,
-            **{k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")},
-        }
     out: dict[str, Any] = {"type": kind}
-    for key in keys:
-        if params.get(key) is not None:
-            out[key] = params[key]
-    if kind in ("dynamic", "yarn", "llama3") and "original_max_position_embeddings" not in out:
+    out.update({k: v for k, v in params.items() if k not in _ROPE_BASE_KEYS and v is not None})
+    if kind == "dynamic":
         out["original_max_position_embeddings"] = config.max_position_embeddings
+    elif kind in ("yarn", "llama3"):
+        out.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     return out
 
 
