@@ -4,6 +4,7 @@ import hf_posenc
 hf_posenc.patch_model(model, "alibi")        # in place; returns the model
 hf_posenc.unpatch_model(model)               # exact restore
 with hf_posenc.patched(model, "t5"): ...     # temporary
+hf_posenc.reconfigure(model, scaling={"type": "linear", "factor": 2.0})  # in place, tensors kept
 hf_posenc.list_encodings()                   # names, aliases, parameters
 model = hf_posenc.from_pretrained(directory) # reload a saved patched model
 """
@@ -44,6 +45,7 @@ from .errors import (  # noqa: E402
 )
 from .loading import from_pretrained, load_model  # noqa: E402
 from .patch import patch_info, patch_model, patched, unpatch_model  # noqa: E402
+from .reconfigure import reconfigure  # noqa: E402
 from .registry import EncodingInfo, list_encodings, supported_families  # noqa: E402
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "unpatch_model",
     "patched",
     "patch_info",
+    "reconfigure",
     "from_pretrained",
     "load_model",
     "list_encodings",

@@ -10,14 +10,17 @@ reports the ``posenc.*`` keys as unexpected, so the patch is never dropped silen
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
+from .errors import InvalidParameterError
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, check_format_version, patch_model
-from .registry import canonical_name
+from .reconfigure import reconfigure
+from .registry import canonical_name, get_encoding
 
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
@@ -58,11 +61,35 @@ def _read_torch(file: str, prefix: str) -> dict[str, torch.Tensor]:
     return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
 
 
-def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:
+def check_overrides(
+    saved: Mapping[str, Any], overrides: Mapping[str, Any] | None, *, where: str = ""
+) -> None:
+    """Validate ``overrides`` of a saved ``config.posenc`` (names and values) without a model: the
+    checks :func:`hf_posenc.reconfigure` makes against the learned tensors come after loading."""
+    if not overrides:
+        return
+    if not isinstance(overrides, Mapping):
+        raise InvalidParameterError(
+            f"encoding_overrides={overrides!r} is not allowed; allowed: a dict of encoding parameters"
+        )
+    try:
+        cls = get_encoding(str(saved.get("encoding")))
+        cls.config_class.from_params({**dict(saved.get("params") or {}), **dict(overrides)})
+    except InvalidParameterError as error:
+        prefix = f"{where}: " if where else ""
+        raise InvalidParameterError(f"{prefix}overriding the saved encoding parameters: {error}") from None
+
+
+def from_pretrained(
+    path: str, *model_args: Any, encoding_overrides: Mapping[str, Any] | None = None, **kwargs: Any
+) -> nn.Module:
     """Load a causal LM saved from a patched model and re-apply its encoding.
 
-    ``kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``,
-    ``revision``, ...). Raises ``ValueError`` if the checkpoint carries no ``posenc`` entry.
+    ``encoding_overrides`` changes inference-time encoding parameters after loading, as
+    :func:`hf_posenc.reconfigure` does (e.g. ``{"scaling": {"type": "linear", "factor": 2.0}}``);
+    the learned tensors are the checkpoint's. ``kwargs`` go to
+    ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``, ``revision``, ...).
+    Raises ``ValueError`` if the checkpoint carries no ``posenc`` entry.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -75,6 +102,8 @@ def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:
             f"{path!r} was not saved from a model patched by hf_posenc (its config has no 'posenc' entry); "
             "load it with transformers and call hf_posenc.patch_model(model, name)"
         )
+    check_format_version(posenc.get("format_version"))
+    check_overrides(posenc, encoding_overrides, where=repr(path))
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with ignore_unexpected_keys(model_class, rf"^{MODULE_NAME}\."):
         model = AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
@@ -95,6 +124,8 @@ def from_pretrained(path: str, *model_args: Any, **kwargs: Any) -> nn.Module:
             "the checkpoint is incomplete"
         )
     encoding.load_state_dict(state, strict=True)
+    if encoding_overrides:
+        reconfigure(model, **encoding_overrides)
     return model
 
 
@@ -102,7 +133,9 @@ def load_model(
     path: str, encoding: str | None = None, encoding_params: dict[str, Any] | None = None, **kwargs: Any
 ) -> nn.Module:
     """Load any causal LM for the recipes: a saved patched model is re-patched from its
-    ``config.posenc``; otherwise ``encoding`` (if given) is applied to the loaded model.
+    ``config.posenc`` and ``encoding_params`` override its saved parameters (inference-time
+    ones, as :func:`hf_posenc.reconfigure`: e.g. a position-interpolation ``scaling``);
+    otherwise ``encoding`` (if given) is applied to the loaded model with ``encoding_params``.
 
     Asking for an encoding different from the one a checkpoint was saved with is an error.
     """
@@ -116,11 +149,7 @@ def load_model(
                 f"{path!r} was saved with encoding {saved.get('encoding')!r}; cannot load it as {encoding!r} "
                 "(load the original checkpoint to switch encodings)"
             )
-        if encoding_params:
-            raise ValueError(
-                f"{path!r} carries its own encoding parameters; got extra {sorted(encoding_params)}"
-            )
-        return from_pretrained(path, **kwargs)
+        return from_pretrained(path, encoding_overrides=encoding_params, **kwargs)
     if encoding is None and encoding_params:
         raise ValueError(f"encoding parameters {sorted(encoding_params)} were given without an encoding name")
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

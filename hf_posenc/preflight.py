@@ -69,7 +69,8 @@ def check_encoding(
     encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None = None, *, where: str = ""
 ) -> str | None:
     """Validate an encoding request (name and parameters) against the registry and, for a checkpoint
-    saved from a patched model, against the encoding it carries. Returns the canonical name."""
+    saved from a patched model, against the encoding it carries (``params`` then override its saved
+    parameters). Returns the canonical name."""
     from .registry import canonical_name, get_encoding
 
     prefix = f"{where}: " if where else ""
@@ -80,11 +81,10 @@ def check_encoding(
                 f"{prefix}the checkpoint was saved with encoding {saved.get('encoding')!r}; cannot use it as "
                 f"{encoding!r} (start from the original checkpoint to switch encodings, or drop --encoding)"
             )
-        if params:
-            raise InvalidParameterError(
-                f"{prefix}the checkpoint carries its own {saved.get('encoding')!r} parameters; got extra "
-                f"{sorted(params)}"
-            )
+        if params:  # overrides of inference-time parameters (hf_posenc.reconfigure checks the rest)
+            from .loading import check_overrides
+
+            check_overrides(saved, params, where=where)
         return saved.get("encoding")
     if encoding is None:
         if params:

@@ -56,12 +56,26 @@ class PatchRuntime:
         self.block_backend = (
             backend if backend in BLOCK_BACKENDS and type(encoding).has_block_bias() else None
         )
-        active = set(encoding.active_stages())
-        self.stages = Stages(**{s: s in active for s in STAGES})
+        self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
         self.base_class = type(base)
         self._transient()
+
+    def _stages(self) -> Stages:
+        active = set(self.encoding.active_stages())
+        return Stages(**{s: s in active for s in STAGES})
+
+    def refresh_stages(self) -> None:
+        """Re-read the encoding's active stages after its parameters changed (``reconfigure``:
+        RoPE switches between ``rotate`` and ``logits`` with dynamic scaling)."""
+        stages = self._stages()
+        if stages.embed != self.stages.embed:
+            raise InvalidParameterError(
+                f"{self.encoding.name}: this change switches the embed stage on or off, which reconfigure "
+                "cannot do in place; allowed: unpatch_model and patch_model again"
+            )
+        self.stages = stages
 
     def _transient(self) -> None:
         self.memo = ForwardMemo()

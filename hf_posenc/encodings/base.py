@@ -35,6 +35,9 @@ from ..models.base import ModelGeometry
 from .block_bias import BlockBias
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
+#: instance attribute holding values an encoding module keeps between forwards (not module state:
+#: pure functions of its config and tensors); ``reconfigure`` drops it, so no stale value survives
+CACHE_ATTRIBUTE = "_posenc_cache"
 STAGES = (
     "embed",
     "layer_input",
@@ -268,6 +271,17 @@ class Encoding(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.to_dict().items())
+
+
+def module_cache(module: nn.Module) -> dict[Any, Any]:
+    """The dict of values ``module`` keeps between forwards (see :data:`CACHE_ATTRIBUTE`)."""
+    return module.__dict__.setdefault(CACHE_ATTRIBUTE, {})
+
+
+def clear_module_caches(root: nn.Module) -> None:
+    """Drop what :func:`module_cache` holds on ``root`` and every submodule."""
+    for module in root.modules():
+        module.__dict__.pop(CACHE_ATTRIBUTE, None)
 
 
 def query_key_distance(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, query_key_distance
+from .base import BlockBias, Encoding, ScoreContext, module_cache, query_key_distance
 
 EPS = 1e-6  # the reference's guard on the normaliser
 
@@ -96,11 +96,12 @@ class FIREFunction(nn.Module):
                 (p.data_ptr(), p._version, p.dtype)
                 for p in (*self.hidden.parameters(), *self.out.parameters())
             )
-            cached = self.__dict__.get("_pieces")  # not module state: (key, pieces)
+            cache = module_cache(self)  # not module state: "pieces" -> (key, pieces)
+            cached = cache.get("pieces")
             if cached is not None and cached[0] == key:
                 return cached[1]
             pieces = self._linear_pieces()
-            self.__dict__["_pieces"] = (key, pieces)
+            cache["pieces"] = (key, pieces)
             return pieces
         return self._linear_pieces()
 

@@ -21,7 +21,7 @@ import torch
 
 from ..config import EncodingConfig, check_number, fail
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, query_key_distance
+from .base import BlockBias, Encoding, ScoreContext, module_cache, query_key_distance
 
 
 @dataclasses.dataclass
@@ -64,12 +64,13 @@ class Sandwich(Encoding):
     def _kernel(self, k_len: int, device: torch.device) -> torch.Tensor:
         """(Tk,) kernel of distances 0 .. Tk-1, kept between forwards (a pure function of the
         distance: decoding would otherwise recompute dim/2 cosines per cached key every step)."""
-        cache = self.__dict__.setdefault("_kernels", {})  # device -> (capacity,) fp32; not state
-        kernel = cache.get(device)
+        cache = module_cache(self)  # (device, dim) -> (capacity,) fp32; not state
+        key = ("kernel", device, self.config.dim)
+        kernel = cache.get(key)
         if kernel is None or kernel.shape[0] < k_len:
             capacity = max(1024, 1 << (k_len - 1).bit_length())  # doubling: O(log T) rebuilds
             kernel = sandwich_kernel(torch.arange(capacity, device=device), self.config.dim)
-            cache[device] = kernel
+            cache[key] = kernel
         return kernel[:k_len]
 
     def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
