@@ -44,7 +44,10 @@ def test_file(checkout: Path, family: str) -> Path:
 
 def run_one(args: argparse.Namespace, family: str, encoding: str) -> None:
     out = Path(args.out)
-    label = encoding + (LENIENT if args.on_patch_error == "skip" and encoding != "baseline" else "")
+    label = encoding
+    if encoding != "baseline":
+        label += LENIENT if args.on_patch_error == "skip" else ""
+        label += "+after" if args.from_pretrained == "after" else ""
     xml = out / "junit" / f"{family}__{label}.xml"
     log = out / "raw" / f"{family}__{label}.log"
     if xml.exists() and not args.force:
@@ -340,7 +343,12 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=int, default=600, help="per-test timeout in seconds (pytest-timeout)"
     )
     parser.add_argument("--jobs", type=int, default=1, help="pytest-xdist workers per run (default 1)")
-    parser.add_argument("--from-pretrained", choices=("construct", "after"), default=None)
+    parser.add_argument(
+        "--from-pretrained",
+        choices=("construct", "after"),
+        default=None,
+        help="HF_POSENC_FROM_PRETRAINED for the plugin; 'after' cells are labelled '<encoding>+after'",
+    )
     parser.add_argument(
         "--engine",
         default=None,
