@@ -60,6 +60,9 @@ def run_one(args: argparse.Namespace, family: str, encoding: str) -> None:
     if args.from_pretrained:
         env["HF_POSENC_FROM_PRETRAINED"] = args.from_pretrained
     env["HF_POSENC_ON_PATCH_ERROR"] = args.on_patch_error
+    if not args.online:
+        # tests that want a hub tokenizer or tiny model skip at once instead of after network timeouts
+        env["HF_HUB_OFFLINE"] = "1"
     # --engine: a folder holding an hf_posenc package (e.g. `git archive HEAD hf_posenc`), put
     # ahead of the installed one so every run of the matrix tests the same engine
     paths = (args.engine or "", str(HERE), env.get("PYTHONPATH", ""))
@@ -359,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("raise", "skip"),
         default="raise",
         help=f"skip: models the engine refuses stay unpatched (cells labelled '<encoding>{LENIENT}')",
+    )
+    parser.add_argument(
+        "--online",
+        action="store_true",
+        help="let tests reach the hub (default: HF_HUB_OFFLINE=1, hub-only tests skip at once)",
     )
     parser.add_argument("--force", action="store_true", help="rerun even when the xml exists")
     parser.add_argument("--summarize-only", action="store_true")
