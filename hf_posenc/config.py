@@ -23,6 +23,9 @@ class EncodingConfig:
     """Base class. Subclasses set ``encoding`` and declare their parameters as fields."""
 
     encoding: ClassVar[str] = ""
+    #: why this encoding refuses ``scaling`` (position interpolation), for encodings without a
+    #: ``scaling`` field whose positions are not numbers; see :mod:`hf_posenc.interpolation`
+    scaling_refusal: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +61,11 @@ class EncodingConfig:
         """Build from keyword parameters, rejecting unknown names with the allowed list."""
         allowed = cls.parameter_names()
         unknown = sorted(set(params) - set(allowed))
+        if "scaling" in unknown and cls.scaling_refusal:
+            raise InvalidParameterError(
+                f"{cls.encoding}: parameter scaling={params['scaling']!r} is not allowed: {cls.scaling_refusal}; "
+                "allowed: no scaling (position interpolation needs positions or distances that are numbers)"
+            )
         if unknown:
             shown = ", ".join(f"{k}={v!r}" for k, v in cls.parameter_defaults().items()) or "none"
             raise InvalidParameterError(

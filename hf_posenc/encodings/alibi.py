@@ -6,6 +6,10 @@ Head slopes m_h form the geometric sequence 2^(-8/H), 2^(-16/H), ..., 2^(-8) for
 of two. Otherwise the slopes of the closest smaller power of two are followed by every
 other slope of twice that count (the original ``get_slopes``, as BLOOM's
 ``build_alibi_tensor``). The bias has no parameters; with GQA it is per query head.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}`` (Al-Khateeb et al. 2023,
+"Position Interpolation Improves ALiBi Extrapolation", arXiv:2310.13017): the distance is
+divided by f, - m_h * (i - j) / f, i.e. every slope becomes m_h / f.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ import math
 import torch
 
 from ..config import EncodingConfig
+from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
 from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
-class ALiBiConfig(EncodingConfig):
+class ALiBiConfig(PositionInterpolation, EncodingConfig):
     encoding = "alibi"
+    scaling: dict | None = None
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -51,7 +57,9 @@ class ALiBi(Encoding):
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
 
         def build() -> torch.Tensor:
-            distance = query_key_distance(q_len, k_len, device).float()  # (Tq, Tk)
+            distance = interpolate(
+                query_key_distance(q_len, k_len, device), self.config.factor
+            ).float()  # (Tq, Tk)
             slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
             return -slopes[:, None, None] * distance  # (Hq, Tq, Tk)
 
@@ -63,6 +71,9 @@ class ALiBi(Encoding):
         def build() -> BlockBias:
             slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
             distance = torch.arange(k_len, device=device, dtype=torch.float32)  # (Tk,) d = 0 .. Tk-1
-            return BlockBias(q_len, k_len, by_distance=-slopes[:, None] * distance, slopes=slopes)
+            distance = interpolate(distance, self.config.factor).float()  # d / f
+            # -m * (d / f) = -(m / f) * d: flash-attn's alibi_slopes kernel gets the interpolated slopes
+            slopes_for_kernel = slopes / self.config.factor
+            return BlockBias(q_len, k_len, by_distance=-slopes[:, None] * distance, slopes=slopes_for_kernel)
 
         return ctx.memo.get(("alibi_blocks", q_len, k_len, device), build)

@@ -43,6 +43,7 @@ def available_bases() -> list[str]:
 @dataclasses.dataclass
 class CAPEConfig(EncodingConfig):
     encoding = "cape"
+    scaling_refusal = "cape's positions are those of its base bias; pass the scaling to the base: base_params={'scaling': {'type': 'linear', 'factor': F}}"
     base: str = "alibi"
     hidden: int = 32
     base_params: dict[str, Any] | None = None

@@ -26,6 +26,9 @@ p = j + c m, turning at omega_p = theta^(-2 floor(p/N) / (d_rot/N)), and ld star
 c = the ap one-hot. A patched pretrained Llama therefore starts exactly at its own function
 (N = 1, the default). Text uses its token positions on axis 0; N-D coordinates are passed as
 ``position_coordinates`` exactly as for rope2d.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: coordinates divided by f,
+R(x / f) = exp(sum_a x_a / f A_a).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import nn
 
 from ..config import EncodingConfig, check_choice, check_number
 from ..errors import InvalidParameterError
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
@@ -48,7 +52,7 @@ EXP_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclasses.dataclass
-class ComRoPEConfig(EncodingConfig):
+class ComRoPEConfig(PositionInterpolation, EncodingConfig):
     encoding = "comrope"
     variant: str = "ap"
     block_size: int = 4
@@ -56,6 +60,7 @@ class ComRoPEConfig(EncodingConfig):
     theta: float | None = None  # initial frequencies; default: the model's rope_theta
     partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
     matrix_exp_dtype: str = "float32"
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_choice(self.encoding, "variant", self.variant, VARIANTS)
@@ -140,6 +145,7 @@ class ComRoPE(Encoding):
 
         def distinct():
             coords = token_coordinates(self.name, coordinates, q_positions, cfg.axes)  # (B, T, N)
+            coords = interpolate(coords, cfg.factor).float()  # x / f
             unique, inverse = torch.unique(coords.reshape(-1, cfg.axes), dim=0, return_inverse=True)
             return unique, inverse  # (U, N), (B*T,)
 

@@ -34,6 +34,7 @@ from .base import Encoding, ScoreContext
 @dataclasses.dataclass
 class CoPEConfig(EncodingConfig):
     encoding = "cope"
+    scaling_refusal = "cope's positions are contextual, sums of learned sigmoid gates over the keys, not token positions or distances"
     npos_max: int = 64
     shared_across_layers: bool = False
 

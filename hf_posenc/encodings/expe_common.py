@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
+from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_choice, check_keys, check_number, fail
+from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
+from ..interpolation import PositionInterpolation
+from .base import module_cache
+from .expe_precision import first_collision
 
 #: codes up to this magnitude keep q.k of two overridden inputs (about code^2 * l * |W|^2)
 #: far inside fp32's range (3.4e38) for any realistic l and projection weights
@@ -18,7 +23,7 @@ CODE_HORIZON = 16
 
 
 @dataclasses.dataclass
-class ExactPositionConfig(EncodingConfig):
+class ExactPositionConfig(PositionInterpolation, EncodingConfig):
     l: int | None = None  # noqa: E741 - the paper's name; default hidden_size / 8
     S: float = 0.0  # noqa: N815 - the paper's name
     override_value: bool = False
@@ -29,14 +34,6 @@ class ExactPositionConfig(EncodingConfig):
             check_number(self.encoding, "l", self.l, low=1, integer=True)
         check_number(self.encoding, "S", self.S)
         check_bool(self.encoding, "override_value", self.override_value)
-        if self.scaling is not None:
-            if not isinstance(self.scaling, dict):
-                raise fail(self.encoding, "scaling", self.scaling, "None or {'type': 'linear', 'factor': F}")
-            check_choice(self.encoding, "scaling['type']", self.scaling.get("type"), ("linear",))
-            check_keys(self.encoding, "scaling", self.scaling, ("type", "factor"))
-            check_number(
-                self.encoding, "scaling['factor']", self.scaling.get("factor"), low=0.0, low_inclusive=False
-            )
 
     def resolve(self, geometry) -> ExactPositionConfig:
         out = dataclasses.replace(self)
@@ -67,10 +64,6 @@ class ExactPositionConfig(EncodingConfig):
         names = ("S", "theta", "theta1", "theta2", "scaling")
         return ", ".join(f"{n}={getattr(self, n)!r}" for n in names if hasattr(self, n))
 
-    @property
-    def factor(self) -> float:
-        return 1.0 if self.scaling is None else self.scaling["factor"]
-
 
 def override_leading(
     hidden: torch.Tensor, values: torch.Tensor, override_value: bool
@@ -79,3 +72,28 @@ def override_leading(
     l = values.shape[-1]  # noqa: E741
     overridden = torch.cat((values.to(hidden.dtype), hidden[..., l:]), dim=-1)  # (B, T, hidden)
     return overridden, overridden if override_value else hidden
+
+
+def warn_if_indistinguishable(encoding: nn.Module, positions: torch.Tensor, dtype: torch.dtype) -> None:
+    """Warn once (per module and dtype) when ``positions`` (B,T) go past the first position whose
+    code equals the next one's in ``dtype`` (:func:`~.expe_precision.first_collision`)."""
+    if torch.compiler.is_compiling() or not positions.numel():
+        return
+    cache = module_cache(encoding)  # dropped by reconfigure: the limit depends on the parameters
+    key = ("first_collision", dtype)
+    if key not in cache:
+        cache[key] = first_collision(encoding.config, dtype)
+    limit = cache[key]
+    if limit is None or ("warned", dtype) in cache:
+        return
+    top = int(positions.max())
+    if top > limit:
+        cache[("warned", dtype)] = True
+        cfg = encoding.config
+        warnings.warn(
+            f"{cfg.encoding}: positions past {limit} are not distinguishable in {dtype} (the codes of "
+            f"positions {limit} and {limit + 1} are identical; {cfg.code_parameters()}, l={cfg.l}); this input "
+            f"reaches position {top}; run the model in float32 or keep inputs within {limit + 1} tokens",
+            UserWarning,
+            stacklevel=2,
+        )

@@ -19,6 +19,9 @@ anyway) are treated as distance 0.
 Init: c = ``init_c`` (0.1), L = ``init_L`` (512), W1/b1 PyTorch's default; W2 and b2 start at
 zero, so the patched model starts with a zero bias (as NoPE) and f is learned from there.
 Each layer has its own f, c and L (as in the ports) unless ``shared_across_layers=True``.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': s}``: positions and distances
+divided by s before FIRE sees them, f_theta( psi((i - j) / s) / psi(max(L, i / s)) ).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import EncodingConfig, check_bool, check_number
+from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
 from .base import BlockBias, Encoding, ScoreContext, module_cache, query_key_distance
 
@@ -38,12 +42,13 @@ EPS = 1e-6  # the reference's guard on the normaliser
 
 
 @dataclasses.dataclass
-class FIREConfig(EncodingConfig):
+class FIREConfig(PositionInterpolation, EncodingConfig):
     encoding = "fire"
     mlp_width: int = 32
     init_c: float = 0.1
     init_L: float = 512.0  # noqa: N815 - the paper's name
     shared_across_layers: bool = False
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_number(self.encoding, "mlp_width", self.mlp_width, low=1, integer=True)
@@ -70,7 +75,8 @@ class FIREFunction(nn.Module):
         return (self.L_multiplier.float() * self.init_L).abs()
 
     def normalized_distance(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """distance i - j (Tq, Tk) int, positions i (B, Tq) int -> psi(i-j) / psi(max(L, i)), (B, Tq, Tk) fp32."""
+        """distance i - j (Tq, Tk), positions i (B, Tq), int or (interpolated) float -> psi(i-j) / psi(max(L, i)),
+        (B, Tq, Tk) fp32."""
         c = self.c.float().abs()
         numerator = torch.log1p(c * distance.clamp(min=0).float())  # (Tq, Tk)
         normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B, Tq)
@@ -131,13 +137,16 @@ class FIREFunction(nn.Module):
         bias = slopes[:, segment] * x + intercepts[:, segment]  # (Hq, B, Tq, Tk)
         return bias.movedim(0, 1)
 
-    def score_mod(self, positions: torch.Tensor, k_len: int, pieces: tuple | None = None):
-        """A FlexAttention ``score_mod`` adding this bias for queries at ``positions`` (B|1, Tq),
-        the last Tq of ``k_len`` keys: psi(i - j) from a (Tk,) table, the normaliser per query,
-        and f as its linear pieces (the segment is the number of breakpoints <= x)."""
+    def score_mod(
+        self, positions: torch.Tensor, k_len: int, pieces: tuple | None = None, factor: float = 1.0
+    ):
+        """A FlexAttention ``score_mod`` adding this bias for queries at ``positions`` (B|1, Tq; already
+        divided by ``factor``), the last Tq of ``k_len`` keys: psi((i - j) / factor) from a (Tk,) table,
+        the normaliser per query, and f as its linear pieces (the segment is the number of breakpoints <= x)."""
         offset = k_len - positions.shape[-1]
         c = self.c.float().abs()
-        log_distance = torch.log1p(c * torch.arange(k_len, device=positions.device).float())  # (Tk,)
+        distances = interpolate(torch.arange(k_len, device=positions.device), factor).float()  # (Tk,)
+        log_distance = torch.log1p(c * distances)  # (Tk,)
         normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B|1, Tq)
         points, slopes, intercepts = pieces or self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
         shared_rows = normalizer.shape[0] == 1
@@ -185,19 +194,24 @@ class FIRE(Encoding):
 
     def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        factor = self.config.factor
         distance = ctx.memo.get(
-            ("fire_distance", q_len, k_len, device), lambda: query_key_distance(q_len, k_len, device)
-        )  # (Tq, Tk)
+            ("fire_distance", q_len, k_len, device),
+            lambda: interpolate(query_key_distance(q_len, k_len, device), factor),
+        )  # (Tq, Tk) (i - j) / factor
         positions = ctx.memo.get(
-            ("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions)
-        )
+            ("fire_positions", q_len, k_len, device),
+            lambda: interpolate(_distinct_rows(ctx.q_positions), factor),
+        )  # (B|1, Tq) i / factor
         return self.function(ctx.layer_idx)(distance, positions)  # (B|1, Hq, Tq, Tk)
 
     def block_bias(self, ctx: ScoreContext) -> BlockBias:
         q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+        factor = self.config.factor
         positions = ctx.memo.get(
-            ("fire_positions", q_len, k_len, device), lambda: _distinct_rows(ctx.q_positions)
-        )
+            ("fire_positions", q_len, k_len, device),
+            lambda: interpolate(_distinct_rows(ctx.q_positions), factor),
+        )  # (B|1, Tq) i / factor
         function = self.function(ctx.layer_idx)
         pieces = function.linear_pieces()  # once per call, shared by every block (and by flex)
         offset = k_len - q_len
@@ -205,12 +219,13 @@ class FIRE(Encoding):
         def rows(start: int, stop: int, k_end: int) -> torch.Tensor:
             query_index = torch.arange(start + offset, stop + offset, device=device)
             distance = query_index[:, None] - torch.arange(k_end, device=device)[None]  # (rows, keys) i - j
+            distance = interpolate(distance, factor)  # (i - j) / factor
             return function.evaluate_pieces(
                 distance, positions[:, start:stop], pieces
             )  # (B|1, Hq, rows, keys)
 
         return BlockBias(
-            q_len, k_len, row_function=rows, score_mod=function.score_mod(positions, k_len, pieces)
+            q_len, k_len, row_function=rows, score_mod=function.score_mod(positions, k_len, pieces, factor)
         )
 
 

@@ -21,6 +21,9 @@ Initialisation as the reference's ``eye_xavier_norm``: C = S = E + N(0, (sigma *
 sqrt(2 / (n_in + n_out)))^2) where E maps pair m to its own frequency omega'_{k m}. With
 ``sigma=0`` and ``clip=False`` FoPE is exactly RoPE. The reference's coefficient
 normalisation (``fourier_norm``) defaults to off and is not offered.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the series at p / f,
+cos_m(p / f) and sin_m(p / f) (which frequencies are clipped does not change).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_number
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
@@ -40,7 +44,7 @@ from .rope_scaling import base_inv_freq
 
 
 @dataclasses.dataclass
-class FoPEConfig(EncodingConfig):
+class FoPEConfig(PositionInterpolation, EncodingConfig):
     encoding = "fope"
     train_length: int | None = None  # default: the model's max_position_embeddings
     clip: bool = True
@@ -50,6 +54,7 @@ class FoPEConfig(EncodingConfig):
     partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
     shared_across_layers: bool = False
     shared_across_heads: bool = False
+    scaling: dict | None = None
 
     def validate(self) -> None:
         if self.train_length is not None:
@@ -112,7 +117,8 @@ class FoPE(Encoding):
         """positions (B,T) -> cos, sin (B, heads, T, d_rot) fp32."""
 
         def features():
-            angles = positions[..., None].float() * self.frequencies  # (B, T, n_in)
+            scaled = interpolate(positions, self.config.factor)  # p / f
+            angles = scaled[..., None].float() * self.frequencies  # (B, T, n_in)
             live = (self.frequencies != 0).float()  # clipped grid frequencies leave the series
             return angles.cos() * live, angles.sin() * live
 

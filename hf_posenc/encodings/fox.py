@@ -40,6 +40,7 @@ from .fox_common import (
 @dataclasses.dataclass
 class FoXConfig(ForgetGateConfig):
     encoding = "fox"
+    scaling_refusal = "fox's bias sums data-dependent forget gates over the tokens between query and key; it is not a function of positions or distances"
 
 
 @register_encoding

@@ -44,6 +44,7 @@ OUTPUT_NORM_EPS = 1e-6  # the reference's norm_eps, used for the output norm
 @dataclasses.dataclass
 class FoXProConfig(ForgetGateConfig):
     encoding = "fox_pro"
+    scaling_refusal = "fox_pro's bias sums data-dependent forget gates over the tokens between query and key; it is not a function of positions or distances"
     qk_norm: bool = True
     k_shift: bool = True
     v_shift: bool = True

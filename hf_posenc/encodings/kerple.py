@@ -20,6 +20,9 @@ head h gets r1 = s1 * (h + 1/2) / H (ascending) and r2 = s2 * (H - h - 1/2) / H 
 so every head has a distinct kernel and patching is reproducible without a seed. One set of
 coefficients serves all layers (the reference builds one module for every layer) unless
 ``shared_across_layers=False``. Future keys (masked anyway) get the bias of |i - j|.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the kernel of the
+interpolated distance, b_h(|i - j| / f).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_choice
+from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
 from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
@@ -40,10 +44,11 @@ INIT_SCALES = {"log": (2.0, 1.0), "power": (1.0, 2.0)}
 
 
 @dataclasses.dataclass
-class KERPLEConfig(EncodingConfig):
+class KERPLEConfig(PositionInterpolation, EncodingConfig):
     encoding = "kerple"
     variant: str = "log"
     shared_across_layers: bool = True
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_choice(self.encoding, "variant", self.variant, tuple(INIT_SCALES))
@@ -91,8 +96,9 @@ class KERPLE(Encoding):
             self.project_()
         r1, r2 = self.coefficients(ctx.layer_idx)  # (Hq,), (Hq,)
         n = ctx.memo.get(
-            ("kerple_n", k_len, device), lambda: torch.arange(k_len, device=device, dtype=torch.float32)
-        )  # (Tk,) every distance 0 .. Tk-1
+            ("kerple_n", k_len, device),
+            lambda: interpolate(torch.arange(k_len, device=device), self.config.factor).float(),
+        )  # (Tk,) every distance 0 .. Tk-1, divided by the factor
         if self.config.variant == "log":
             return -r1[:, None] * torch.log1p(r2[:, None] * n)  # (Hq, Tk)
         return -r1[:, None] * n.pow(r2[:, None])  # (Hq, Tk)

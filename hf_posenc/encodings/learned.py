@@ -9,6 +9,11 @@ Negative positions raise too (a table has no row for them; native GPT-2 raises a
 ``sinusoidal`` (starts as the sinusoidal encoding), or ``native`` (copy the model's own
 table, GPT-2's ``wpe``). The default is ``native`` on a model that has a learned table of its
 own (so patching GPT-2 with ``learned`` keeps its checkpoint's positions) and ``zeros`` elsewhere.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the table read at the
+fractional position x = n / f by linear interpolation between its rows,
+``P(x) = (1 - w) P[floor x] + w P[floor x + 1]``, ``w = x - floor x``; positions up to
+f * (max_positions - 1) are then inside the table.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import nn
 
 from ..config import EncodingConfig, check_choice, check_number
 from ..errors import InvalidParameterError, PositionRangeError
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
@@ -27,10 +33,11 @@ from .sinusoidal import sinusoidal_table
 
 
 @dataclasses.dataclass
-class LearnedConfig(EncodingConfig):
+class LearnedConfig(PositionInterpolation, EncodingConfig):
     encoding = "learned"
     max_positions: int | None = None  # default: the model's max_position_embeddings
     init: str | None = None  # default: "native" where the model has a learned table, else "zeros"
+    scaling: dict | None = None
 
     def validate(self) -> None:
         if self.max_positions is not None:
@@ -77,17 +84,26 @@ class Learned(Encoding):
             self.table[:rows].copy_(wpe[:rows])
 
     def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
-        limit = self.table.shape[0]
+        limit, factor = self.table.shape[0], self.config.factor
         if positions.numel() and not torch.compiler.is_compiling():  # data-dependent: eager only
             top, bottom = int(positions.max()), int(positions.min())
-            if top >= limit:
+            if top / factor > limit - 1:
+                scaled = (
+                    f" (position {top / factor:g} after linear scaling by {factor:g})" if factor != 1 else ""
+                )
                 raise PositionRangeError(
-                    f"learned: position {top} is past the learned table (max_positions={limit}, positions "
-                    f"0..{limit - 1}); shorten the input or patch with a larger max_positions"
+                    f"learned: position {top}{scaled} is past the learned table (max_positions={limit}, "
+                    f"positions 0..{limit - 1}); shorten the input or patch with a larger max_positions"
                 )
             if bottom < 0:
                 raise PositionRangeError(
                     f"learned: position {bottom} is negative; the learned table has rows for positions "
                     f"0..{limit - 1} only (pass non-negative position_ids)"
                 )
-        return self.table[positions].float()  # (B, T, hidden)
+        if factor == 1.0:
+            return self.table[positions].float()  # (B, T, hidden)
+        x = interpolate(positions, factor)  # (B, T) fp64, n / f
+        below = x.floor().long()
+        above = (below + 1).clamp(max=limit - 1)
+        w = (x - below).float()[..., None]  # (B, T, 1)
+        return (1 - w) * self.table[below].float() + w * self.table[above].float()  # (B, T, hidden)

@@ -26,6 +26,8 @@ is needed). exp(pA) of a skew-symmetric A is orthogonal, but matrix_exp's fp32 e
 like |p| * |A| * eps (for p in the thousands, ~1e-3); two Newton-Schulz polar steps
 R <- R (3I - R^T R) / 2 restore orthogonality to fp32 rounding (~1e-6). What remains is an error in the
 rotation angle of order p * |A| * eps, the same as RoPE's fp32 angle p * omega.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: R(p / f) = exp(p / f A).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
@@ -45,7 +48,7 @@ from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 
 
 @dataclasses.dataclass
-class LieREConfig(EncodingConfig):
+class LieREConfig(PositionInterpolation, EncodingConfig):
     encoding = "liere"
     block_size: int | None = None  # default: gcd(8, d_rot)
     theta: float | None = None  # RoPE base of the initial generators; default: the model's
@@ -53,6 +56,7 @@ class LieREConfig(EncodingConfig):
     shared_across_layers: bool = False
     shared_across_heads: bool = False
     axes: int = 1  # coordinate axes per position; > 1 awaits N-D position coordinates
+    scaling: dict | None = None
 
     def validate(self) -> None:
         if self.block_size is not None:
@@ -132,7 +136,7 @@ class LieRE(Encoding):
 
         def compute():
             skew = self.skew(layer_idx)  # (H, axes, nb, b, b)
-            coords = unique.to(torch.float32)[:, None]  # (U, axes) — 1-D positions
+            coords = interpolate(unique, self.config.factor).to(torch.float32)[:, None]  # (U, axes) p / f
             generator = torch.einsum("ua,hanij->uhnij", coords, skew)  # (U, H, nb, b, b)
             rotation = torch.linalg.matrix_exp(generator)  # (U, H, nb, b, b)
             # Newton-Schulz polar steps R <- R (3I - R^T R) / 2: the fp32 orthogonality error e of

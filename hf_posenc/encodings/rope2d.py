@@ -19,6 +19,9 @@ Callers pass coordinates as ``model(input_ids, position_coordinates=coords)`` wi
 (B|1, T, N) int or float; ``generate(..., position_coordinates=coords)`` takes coordinates
 of the prompt and every token to be generated (L >= prompt + max_new_tokens): each step
 reads its rows. Without them, text positions (padding-aware) are used on axis 0.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: every coordinate is
+divided by f (Chen et al. 2023's position interpolation on each axis), angle x_a / f * omega_p.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from ..config import EncodingConfig, check_number
 from ..errors import InvalidParameterError
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
@@ -66,11 +70,12 @@ def axial_frequencies(dim: int, axes: int, theta: float, device=None) -> tuple[t
 
 
 @dataclasses.dataclass
-class RoPE2DConfig(EncodingConfig):
+class RoPE2DConfig(PositionInterpolation, EncodingConfig):
     encoding = "rope2d"
     axes: int = 2
     theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
     partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_axes(self.encoding, self.axes)
@@ -106,6 +111,7 @@ class RoPE2D(Encoding):
 
         def rotation():
             coords = token_coordinates(self.name, coordinates, q_positions, cfg.axes)  # (B, T, N)
+            coords = interpolate(coords, cfg.factor).float()  # x / f
             omega, axis = axial_frequencies(self.dim, cfg.axes, cfg.theta, device=q.device)  # (d_rot/2,)
             angles = coords[..., axis] * omega  # (B, T, d_rot/2)
             angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d_rot)

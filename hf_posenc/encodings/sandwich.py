@@ -11,6 +11,9 @@ compression ratio r_h plays the role of ALiBi's slopes (the paper's ALiBi figure
 as 1/2^h for h = n * 8/H; Sandwich divides by that h instead), as in NeMo's
 ``SandwichRelativePositionEmbedding``. The frequency index k runs from 1 to d'/2 as in the
 paper and NeMo. The bias is fixed (no parameters) and, with GQA, per query head.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the kernel of the
+interpolated distance, cos((i - j) / f / 10000^(2k/d')).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import dataclasses
 import torch
 
 from ..config import EncodingConfig, check_number, fail
+from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
 from .base import BlockBias, Encoding, ScoreContext, module_cache, query_key_distance
 
 
 @dataclasses.dataclass
-class SandwichConfig(EncodingConfig):
+class SandwichConfig(PositionInterpolation, EncodingConfig):
     encoding = "sandwich"
     dim: int = 128  # d', the dimension of the sinusoidal embeddings whose inner product is used
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_number(self.encoding, "dim", self.dim, low=2, integer=True)
@@ -65,11 +70,14 @@ class Sandwich(Encoding):
         """(Tk,) kernel of distances 0 .. Tk-1, kept between forwards (a pure function of the
         distance: decoding would otherwise recompute dim/2 cosines per cached key every step)."""
         cache = module_cache(self)  # (device, dim) -> (capacity,) fp32; not state
-        key = ("kernel", device, self.config.dim)
+        factor = self.config.factor
+        key = ("kernel", device, self.config.dim, factor)
         kernel = cache.get(key)
         if kernel is None or kernel.shape[0] < k_len:
             capacity = max(1024, 1 << (k_len - 1).bit_length())  # doubling: O(log T) rebuilds
-            kernel = sandwich_kernel(torch.arange(capacity, device=device), self.config.dim)
+            kernel = sandwich_kernel(
+                interpolate(torch.arange(capacity, device=device), factor), self.config.dim
+            )
             cache[key] = kernel
         return kernel[:k_len]
 

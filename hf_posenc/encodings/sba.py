@@ -37,6 +37,9 @@ REMAINDERS = ("current", "drop")
 @dataclasses.dataclass
 class SBAConfig(EncodingConfig):
     encoding = "sba"
+    scaling_refusal = (
+        "stick-breaking attention has no positions; order comes from data-dependent break probabilities"
+    )
     attend_current: bool = False
     remainder: str = "current"
 

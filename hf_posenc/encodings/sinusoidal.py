@@ -6,6 +6,9 @@
 Added once to the token embeddings (sin/cos interleaved, as in the paper and seeds 000/001).
 ``scale`` lets a pretrained model whose embeddings are small (Llama's ~0.02) receive a
 vector of comparable size; 1.0 is the paper's value.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: ``P[n / f]``, the same
+formula at the fractional position n / f.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ import dataclasses
 import torch
 
 from ..config import EncodingConfig, check_number
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
 
 
 @dataclasses.dataclass
-class SinusoidalConfig(EncodingConfig):
+class SinusoidalConfig(PositionInterpolation, EncodingConfig):
     encoding = "sinusoidal"
     base: float = 10000.0
     scale: float = 1.0
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_number(self.encoding, "base", self.base, low=1.0, low_inclusive=False)
@@ -50,4 +55,5 @@ class Sinusoidal(Encoding):
 
     def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
         cfg = self.config
-        return cfg.scale * sinusoidal_table(positions, self.geometry.hidden_size, cfg.base)  # (B, T, hidden)
+        scaled = interpolate(positions, cfg.factor)  # n / f
+        return cfg.scale * sinusoidal_table(scaled, self.geometry.hidden_size, cfg.base)  # (B, T, hidden)

@@ -12,6 +12,11 @@ with B = ``num_buckets``, D = ``max_distance``, B/2 taken as floor(B/2) and futu
 False)``; for B=5, D=6 it reproduces the worked table of seed 001. ``b`` holds one learned
 scalar per head and bucket, shared by all layers unless ``shared_across_layers=False``,
 initialised to zero so the patched model starts as NoPE.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the bucket of the
+interpolated distance, ``bucket(floor((i - j) / f))``. Floor, as T5's own bucketing truncates
+its log branch, and so every distance below f times a trained one maps to a trained distance
+(``floor(d / f) <= (f L - 1) / f < L``); f consecutive distances share a bucket.
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
+from ..interpolation import PositionInterpolation, interpolate_floor
 from ..registry import register_encoding
 from .base import BlockBias, Encoding, ScoreContext, query_key_distance
 
 
 @dataclasses.dataclass
-class T5Config(EncodingConfig):
+class T5Config(PositionInterpolation, EncodingConfig):
     encoding = "t5"
     num_buckets: int = 32
     max_distance: int = 128
     shared_across_layers: bool = True
+    scaling: dict | None = None
 
     def validate(self) -> None:
         check_number(self.encoding, "num_buckets", self.num_buckets, low=2, integer=True)
@@ -81,7 +88,9 @@ class T5Bias(Encoding):
         buckets = ctx.memo.get(
             ("t5_buckets", q_len, k_len, device),
             lambda: relative_position_bucket(
-                query_key_distance(q_len, k_len, device), cfg.num_buckets, cfg.max_distance
+                interpolate_floor(query_key_distance(q_len, k_len, device), cfg.factor),
+                cfg.num_buckets,
+                cfg.max_distance,
             ),
         )  # (Tq, Tk)
         table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
@@ -93,7 +102,9 @@ class T5Bias(Encoding):
         buckets = ctx.memo.get(
             ("t5_distance_buckets", k_len, device),
             lambda: relative_position_bucket(
-                torch.arange(k_len, device=device), cfg.num_buckets, cfg.max_distance
+                interpolate_floor(torch.arange(k_len, device=device), cfg.factor),
+                cfg.num_buckets,
+                cfg.max_distance,
             ),
         )  # (Tk,) bucket of distance d = 0 .. Tk-1
         table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]

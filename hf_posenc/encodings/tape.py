@@ -37,6 +37,9 @@ same equations, but the stream's gain stays O(1) for O(1) raw values.
 KV cache: a cached key needs the stream it had, so the stream ``E^l_j`` rides along with the
 values (``v_j -> (v_j, E^l_j)``, split off again after attention): the cache keeps it aligned
 with its keys, also through sliding windows, cropping and beam reordering.
+
+Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the stream starts from the
+interpolated positions, C^0_t = cos(p_t / f w), S^0_t = sin(p_t / f w); (2)-(4) are unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from torch import nn
 
 from ..config import EncodingConfig, check_number
 from ..errors import InvalidParameterError
+from ..interpolation import PositionInterpolation, interpolate
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
@@ -57,10 +61,11 @@ from .rope import rotate_half
 
 
 @dataclasses.dataclass
-class TAPEConfig(EncodingConfig):
+class TAPEConfig(PositionInterpolation, EncodingConfig):
     encoding = "tape"
     theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
     position_size: int | None = None  # P, channels of the PE layer; default 4 x stream heads
+    scaling: dict | None = None
 
     def validate(self) -> None:
         if self.theta is not None:
@@ -130,7 +135,10 @@ class TAPE(Encoding):
         if layer_idx == 0:
             dim, heads = self.geometry.head_dim, self.geometry.num_kv_heads
             return memo.get(
-                ("tape", dtype), lambda: initial_stream(positions, self.config.theta, dim, heads, dtype)
+                ("tape", dtype),
+                lambda: initial_stream(
+                    interpolate(positions, self.config.factor), self.config.theta, dim, heads, dtype
+                ),
             )
         half = memo.carry.get(("tape", layer_idx - 1))
         if half is None:
