@@ -10,6 +10,8 @@ overwritten values. ``scaling={'type': 'linear', 'factor': f}`` divides the posi
 dependent part: p = S + theta * (n + j) / f (the paper's "scaled by 0.5" is f = 2).
 
 Defaults follow the paper's large-scale setup: l = d_model / 8, S = 0, theta = 1/2048.
+In a bf16/fp16 model adjacent codes collide past some position (bf16, l=8: 1036); the first
+forward past it warns once (see :mod:`.expe_precision`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from ..config import check_number
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
-from .expe_common import ExactPositionConfig, override_leading
+from .expe_common import ExactPositionConfig, override_leading, warn_if_indistinguishable
+from .expe_precision import expe_component
 
 
 @dataclasses.dataclass
@@ -40,9 +43,8 @@ class ExPEConfig(ExactPositionConfig):
 
 def expe_values(positions: torch.Tensor, l: int, S: float, theta: float, factor: float) -> torch.Tensor:  # noqa: E741, N803
     """positions (B,T) -> (B,T,l) fp32 with value S + theta * (n + j) / factor at [b, t, j]."""
-    offsets = torch.arange(l, device=positions.device, dtype=torch.float64)  # (l,)
-    n = positions.to(torch.float64)[..., None]  # (B, T, 1)
-    return (S + theta * (n + offsets) / factor).float()
+    offsets = torch.arange(l, device=positions.device)  # (l,)
+    return expe_component(positions[..., None] + offsets, S, theta, factor)  # (B, T, l)
 
 
 @register_encoding
@@ -55,6 +57,8 @@ class ExPE(Encoding):
 
     def layer_input(self, layer_idx, hidden, positions, memo: ForwardMemo):
         cfg = self.config
+        if layer_idx == 0:
+            warn_if_indistinguishable(self, positions, hidden.dtype)
         values = memo.get(
             ("expe",), lambda: expe_values(positions, cfg.l, cfg.S, cfg.theta, cfg.factor)
         )  # (B, T, l)

@@ -12,7 +12,9 @@ precision (bf16). Closed form, without a loop over n:
 (c counts the i in 0..n with i mod l = j). ``scaling={'type': 'linear', 'factor': f}``
 divides everything but S: p = S + (j*theta1 + theta2*c) / f. Applied like ExPE to each
 layer's q/k input (and v's when ``override_value``). Defaults follow the paper:
-l = d_model / 8, S = 0, theta1 = 1/2048, theta2 = 1/16.
+l = d_model / 8, S = 0, theta1 = 1/2048, theta2 = 1/16. In a bf16/fp16 model adjacent codes
+collide past some position (bf16, l=8: 2047); the first forward past it warns once (see
+:mod:`.expe_precision`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ..config import check_number
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
-from .expe_common import ExactPositionConfig, override_leading
+from .expe_common import ExactPositionConfig, override_leading, warn_if_indistinguishable
+from .expe_precision import exqpe_component
 
 
 @dataclasses.dataclass
@@ -55,8 +58,7 @@ def exqpe_values(
     j = torch.arange(l, device=positions.device)  # (l,)
     n = positions[..., None]  # (B, T, 1)
     count = torch.where(n >= j, torch.div(n - j, l, rounding_mode="floor") + 1, torch.zeros_like(n - j))
-    moving = j.to(torch.float64) * theta1 + theta2 * count.to(torch.float64)  # (B, T, l)
-    return (S + moving / factor).float()
+    return exqpe_component(j, count, S, theta1, theta2, factor)  # (B, T, l)
 
 
 @register_encoding
@@ -69,6 +71,8 @@ class ExQPE(Encoding):
 
     def layer_input(self, layer_idx, hidden, positions, memo: ForwardMemo):
         cfg = self.config
+        if layer_idx == 0:
+            warn_if_indistinguishable(self, positions, hidden.dtype)
         values = memo.get(
             ("exqpe",), lambda: exqpe_values(positions, cfg.l, cfg.S, cfg.theta1, cfg.theta2, cfg.factor)
         )  # (B, T, l)
