@@ -279,13 +279,14 @@ def test_patch_accepts_a_config_object_and_aliases():
         "num_buckets": 8,
         "max_distance": 16,
         "shared_across_layers": True,
+        "scaling": None,
     }
 
 
 def test_list_encodings_names_every_encoding_with_parameters():
     infos = {info.name: info for info in hf_posenc.list_encodings()}
     assert set(infos) >= {"nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe"}
-    assert infos["rope"].parameters == {"theta": None, "partial_rotary_factor": None, "scaling": None}
+    assert infos["rope"].parameters == {"theta": None, "partial_rotary_factor": None, "scaling": "model"}
     assert infos["expe"].parameters["theta"] == 1 / 2048
     assert infos["exqpe"].parameters["theta2"] == 1 / 16
     assert "rotary" in infos["rope"].aliases
