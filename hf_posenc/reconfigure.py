@@ -98,6 +98,8 @@ def _derived_state(live: Encoding, fresh: Encoding) -> list[tuple[Any, str, Any,
         for key, value in other.__dict__.items():
             if key.startswith("_") or key in _MODULE_INTERNALS or key not in module.__dict__:
                 continue
+            if isinstance(value, (torch.Tensor, nn.Module)):  # tensors live in _parameters/_buffers
+                continue
             changes.append((module.__dict__, key, module.__dict__[key], value))
         for key in module._non_persistent_buffers_set:
             old = module._buffers.get(key)

@@ -76,6 +76,22 @@ def test_score_bias_at_a_factor_equals_the_formula_at_interpolated_positions(nam
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("name", "params"), BIAS_CASES, ids=[c[0] + str(i) for i, c in enumerate(BIAS_CASES)]
+)
+def test_flex_at_a_factor_equals_the_eager_path(name, params):
+    """FlexAttention builds its own score_mod (FIRE's reads a distance table): same factor there."""
+    models = {
+        b: patch(make_model("llama"), name, {**params, "scaling": linear()}, backend=b)
+        for b in ("eager", "flex")
+    }
+    models["flex"].posenc.load_state_dict(models["eager"].posenc.state_dict())
+    ids = token_ids(2, 17)
+    torch.testing.assert_close(
+        no_grad_logits(models["flex"], ids), no_grad_logits(models["eager"], ids), atol=1e-5, rtol=0
+    )
+
+
 def test_sinusoidal_at_a_factor_is_the_table_at_n_over_f():
     model = patch(make_model("llama"), "sinusoidal", {"scaling": linear()})
     positions = torch.arange(20)[None]
