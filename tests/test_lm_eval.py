@@ -99,7 +99,7 @@ def test_paper_preset_on_local_data_compares_checkpoints(checkpoints, tmp_path, 
     for results in found.values():
         assert_accuracies(results, tasks)
         assert all(results["n-shot"][name] == 0 for name in tasks if name != "mmlu")
-    assert found["alibi"]["config"]["posenc"] == {"encoding": "alibi", "params": {}}
+    assert found["alibi"]["config"]["posenc"] == {"encoding": "alibi", "params": {"scaling": None}}
     assert found["plain"]["config"]["posenc"]["encoding"] == "t5"
     assert found["plain"]["config"]["posenc"]["params"]["num_buckets"] == 16
     header = next(line for line in out.splitlines() if line.startswith("| task"))
@@ -144,7 +144,7 @@ def test_passthrough_runs_lm_eval_own_cli_with_the_registered_model(checkpoints,
     assert "arc_easy" in out and "acc" in out  # lm-eval's own table
     results = results_files(tmp_path / "out")["plain"]
     assert results["config"]["model"] == "hf-posenc"
-    assert results["config"]["posenc"] == {"encoding": "alibi", "params": {}}
+    assert results["config"]["posenc"] == {"encoding": "alibi", "params": {"scaling": None}}
     assert_accuracies(results, ["arc_easy"])
 
 
