@@ -281,13 +281,14 @@ def test_sandwich_diagonal_is_zero_and_bias_is_nonpositive():
 
 def test_new_encodings_are_listed_with_their_parameters():
     infos = {info.name: info for info in hf_posenc.list_encodings()}
-    assert infos["kerple"].parameters == {"variant": "log", "shared_across_layers": True}
-    assert infos["sandwich"].parameters == {"dim": 128}
+    assert infos["kerple"].parameters == {"variant": "log", "shared_across_layers": True, "scaling": None}
+    assert infos["sandwich"].parameters == {"dim": 128, "scaling": None}
     assert infos["fire"].parameters == {
         "mlp_width": 32,
         "init_c": 0.1,
         "init_L": 512.0,
         "shared_across_layers": False,
+        "scaling": None,
     }
     assert all(infos[n].stages == ("score_bias",) for n in ("kerple", "sandwich", "fire"))
     assert not list(hf_posenc.patch_model(make_model("gpt2"), "sandwich").posenc.parameters())
