@@ -116,6 +116,12 @@ def test_resume_refuses_any_change_of_the_encoding_or_its_parameters(workspace):
     assert len(resumed.losses) == 6
 
 
+@pytest.fixture(scope="module")
+def straight(workspace):
+    """The uninterrupted run every resumed run is compared with."""
+    return train(settings(workspace, "straight"), progress=False)
+
+
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -137,11 +143,10 @@ def _flip_a_bit(path: Path) -> None:
     ids=["truncated-weights", "bit-flip", "empty-optimizer", "garbage-state"],
 )
 def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_resumes_exactly(
-    workspace, damage, file, capsys
+    workspace, straight, damage, file, capsys
 ):
     """Reference: the uninterrupted run. The resumed run starts from checkpoint-2 (checkpoint-4 is
     damaged), says so naming the file, and still reaches the same losses."""
-    straight = train(settings(workspace, f"straight-{file}-{damage.__name__}"), progress=False)
     name = f"damaged-{file}-{damage.__name__}"
     with pytest.raises(Interrupt):
         train(settings(workspace, name), callbacks=[stop_at(5)], progress=False)
