@@ -11,30 +11,9 @@ model = hf_posenc.from_pretrained(directory) # reload a saved patched model
 
 __version__ = "0.1.0"
 
-from . import encodings  # noqa: E402,F401  (registers every encoding)
-from .config import EncodingConfig  # noqa: E402
-from .encodings.alibi import ALiBiConfig  # noqa: E402
-from .encodings.cape import CAPEConfig  # noqa: E402
-from .encodings.comrope import ComRoPEConfig  # noqa: E402
-from .encodings.cope import CoPEConfig  # noqa: E402
-from .encodings.expe import ExPEConfig  # noqa: E402
-from .encodings.exqpe import ExQPEConfig  # noqa: E402
-from .encodings.fire import FIREConfig  # noqa: E402
-from .encodings.fope import FoPEConfig  # noqa: E402
-from .encodings.fox import FoXConfig  # noqa: E402
-from .encodings.fox_pro import FoXProConfig  # noqa: E402
-from .encodings.kerple import KERPLEConfig  # noqa: E402
-from .encodings.learned import LearnedConfig  # noqa: E402
-from .encodings.liere import LieREConfig  # noqa: E402
-from .encodings.nope import NoPEConfig  # noqa: E402
-from .encodings.rope import RoPEConfig  # noqa: E402
-from .encodings.rope2d import RoPE2DConfig  # noqa: E402
-from .encodings.sandwich import SandwichConfig  # noqa: E402
-from .encodings.sba import SBAConfig  # noqa: E402
-from .encodings.sinusoidal import SinusoidalConfig  # noqa: E402
-from .encodings.t5 import T5Config  # noqa: E402
-from .encodings.tape import TAPEConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from typing import TYPE_CHECKING
+
+from .errors import (  # light: no torch
     AlreadyPatchedError,
     InvalidParameterError,
     NotPatchedError,
@@ -43,10 +22,88 @@ from .errors import (  # noqa: E402
     UnknownEncodingError,
     UnsupportedModelError,
 )
-from .loading import from_pretrained, load_model  # noqa: E402
-from .patch import patch_info, patch_model, patched, unpatch_model  # noqa: E402
-from .reconfigure import reconfigure  # noqa: E402
-from .registry import EncodingInfo, list_encodings, supported_families  # noqa: E402
+
+#: public name -> the submodule that defines it. Imported on first use (PEP 562), so
+#: ``import hf_posenc`` (and ``hf-posenc --help``) does not pay for torch and transformers.
+_EXPORTS = {
+    "patch_model": "patch",
+    "unpatch_model": "patch",
+    "patched": "patch",
+    "patch_info": "patch",
+    "reconfigure": "reconfiguration",
+    "from_pretrained": "loading",
+    "load_model": "loading",
+    "list_encodings": "registry",
+    "supported_families": "registry",
+    "EncodingInfo": "registry",
+    "EncodingConfig": "config",
+    "ALiBiConfig": "encodings.alibi",
+    "CAPEConfig": "encodings.cape",
+    "ComRoPEConfig": "encodings.comrope",
+    "CoPEConfig": "encodings.cope",
+    "ExPEConfig": "encodings.expe",
+    "ExQPEConfig": "encodings.exqpe",
+    "FIREConfig": "encodings.fire",
+    "FoPEConfig": "encodings.fope",
+    "FoXConfig": "encodings.fox",
+    "FoXProConfig": "encodings.fox_pro",
+    "KERPLEConfig": "encodings.kerple",
+    "LearnedConfig": "encodings.learned",
+    "LieREConfig": "encodings.liere",
+    "NoPEConfig": "encodings.nope",
+    "RoPEConfig": "encodings.rope",
+    "RoPE2DConfig": "encodings.rope2d",
+    "SandwichConfig": "encodings.sandwich",
+    "SBAConfig": "encodings.sba",
+    "SinusoidalConfig": "encodings.sinusoidal",
+    "T5Config": "encodings.t5",
+    "TAPEConfig": "encodings.tape",
+}
+
+
+def __getattr__(name: str):
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'hf_posenc' has no attribute {name!r}")
+    import importlib
+
+    importlib.import_module(f"{__name__}.encodings")  # registers every encoding
+    value = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what static checkers and IDEs see
+    from .config import EncodingConfig
+    from .encodings.alibi import ALiBiConfig
+    from .encodings.cape import CAPEConfig
+    from .encodings.comrope import ComRoPEConfig
+    from .encodings.cope import CoPEConfig
+    from .encodings.expe import ExPEConfig
+    from .encodings.exqpe import ExQPEConfig
+    from .encodings.fire import FIREConfig
+    from .encodings.fope import FoPEConfig
+    from .encodings.fox import FoXConfig
+    from .encodings.fox_pro import FoXProConfig
+    from .encodings.kerple import KERPLEConfig
+    from .encodings.learned import LearnedConfig
+    from .encodings.liere import LieREConfig
+    from .encodings.nope import NoPEConfig
+    from .encodings.rope import RoPEConfig
+    from .encodings.rope2d import RoPE2DConfig
+    from .encodings.sandwich import SandwichConfig
+    from .encodings.sba import SBAConfig
+    from .encodings.sinusoidal import SinusoidalConfig
+    from .encodings.t5 import T5Config
+    from .encodings.tape import TAPEConfig
+    from .loading import from_pretrained, load_model
+    from .patch import patch_info, patch_model, patched, unpatch_model
+    from .reconfiguration import reconfigure
+    from .registry import EncodingInfo, list_encodings, supported_families
 
 __all__ = [
     "__version__",

@@ -19,7 +19,7 @@ from torch import nn
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
 from .errors import InvalidParameterError
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, check_format_version, patch_model
-from .reconfigure import reconfigure
+from .reconfiguration import reconfigure
 from .registry import canonical_name, get_encoding
 
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")

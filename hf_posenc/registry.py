@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .encodings.base import Encoding
 from .errors import UnknownEncodingError, UnsupportedModelError
 from .models import GPT2Adapter, LlamaAdapter, MistralAdapter
 from .models.base import FamilyAdapter
+
+if TYPE_CHECKING:  # the encodings package imports this module to register itself
+    from .encodings.base import Encoding
 
 _ENCODINGS: dict[str, type[Encoding]] = {}
 _ALIASES: dict[str, str] = {}
@@ -28,7 +30,16 @@ def register_encoding(cls: type[Encoding]) -> type[Encoding]:
     return cls
 
 
+def _ensure_registered() -> None:
+    """Import every encoding module (they register themselves) before a lookup: the package
+    imports them lazily, and a caller may reach this module directly."""
+    import importlib
+
+    importlib.import_module(f"{__package__}.encodings")
+
+
 def canonical_name(name: str) -> str:
+    _ensure_registered()
     key = str(name).strip().lower().replace("-", "_")
     if key in _ENCODINGS:
         return key
@@ -46,6 +57,7 @@ def get_encoding(name: str) -> type[Encoding]:
 
 
 def encoding_names() -> list[str]:
+    _ensure_registered()
     return sorted(_ENCODINGS)
 
 
@@ -63,6 +75,7 @@ class EncodingInfo:
 
 def list_encodings() -> list[EncodingInfo]:
     """Every registered encoding: name, aliases, stages, parameters with defaults, paper."""
+    _ensure_registered()
     return [
         EncodingInfo(
             name=cls.name,
