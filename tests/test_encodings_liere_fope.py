@@ -300,7 +300,7 @@ def test_fope_initial_coefficients_follow_the_reference_init():
         ("liere", {"block_size": 6}, r"block_size=6 .*divides the rotary dimension 16"),
         ("liere", {"axes": 2}, r"axes=2 .*\[1, 1\]"),
         ("liere", {"theta": 0.5}, r"theta=0.5 .*\(1.0, inf\)"),
-        ("fope", {"sigma": -0.1}, r"sigma=-0.1 .*\[0.0, inf\)"),
+        ("fope", {"sigma": -0.1}, r"sigma=-0.1 .*\[0.0, 100.0\]"),
         ("fope", {"train_length": 0}, r"train_length=0 .*\[1, inf\)"),
         ("fope", {"frequencies_per_dim": 0}, r"frequencies_per_dim=0 .*\[1, 64\]"),
         ("fope", {"clip": "yes"}, r"clip='yes' .*True or False"),

@@ -96,10 +96,11 @@ def test_unknown_encoding_without_close_match_still_lists_known():
 
 
 def test_unknown_parameter_is_named_with_the_allowed_ones():
-    """patch_model(m, 'alibi', slope=2) -> InvalidParameterError naming 'slope' (alibi has none)."""
+    """patch_model(m, 'alibi', slope=2) -> InvalidParameterError naming 'slope' and alibi's only
+    parameter (scaling, for position interpolation)."""
     message = raises_leaving_unpatched(make_model("llama"), InvalidParameterError, "alibi", slope=2)
     assert "'slope'" in message and "'alibi'" in message
-    assert "none" in message  # alibi takes no parameters
+    assert "allowed parameters (with defaults): scaling=None" in message
 
 
 def test_unknown_parameter_lists_allowed_parameters_with_defaults():
