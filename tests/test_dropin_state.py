@@ -172,6 +172,8 @@ def test_tape_refuses_reentrant_gradient_checkpointing():
     "rope_scaling",
     [
         {"rope_type": "linear", "factor": 4.0},
+        # transformers' linear ignores a leftover original length; so does the patched model
+        {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 16384},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
         {
             "rope_type": "llama3",

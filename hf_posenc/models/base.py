@@ -117,7 +117,9 @@ def native_rope_scaling(config: Any) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"type": kind}
     out.update({k: v for k, v in params.items() if k not in _ROPE_BASE_KEYS and v is not None})
-    if kind == "dynamic":
+    if kind == "linear":  # transformers' linear scaling ignores it (configs may carry one anyway)
+        out.pop("original_max_position_embeddings", None)
+    elif kind == "dynamic":
         out["original_max_position_embeddings"] = config.max_position_embeddings
     elif kind in ("yarn", "llama3"):
         out.setdefault("original_max_position_embeddings", config.max_position_embeddings)
