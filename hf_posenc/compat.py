@@ -10,6 +10,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .models.base import RestoreAttribute
+
 #: The attention implementation name a patched model's config carries. Masks for it are
 #: built by transformers' ``sdpa_mask`` (boolean, or None for plain causal), which is the
 #: format :func:`hf_posenc.attention.core.attend` expects.
@@ -62,8 +64,9 @@ class AcceptGenerateKeyword:
     @classmethod
     def install(cls, model: Any, keyword: str):
         """Set the override on ``model``; return the undo."""
+        undo = RestoreAttribute(model, "_validate_model_kwargs")
         model._validate_model_kwargs = cls(model, keyword)
-        return RemoveInstanceAttribute(model, "_validate_model_kwargs")
+        return undo
 
     def __call__(self, model_kwargs: dict[str, Any]) -> None:
         model_kwargs = {k: v for k, v in model_kwargs.items() if k != self.keyword}
@@ -80,19 +83,12 @@ class NoAutoCompile:
 
     @classmethod
     def install(cls, model: Any):
+        undo = RestoreAttribute(model, "_valid_auto_compile_criteria")
         model._valid_auto_compile_criteria = cls()
-        return RemoveInstanceAttribute(model, "_valid_auto_compile_criteria")
+        return undo
 
     def __call__(self, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
         return False
-
-
-class RemoveInstanceAttribute:
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner, self.name = owner, name
-
-    def __call__(self) -> None:
-        self.owner.__dict__.pop(self.name, None)
 
 
 def attention_weights_requested() -> bool:

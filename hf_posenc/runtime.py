@@ -42,7 +42,7 @@ class PatchRuntime:
 
     Its hooks are bound methods (``before_base_forward``, ``after_base_forward``) so that
     ``copy.deepcopy`` and pickling a patched model give the copy its own runtime; transient
-    per-forward values (memo, context, signature cache) are not copied or pickled."""
+    per-forward values (memo, context, pending embedding) are not copied or pickled."""
 
     def __init__(
         self, encoding: Encoding, adapter: FamilyAdapter, base: nn.Module, backend: str, token: str
@@ -59,7 +59,8 @@ class PatchRuntime:
         self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
-        self.base_class = type(base)
+        #: positional parameter names of the decoder stack's forward (``self`` dropped)
+        self.base_names = positional_names(inspect.signature(type(base).forward))[1:]
         self._transient()
 
     def _stages(self) -> Stages:
@@ -81,24 +82,16 @@ class PatchRuntime:
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
         self.pending_embedding: torch.Tensor | None = None
-        self._base_names: tuple[str, ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("memo", "context", "_base_names", "pending_embedding"):
+        for key in ("memo", "context", "pending_embedding"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._transient()
-
-    @property
-    def base_names(self) -> tuple[str, ...]:
-        """Positional parameter names of the decoder stack's forward (``self`` dropped)."""
-        if self._base_names is None:
-            self._base_names = positional_names(inspect.signature(self.base_class.forward))[1:]
-        return self._base_names
 
     def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""

@@ -67,7 +67,13 @@ class PatchedAttentionForward:
         if stages.rotate:
             extra = {"coordinates": context.coordinates} if encoding.takes_coordinates else {}
             q, k = encoding.rotate(layer, q, k, positions, positions, memo, **extra)
-        mask = boolean_mask(mask)  # (B|1, 1, Tq, Tk) bool or None
+        if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+            # every layer receives the same mask object: convert (and check) it once per forward
+            # (under torch.compile there is no memo, and id() cannot be traced)
+            if torch.compiler.is_compiling():
+                mask = boolean_mask(mask)
+            else:
+                mask = memo.get(("boolean_mask", id(mask)), lambda: boolean_mask(mask))  # (B|1, 1, Tq, Tk)
         if cache is not None:
             k, v = cache.update(k, v, layer)  # (B, Hkv, Tk, D)
             allocated = k.shape[-2]
@@ -80,10 +86,11 @@ class PatchedAttentionForward:
 
         score = ScoreContext(layer, q, k, hidden, positions, memo, state)
         plain = not (stages.logits or stages.transform_scores or stages.normalize)
+        want_weights = attention_weights_requested()
         fused = None
-        if runtime.backend == "auto" and q.device.type == "cuda" and not attention_weights_requested():
+        if runtime.backend == "auto" and q.device.type == "cuda" and not want_weights:
             fused = encoding.fused_attention(q, k, v, mask, module.scaling)  # (B, Tq, Hq, D) or None
-        if attention_weights_requested():
+        if want_weights:
             # output_attentions: explicit weights from the eager core, whatever the backend
             out, weights = self._attend_full(score, context, q, k, v, mask, plain, force_eager=True)
         elif fused is not None:
