@@ -17,6 +17,7 @@ the encoding passes its positions or distances through :func:`interpolate` (or
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -67,3 +68,9 @@ def interpolate_floor(values: torch.Tensor, factor: float) -> torch.Tensor:
     if factor == 1.0:
         return values
     return torch.floor(values.to(torch.float64) / factor).long()
+
+
+def covered_positions(rows: int, factor: float) -> int:
+    """How many positions (0, 1, ...) a table of ``rows`` entries covers when positions are divided
+    by ``factor``: position n is inside while n / f <= rows - 1, i.e. n <= f * (rows - 1)."""
+    return math.floor(factor * (rows - 1) + 1e-9) + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .interpolation import covered_positions
 from .patch import MODULE_NAME, patch_info
 
 
@@ -16,9 +17,13 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
     """
     info = patch_info(model)
     if info is not None and info["encoding"] == "learned":
-        return int(
-            getattr(model, MODULE_NAME).table.shape[0]
-        ), "the learned position table (max_positions={})"
+        encoding = getattr(model, MODULE_NAME)
+        rows, factor = int(encoding.table.shape[0]), encoding.config.factor
+        if factor == 1.0:
+            return rows, "the learned position table (max_positions={})"
+        return covered_positions(rows, factor), f"the learned position table (max_positions={rows}, " + (
+            f"interpolated by {factor:g}: {{}} positions)"
+        )
     config = getattr(model, "config", None)
     if info is None and getattr(config, "model_type", None) == "gpt2":
         return int(config.n_positions), "native GPT-2's wpe table (n_positions={})"

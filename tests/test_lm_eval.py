@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval")
 
@@ -191,6 +192,42 @@ def test_hub_task_configs_keep_the_packaged_datasets(tmp_path):
     assert read_task_yaml(tmp_path / "_mmlu.yaml")["task"] == ["mmlu_stem", "mmlu_humanities"]
 
 
+def test_model_args_override_a_patched_checkpoints_scaling(checkpoints, tmp_path, capsys):
+    """``scaling.type=linear,scaling.factor=2`` on a saved ALiBi checkpoint evaluates it with
+    interpolated distances (Al-Khateeb et al. 2023): the recipe runs, labels the row as an
+    evaluation-time change and records the scaling lm-eval saw."""
+    output = tmp_path / "out"
+    code, out, err = lm_eval_cli(
+        capsys, "--tasks", "arc_easy", "--pretrained", checkpoints["alibi"], "--data-dir", FIXTURES,
+        "--model_args", "scaling.type=linear,scaling.factor=2", "--limit", 2, "--output", output,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "[1/1] alibi (alibi, x0.5 at eval):" in out
+    results = results_files(output)["alibi"]
+    assert results["config"]["posenc"] == {"encoding": "alibi", "params": {"scaling": {"type": "linear", "factor": 2.0}}}
+    assert_accuracies(results, ["arc_easy"])
+
+
+def test_lm_eval_model_with_scaling_keys_equals_the_model_patched_at_that_scaling(checkpoints):
+    """The hf-posenc lm-eval model built from a saved ALiBi checkpoint plus dotted scaling keys
+    (reconfigured after loading) gives the logits of the plain checkpoint patched with ALiBi at
+    that scaling from the start, and not those of the unscaled checkpoint."""
+    from hf_posenc.integrations.lm_eval_model import PosencLM
+
+    scaling = {"scaling.type": "linear", "scaling.factor": 2}
+    lm = PosencLM(pretrained=str(checkpoints["alibi"]), device="cpu", **scaling)
+    assert hf_posenc.patch_info(lm.model)["params"]["scaling"] == {"type": "linear", "factor": 2.0}
+    patched_at_factor = hf_posenc.load_model(
+        str(checkpoints["plain"]), "alibi", {"scaling": {"type": "linear", "factor": 2.0}}
+    ).eval()
+    unscaled = hf_posenc.load_model(str(checkpoints["alibi"])).eval()
+    ids = torch.tensor([[5, 17, 42, 3, 99, 7, 64, 12, 8, 30]])
+    with torch.no_grad():
+        logits = lm.model(ids).logits
+        assert torch.equal(logits, patched_at_factor(ids).logits)
+        assert not torch.allclose(logits, unscaled(ids).logits, atol=1e-4)
+
+
 @pytest.fixture
 def no_evaluation(monkeypatch):
     """Fail the test if lm-eval starts evaluating: bad input must be rejected before that."""
@@ -256,6 +293,17 @@ BAD_INPUTS = {
             "pretrained={alibi},encoding=rope",
         ],
         "was saved with encoding 'alibi'",
+    ),
+    "bad override of a patched checkpoint": (
+        [
+            "--tasks",
+            "arc_easy",
+            "--data-dir",
+            "{fixtures}",
+            "--model_args",
+            "pretrained={alibi},scaling.type=linear,scaling.factor=-1",
+        ],
+        "overriding the saved encoding parameters: alibi: parameter scaling['factor']=-1 is not allowed",
     ),
     "unsupported option with a recipe": (
         ["--preset", "paper", "--gen_kwargs", "x=1"],

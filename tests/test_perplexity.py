@@ -314,6 +314,7 @@ def workspace(tmp_path_factory):
         "learned32": hf_posenc.patch_model(
             tiny_model("llama", vocab_size=len(tokenizer)), "learned", max_positions=32
         ),
+        "expe": hf_posenc.patch_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2), "expe", theta=0.25),
     }
     for name, model in models.items():
         model.save_pretrained(root / name)
@@ -322,6 +323,9 @@ def workspace(tmp_path_factory):
     (root / "valid.jsonl").write_text("".join(json.dumps({"text": t[:600]}) + "\n" for t in texts[1:3]))
     (root / "tiny.txt").write_text("a few words only")
     return root, tokenizer
+
+
+SCALING = 'scaling={{"type":"linear","factor":{}}}'
 
 
 def run_cli(root, *extra: str) -> int:
@@ -401,6 +405,10 @@ def test_cli_encoding_params_are_json(workspace, tmp_path, capsys):
         ("unknown param", r"encoding 'rope' has no parameter 'thetta'"),
         ("labels", r"--labels gives 2 label\(s\) for 1 model\(s\)"),
         ("conflicting encoding", r"was saved with encoding 'alibi'; cannot evaluate it as 'rope'"),
+        ("override unknown", r"overriding the saved encoding parameters: encoding 'expe' has no parameter 'thetta'"),
+        ("override bad factor", r"overriding the saved encoding parameters: .*factor"),
+        ("override on plain", r"'.*llama' is a plain checkpoint .* add --encoding NAME"),
+        ("override learned short", r"longer than the learned position table \(max_positions=32\) covers \(63"),
     ],
 )
 def test_cli_bad_inputs_fail_with_a_clear_message_before_loading(
@@ -424,6 +432,11 @@ def test_cli_bad_inputs_fail_with_a_clear_message_before_loading(
         "unknown param": [*llama, "--encoding", "rope", "--encoding-param", "thetta=2", *out],
         "labels": [*llama, "--labels", "a", "b", *out],
         "conflicting encoding": ["--model", str(root / "gpt2-alibi"), "--encoding", "rope", *out],
+        "override unknown": ["--model", str(root / "expe"), "--encoding-param", "thetta=2", *out],
+        "override bad factor": ["--model", str(root / "expe"), "--encoding-param", SCALING.format(-2), *out],
+        "override on plain": [*llama, "--encoding-param", SCALING.format(2), *out],
+        "override learned short": ["--model", str(root / "learned32"), "--encoding-param", SCALING.format(2)]
+        + ["--multiples", "1", "4", *out],
     }[case]
     assert run_cli(root, *argv) == 2
     err = capsys.readouterr().err
@@ -431,3 +444,46 @@ def test_cli_bad_inputs_fail_with_a_clear_message_before_loading(
     assert len(err.strip().splitlines()) == 1
     assert re.search(message, err), err
     assert loads == []
+
+
+def test_cli_overrides_a_saved_checkpoints_scaling_for_the_evaluation_only(workspace, tmp_path, capsys):
+    """--encoding-param on a saved patched checkpoint (no --encoding) evaluates it with the parameter
+    changed (ExPE trained unscaled, evaluated at factor 2 = the paper's "scaled by 0.5"): the row is
+    labelled as an evaluation-time change, its losses equal the manual window loop on the model
+    reconfigured in Python, differ from the unscaled row, and the metadata records the override; the
+    checkpoint on disk is unchanged."""
+    root, tokenizer = workspace
+    on_disk = json.loads((root / "expe" / "config.json").read_text())["posenc"]
+    out = tmp_path / "report"
+    argv = ["--model", str(root / "expe"), str(root / "expe"), "--multiples", "1", "2", "--output", str(out)]
+    assert run_cli(root, *argv[:2], "--multiples", "1", "2", "--output", str(tmp_path / "plain")) == 0
+    assert run_cli(root, "--model", str(root / "expe"), "--encoding-param", SCALING.format(2), *argv[3:]) == 0
+    scaled = json.loads((out / "results.json").read_text())
+    unscaled = json.loads((tmp_path / "plain" / "results.json").read_text())
+    (label,) = scaled["results"]
+    assert label == "expe (expe, x0.5 at eval)" and list(unscaled["results"]) == ["expe (expe)"]
+    record = scaled["metadata"]["models"][label]
+    assert record["eval_overrides"] == {"scaling": {"type": "linear", "factor": 2}}
+    assert record["encoding_params"]["scaling"] == {"type": "linear", "factor": 2}
+    model = hf_posenc.load_model(str(root / "expe")).eval()
+    hf_posenc.reconfigure(model, scaling={"type": "linear", "factor": 2.0})
+    texts = [(root / "valid.txt").read_text()]
+    texts += [json.loads(line)["text"] for line in (root / "valid.jsonl").read_text().splitlines()]
+    tokens = torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]])
+    budget = len(tokens) // 32 * 32
+    for row, unscaled_row in zip(scaled["results"][label], unscaled["results"]["expe (expe)"], strict=True):
+        expected, count = manual_loss(model, tokens, row["length"], budget)
+        assert row["tokens"] == count and row["loss"] == pytest.approx(expected, abs=1e-6)
+        # a random tiny model barely uses positions: the change is small but far above the tolerance
+        assert abs(row["loss"] - unscaled_row["loss"]) > 1e-5
+    assert json.loads((root / "expe" / "config.json").read_text())["posenc"] == on_disk
+
+
+def test_cli_learned_table_reaches_factor_times_its_rows_under_interpolation(workspace, tmp_path):
+    """A learned table of 32 rows covers positions 0..31; interpolated by 4 it covers 4 * 31 + 1 = 125
+    positions, so a 64-token evaluation that is refused unscaled runs."""
+    root, _ = workspace
+    argv = ["--model", str(root / "learned32"), "--encoding-param", SCALING.format(4), "--multiples", "1", "4"]
+    assert run_cli(root, *argv, "--output", str(tmp_path)) == 0
+    (label,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert label == "learned32 (learned, x0.25 at eval)"

@@ -205,15 +205,24 @@ def _parse_model_args(tokens: Sequence[str]) -> dict[str, Any]:
     return simple_parse_args_string(text)
 
 
-def _label(args: dict[str, Any]) -> str:
-    """``folder-name (encoding)``: the requested encoding, else the one a patched checkpoint carries."""
+def _label(args: dict[str, Any], model: str = "hf-posenc") -> str:
+    """``folder-name (encoding)``: the requested encoding, else the one a patched checkpoint carries;
+    a patched checkpoint evaluated with overridden encoding parameters says so
+    (``final (expe, x0.5 at eval)``)."""
+    from ..evaluation.labels import encoding_label
+
     path = os.path.expanduser(str(args.get("pretrained", "model")))
     encoding = args.get("encoding")
+    overrides: dict[str, Any] = {}
     if encoding is None and os.path.isfile(os.path.join(path, "config.json")):
         with open(os.path.join(path, "config.json"), encoding="utf-8") as handle:
             encoding = (json.load(handle).get("posenc") or {}).get("encoding")
+        if encoding is not None and model == "hf-posenc":
+            from ..integrations.lm_eval_model import split_model_args
+
+            overrides = split_model_args(args).encoding_params
     name = os.path.basename(path.rstrip("/")) or path
-    return f"{name} ({encoding})" if encoding else name
+    return f"{name} ({encoding_label(encoding, overrides)})" if encoding else name
 
 
 def collect_models(opts: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -233,7 +242,7 @@ def collect_models(opts: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]
         models = [shared]
     labels: list[str] = []
     for model in models:
-        label = _label(model)
+        label = _label(model, opts.model)
         labels.append(label if label not in labels else f"{label} #{len(labels) + 1}")
     return list(zip(labels, models, strict=True))
 

@@ -5,7 +5,13 @@
 
 Each model directory holds a checkpoint and its tokenizer. A checkpoint saved from a
 patched model is re-patched from its ``config.posenc``; a plain one is evaluated natively,
-or patched with ``--encoding`` first. Every input is checked (model directories and
+or patched with ``--encoding`` first. ``--encoding-param`` on a saved patched checkpoint
+changes inference-time parameters for the evaluation only (``hf_posenc.reconfigure``), e.g.
+position interpolation of a model trained unscaled::
+
+    hf-posenc perplexity --model runs/expe/final --encoding-param scaling='{"type":"linear","factor":2}' ...
+
+and its row is labelled ``final (expe, x0.5 at eval)``. Every input is checked (model directories and
 tokenizers, data sources, the output directory, encoding parameters, enough tokens, learned
 tables / GPT-2's ``n_positions`` long enough) before any model is loaded. Prints the table
 and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--output``.
@@ -14,6 +20,7 @@ and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import time
@@ -22,6 +29,7 @@ from typing import Any
 
 from ..errors import PositionRangeError
 from ..evaluation.errors import EvaluationError
+from ..evaluation.labels import encoding_label
 from .common import parse_encoding_params
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,33 +52,65 @@ def _check_model_dir(directory: str) -> Path:
     return path
 
 
-def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest: int) -> str:
-    """The encoding a model will be evaluated with; fails early on a conflict or a too-short limit."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one model will be evaluated: its encoding (``native`` for none), the parameters it is
+    evaluated with, and the overrides of a saved checkpoint's parameters (evaluation only)."""
+
+    encoding: str
+    params: dict[str, Any] | None
+    eval_overrides: dict[str, Any] | None
+
+    @property
+    def label(self) -> str:
+        return encoding_label(self.encoding, self.eval_overrides)
+
+
+def _learned_limit(max_positions: int, params: dict[str, Any]) -> int:
+    """Longest input a learned table of ``max_positions`` rows covers at the ``scaling`` in ``params``."""
+    from ..interpolation import covered_positions
+
+    scaling = params.get("scaling") or {}
+    factor = float(scaling.get("factor", 1.0)) if scaling.get("type") == "linear" else 1.0
+    return covered_positions(max_positions, factor)
+
+
+def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest: int) -> Plan:
+    """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit."""
     from transformers import AutoConfig
 
+    from ..loading import check_overrides
     from ..registry import canonical_name
 
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
+    overrides: dict[str, Any] | None = None
     if saved:
-        name, resolved = saved.get("encoding"), dict(saved.get("params") or {})
+        name = saved.get("encoding")
         if encoding is not None and canonical_name(encoding) != name:
             raise EvaluationError(
                 f"{directory!r} was saved with encoding {name!r}; cannot evaluate it as {encoding!r} "
                 "(point --model at the original checkpoint to switch encodings, or drop --encoding)"
             )
-        if params:
-            raise EvaluationError(
-                f"{directory!r} carries its own encoding parameters; got extra {sorted(params)}"
-            )
+        if params:  # inference-time overrides, e.g. position interpolation (hf_posenc.reconfigure)
+            check_overrides(saved, params, where=repr(directory))
+            overrides = dict(params)
+        resolved = {**dict(saved.get("params") or {}), **dict(params)}
+    elif encoding is None and params:
+        raise EvaluationError(
+            f"--encoding-param {sorted(params)}: {directory!r} is a plain checkpoint (not saved from a patched "
+            "model), so there is no encoding to override; add --encoding NAME to patch it"
+        )
     else:
         name, resolved = (canonical_name(encoding) if encoding else None), params
     if name == "learned":
-        limit = resolved.get("max_positions") or config.max_position_embeddings
+        rows = resolved.get("max_positions") or config.max_position_embeddings
+        limit = _learned_limit(rows, resolved)
         if longest > limit:
             raise PositionRangeError(
                 f"{directory!r}: evaluation length {longest} is longer than the learned position table "
-                f"(max_positions={limit}); lower --multiples / --train-length to at most {limit} tokens"
+                f"(max_positions={rows}) covers ({limit} positions at this scaling); lower --multiples / "
+                f"--train-length to at most {limit} tokens"
             )
     if name is None and config.model_type == "gpt2" and longest > config.n_positions:
         raise PositionRangeError(
@@ -78,10 +118,12 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
             f"n_positions={config.n_positions}; lower --multiples / --train-length, or add --encoding "
             "(e.g. alibi) to patch it with an encoding that extrapolates"
         )
-    return name or "native"
+    return Plan(name or "native", dict(resolved) if name else None, overrides)
 
 
-def _labels(args: argparse.Namespace, encodings: list[str], params: dict[str, Any]) -> list[str]:
+def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any]) -> list[str]:
+    """``--labels``, or ``folder (encoding)`` per model; a row evaluated with overridden parameters says so
+    (``run (expe, x0.5 at eval)``), a plain checkpoint patched with parameters shows them."""
     if args.labels is not None:
         if len(args.labels) != len(args.model):
             raise EvaluationError(
@@ -90,10 +132,12 @@ def _labels(args: argparse.Namespace, encodings: list[str], params: dict[str, An
         if len(set(args.labels)) != len(args.labels):
             raise EvaluationError(f"--labels {args.labels} repeat a label; give each model its own")
         return list(args.labels)
-    suffix = " " + json.dumps(params, separators=(",", ":")) if params else ""
     labels: list[str] = []
-    for directory, name in zip(args.model, encodings, strict=True):
-        label = f"{Path(directory).resolve().name} ({name}{suffix if name != 'native' else ''})"
+    for directory, plan in zip(args.model, plans, strict=True):
+        described = plan.label
+        if params and plan.eval_overrides is None and plan.encoding != "native":
+            described += " " + json.dumps(params, separators=(",", ":"))
+        label = f"{Path(directory).resolve().name} ({described})"
         candidate, number = label, 2
         while candidate in labels:
             candidate, number = f"{label} #{number}", number + 1
@@ -170,15 +214,13 @@ def command_perplexity(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise EvaluationError(f"{name} {value} is not allowed; allowed: >= 1")
     params = parse_encoding_params(args.encoding_param)
-    if params and args.encoding is None:
-        raise EvaluationError("--encoding-param needs --encoding")
     if args.encoding is not None:
         get_encoding(args.encoding).config_class.from_params(params)  # unknown name / bad value
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    encodings = [_plan(str(d), args.encoding, params, max(lengths)) for d in directories]
-    labels = _labels(args, encodings, params)
+    plans = [_plan(str(d), args.encoding, params, max(lengths)) for d in directories]
+    labels = _labels(args, plans, params)
     streams: dict[str, torch.Tensor] = {}
     model_streams = []
     for directory in directories:
@@ -204,8 +246,8 @@ def command_perplexity(args: argparse.Namespace) -> int:
         "provenance": provenance(),
     }
     title = args.title or f"Loss at multiples of the training length ({args.train_length} tokens)"
-    for number, (directory, label, encoding, (tokens, budget)) in enumerate(
-        zip(directories, labels, encodings, model_streams, strict=True), 1
+    for number, (directory, label, plan, (tokens, budget)) in enumerate(
+        zip(directories, labels, plans, model_streams, strict=True), 1
     ):
         print(f"[{number}/{len(directories)}] {label}: {directory}, {budget} of {tokens.numel()} tokens")
         start = time.perf_counter()
@@ -223,8 +265,9 @@ def command_perplexity(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - start
         metadata["models"][label] = {
             "path": str(directory),
-            "encoding": encoding,
-            "encoding_params": params if args.encoding else None,
+            "encoding": plan.encoding,
+            "encoding_params": plan.params,
+            "eval_overrides": plan.eval_overrides,
             "token_budget": budget,
             "seconds": round(seconds, 3),
         }
@@ -275,7 +318,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         nargs="+",
         default=[],
         metavar="K=V",
-        help='encoding parameter, VALUE in JSON (e.g. scaling=\'{"type":"linear","factor":2}\')',
+        help="encoding parameter, VALUE in JSON (e.g. scaling='{\"type\":\"linear\",\"factor\":2}'): with "
+        "--encoding, patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time "
+        "parameters for this evaluation (position interpolation)",
     )
     parser.add_argument(
         "--data", nargs="+", required=True, metavar="SRC", help="file, dir, glob, builtin:stdlib, hf:NAME"

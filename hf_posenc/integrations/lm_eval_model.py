@@ -6,8 +6,11 @@ before handing over to lm-eval (which has no plugin discovery). Usage::
     hf-posenc lm-eval --model hf-posenc --model_args pretrained=DIR --tasks hellaswag
     hf-posenc lm-eval --model hf-posenc --model_args pretrained=DIR,encoding=t5,num_buckets=16 ...
 
-A checkpoint saved from a patched model is re-patched from its ``config.posenc``; a plain one
-is patched with ``encoding=NAME`` and that encoding's parameters. Dotted keys build nested
+A checkpoint saved from a patched model is re-patched from its ``config.posenc``, and encoding
+parameters in model_args override its saved inference-time ones for the evaluation
+(``pretrained=runs/expe/final,scaling.type=linear,scaling.factor=2``: position interpolation
+of a model trained unscaled); a plain one is patched with ``encoding=NAME`` and that
+encoding's parameters. Dotted keys build nested
 parameters: ``encoding=rope,scaling.type=linear,scaling.factor=4.0``. Every other key is
 lm-eval's ``HFLM`` argument (``dtype``, ``batch_size``, ``device``, ``parallelize``, ...) or a
 transformers loading argument (``attn_implementation``, ``device_map``, ...).
@@ -30,7 +33,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
 from ..errors import InvalidParameterError, UnsupportedModelError
-from ..loading import load_model
+from ..loading import check_overrides, load_model
 from ..patch import CONFIG_KEY, patch_info
 from ..registry import canonical_name, get_encoding
 
@@ -134,11 +137,9 @@ def check_model_args(args: ModelArgs) -> None:
                 f"{args.pretrained!r} was saved with encoding {saved.get('encoding')!r}; cannot evaluate it as "
                 f"{args.encoding!r} (give the original checkpoint to switch encodings)"
             )
-        if args.encoding_params:
-            raise InvalidParameterError(
-                f"{args.pretrained!r} carries its own encoding parameters; got extra model_args "
-                f"{sorted(args.encoding_params)}"
-            )
+        # overrides of inference-time parameters (e.g. scaling.type=linear,scaling.factor=2: position
+        # interpolation at evaluation); hf_posenc.reconfigure checks them against the learned tensors
+        check_overrides(saved, args.encoding_params, where=f"model_args of {args.pretrained!r}")
     elif args.encoding is not None:
         get_encoding(args.encoding).config_class.from_params(args.encoding_params)
     elif args.encoding_params:
