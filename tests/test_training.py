@@ -288,3 +288,24 @@ def test_a_stopped_rank_makes_the_other_fail_after_the_ddp_timeout(workspace):
     assert "did not answer within --ddp-timeout 5 s" in err, err[-3000:]
     assert waited < 60
     assert not (output / "final").exists()
+
+
+def test_continuing_a_trained_checkpoint_at_a_new_scaling_keeps_its_tensors(workspace):
+    """Position-interpolation fine-tuning: ``train`` from a saved t5 run with only
+    ``encoding_params={"scaling": ...}`` (no encoding name) starts from that run's bucket table
+    (with lr 0 the continued run ends bit-identical to it) and saves the new factor with it."""
+    first = train(config(workspace, "pi-first", max_steps=2, save_every=0), progress=False)
+    scaling = {"type": "linear", "factor": 2.0}
+    second = train(
+        config(
+            workspace, "pi-second", model=str(first.final_dir), encoding=None,
+            encoding_params={"scaling": scaling}, max_steps=2, save_every=0, lr=0.0,
+        ),
+        progress=False,
+    )  # fmt: skip
+    saved = json.loads((second.final_dir / "config.json").read_text())["posenc"]
+    before = json.loads((first.final_dir / "config.json").read_text())["posenc"]
+    assert saved["params"] == {**before["params"], "scaling": scaling}
+    first_state, second_state = final_state(first), final_state(second)
+    assert sorted(first_state) == sorted(second_state)
+    assert all(torch.equal(first_state[k], second_state[k]) for k in first_state)
