@@ -3,7 +3,9 @@
 For a base checkpoint and a list of encodings: patch each, continue pretraining it for the
 same number of steps on the same data, then measure the loss at 1x, 2x, 4x, 8x and 16x the
 training length on held-out text — the shape of the ExPE paper's Table 1 — as a table,
-CSV/JSON and a plot.
+CSV/JSON and a plot. Evaluation-only rows (:mod:`hf_posenc.study_eval`) evaluate trained runs
+with inference-time parameters changed, e.g. ExPE/ExQPE at scaling factor 2 (the paper's
+Table 3) and RoPE with position interpolation at each length.
 
 With no base checkpoint, the embedded default runs offline: the Python standard library's
 sources as the corpus, a byte-level BPE tokenizer trained on them, and a tiny Llama first
@@ -47,6 +49,9 @@ class StudyConfig:
     hidden_size: int = 128  # embedded default only
     num_layers: int = 4  # embedded default only
     seed: int = 0
+    #: rows evaluated without training (``TRAINED@{JSON}`` or ``TRAINED@interpolate``; see study_eval);
+    #: None: expe/exqpe at factor 2 and rope@interpolate for those of them the study trains
+    eval_only: list[str] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -75,6 +80,12 @@ class StudyConfig:
             )
         for spec in self.encodings:
             parse_encoding_spec(spec)  # raises for unknown names or bad JSON
+        if self.eval_only is not None and (
+            isinstance(self.eval_only, str) or not isinstance(self.eval_only, (list, tuple))
+        ):
+            raise InvalidParameterError(
+                f"study: eval_only={self.eval_only!r} is not allowed; allowed: a list of TRAINED@OVERRIDES rows"
+            )
 
 
 def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -199,6 +210,9 @@ def check_study(config: StudyConfig) -> Path:
                 f"study: encodings {slugs[spec_slug(spec)]!r} and {spec!r} share the run folder {spec_slug(spec)!r}"
             )
         slugs[spec_slug(spec)] = spec
+    from .study_eval import check_eval_only, eval_only_rows
+
+    check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings))
     check_sources(config.data)
     check_sources(config.eval_data or config.data)
     return out
@@ -245,6 +259,10 @@ def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = F
         for label, settings, status in plan:
             print(f"  {status:<8} {label}: {settings.max_steps} steps -> {settings.output_dir}")
         print(f"  evaluate at {', '.join(str(config.train_length * m) for m in config.multiples)} tokens")
+        from .study_eval import eval_only_rows
+
+        for spec in eval_only_rows(config.eval_only, config.encodings):
+            print(f"  evaluate only {spec} (no training)")
         return {}
     (out / "study_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     to_train = sum(s.max_steps for _, s, status in plan if status != "reuse")
@@ -270,9 +288,15 @@ def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = F
             progress.finished()
     except KeyboardInterrupt as stop:
         raise KeyboardInterrupt(f"{stop or 'stopped'}; run the same command again to continue") from None
-    progress.phase(f"evaluating {len(finals) + (1 if config.base_model else 0)} models")
-    results = _evaluate(config, out, finals)
+    from .study_eval import eval_only_rows, evaluate_study
+
+    extra = len(eval_only_rows(config.eval_only, config.encodings))
+    rows = len(finals) + (1 if config.base_model else 0) + extra
+    progress.phase(f"evaluating {rows} rows ({extra} evaluation-only)")
+    results, eval_only = evaluate_study(config, finals)
     title = f"Loss vs evaluation length (trained at {config.train_length} tokens, {config.steps} steps each)"
+    if eval_only:
+        title += "; dashed: evaluation-only rows"
     from .evaluation import format_table, write_report
 
     paths = write_report(
@@ -280,40 +304,9 @@ def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = F
         out,
         config.train_length,
         title,
-        metadata={"study": dataclasses.asdict(config), "provenance": provenance()},
+        metadata={"study": dataclasses.asdict(config), "provenance": provenance(), "eval_only_rows": eval_only},
+        dashed=eval_only,
     )
     print(format_table(results))
     print(f"[study] report: {', '.join(str(p) for p in paths.values())}")
     return paths
-
-
-def _evaluate(config: StudyConfig, out: Path, finals: dict[str, Path]) -> dict[str, list]:
-    from transformers import AutoTokenizer
-
-    from .data import read_documents, tokenize_documents
-    from .evaluation import check_model_length, evaluate_lengths
-    from .loading import load_model
-
-    base = Path(config.base_model) if config.base_model else finals.pop("base (RoPE pretraining)")
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    documents = read_documents(
-        config.eval_data or config.data, text_field=config.text_field, split=config.eval_split
-    )
-    longest = config.train_length * max(config.multiples)
-    tokens = tokenize_documents(documents, tokenizer, max_tokens=max(config.eval_tokens, longest))
-    runs = {
-        "rope (base, no further training)" if not config.base_model else "base (no further training)": base
-    }
-    for spec, directory in finals.items():
-        label = display_label(spec)
-        runs[label if label not in runs else f"{label} [{spec}]"] = directory
-    results = {}
-    for label, directory in runs.items():
-        model = load_model(str(directory)).eval()
-        check_model_length(model, longest)
-        print(f"[study] evaluating {label}")
-        results[label] = evaluate_lengths(
-            model, tokens, config.train_length, config.multiples, max_tokens=config.eval_tokens, batch_size=8
-        )
-        del model
-    return results

@@ -47,6 +47,41 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     assert hf_posenc.patch_info(alibi)["encoding"] == "alibi"
     expe_dir = tmp_path / "runs" / "expe_scaling_type_linear_factor_2"
     assert expe_dir.is_dir(), sorted(p.name for p in (tmp_path / "runs").iterdir())
+    # the default evaluation-only row of a trained rope: position interpolation at each length,
+    # factor 1 at 1x (so it equals the trained rope row there), labelled and listed as eval-only
+    results = report["results"]
+    interpolated = results["rope (PI at eval, factor = length/16)"]
+    assert interpolated[0]["loss"] == results["rope"][0]["loss"]
+    assert all(a["loss"] != b["loss"] for a, b in zip(interpolated[1:], results["rope"][1:], strict=True))
+    assert report["metadata"]["eval_only_rows"] == ["rope (PI at eval, factor = length/16)"]
+    assert "evaluation only, no training" in out
+
+
+def test_eval_only_rows_evaluate_trained_runs_at_other_parameters(tmp_path, capsys):
+    """An explicit evaluation-only row (alibi trained unscaled, evaluated at factor 2) trains
+    nothing new and equals the trained alibi weights patched with ALiBi at factor 2 from the start
+    (slopes / 2, Al-Khateeb et al. 2023), evaluated on the same tokens."""
+    from transformers import AutoTokenizer
+
+    from hf_posenc.data import read_documents, tokenize_documents
+    from hf_posenc.evaluation import evaluate_lengths, token_budget
+
+    mini = {**MINI, "encodings": ["alibi"], "eval_only": ['alibi@{"scaling": {"type": "linear", "factor": 2}}']}
+    report = json.loads(run_study(StudyConfig(output_dir=str(tmp_path), **mini))["json"].read_text())
+    row = report["results"]["alibi (x0.5 at eval)"]
+    assert report["metadata"]["eval_only_rows"] == ["alibi (x0.5 at eval)"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["alibi"]
+
+    model = hf_posenc.from_pretrained(str(tmp_path / "runs" / "alibi" / "final"))
+    hf_posenc.unpatch_model(model)
+    hf_posenc.patch_model(model, "alibi", scaling={"type": "linear", "factor": 2.0})
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "base" / "final"))
+    documents = read_documents(["builtin:stdlib"], split="validation")
+    lengths = [16 * m for m in MINI["multiples"]]
+    tokens = tokenize_documents(documents, tokenizer, max_tokens=max(MINI["eval_tokens"], max(lengths)))
+    tokens = tokens[: token_budget(tokens.numel(), lengths, MINI["eval_tokens"])]
+    expected = evaluate_lengths(model, tokens, 16, MINI["multiples"], batch_size=8, progress=False)
+    assert [r["loss"] for r in row] == pytest.approx([r.loss for r in expected], abs=1e-9)
 
 
 def _recorded_steps(run: Path) -> int:
@@ -145,6 +180,10 @@ def test_encoding_specs_parse_names_aliases_and_json():
         (["--base-model", "./my-llama"], "'./my-llama' does not exist"),
         (["--encodings", 't5{"num_buckets": -1}'], "num_buckets"),
         (["--steps", "0"], "steps=0"),
+        (["--encodings", "alibi", "--eval-only", "t5@interpolate"], "TRAINED is one of the study's encodings: alibi"),
+        (["--encodings", "nope", "--eval-only", "nope@interpolate"], "nope"),
+        (["--encodings", "alibi", "--eval-only", "alibi@{oops"], "is neither JSON nor 'interpolate'"),
+        (["--encodings", "alibi", "--eval-only", 'alibi@{"max_distance": 3}'], "has no parameter 'max_distance'"),
     ],
 )
 def test_bad_input_is_refused_before_any_training(tmp_path, capsys, argv, message):

@@ -24,8 +24,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "study",
         help="patch a base model with each encoding, continue pretraining, report loss vs length",
         description="With no arguments: an offline study on the Python standard library's sources, with a tiny "
-        "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe "
-        "(about 10-15 minutes on 2 CPU cores).",
+        "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe, "
+        "plus evaluation-only rows: expe/exqpe at scaling factor 2 (the ExPE paper's Table 3) and RoPE with "
+        "position interpolation (about 10-15 minutes on 2 CPU cores).",
     )
     parser.add_argument(
         "--config",
@@ -78,6 +79,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--eval-only",
+        nargs="*",
+        default=None,
+        metavar="ROW",
+        help="rows evaluated without training: TRAINED@{JSON overrides} or TRAINED@interpolate (factor = "
+        "length / train length), TRAINED one of --encodings (default: expe and exqpe at scaling factor 2, "
+        "rope@interpolate; give --eval-only alone for none)",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",

@@ -12,7 +12,7 @@ import csv
 import json
 import math
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -175,10 +175,18 @@ def _zoom_past_outliers(axes, changes: dict[str, list[float]]) -> None:
     axes.text(0.02, 0.98, note, transform=axes.transAxes, va="top", fontsize="small", wrap=True)
 
 
-def plot_losses(results: Results, path: str | Path, *, train_length: int, title: str | None = None) -> Path:
+def plot_losses(
+    results: Results,
+    path: str | Path,
+    *,
+    train_length: int,
+    title: str | None = None,
+    dashed: Collection[str] = (),
+) -> Path:
     """PNG with two panels against evaluation length (log2 x-axis in tokens), one line per label:
     the loss, and its change relative to the shortest length (1x), so one model far above the
     others (e.g. sinusoidal past its training length) does not flatten every other line.
+    Labels in ``dashed`` (e.g. evaluation-only rows) are drawn dashed with hollow markers.
 
     Draws on a bare Agg canvas (no pyplot, no display, the global backend untouched).
     """
@@ -192,6 +200,8 @@ def plot_losses(results: Results, path: str | Path, *, train_length: int, title:
     lengths = sorted({r.length for rows in results.values() for r in rows} | {train_length})
     changes = {}
     for (label, entries), style in zip(results.items(), line_styles(len(results)), strict=True):
+        if label in dashed:
+            style = {**style, "linestyle": "--", "markerfacecolor": "none"}
         ordered = sorted(entries, key=lambda r: r.length)
         x = [r.length for r in ordered]
         absolute.plot(x, [r.loss for r in ordered], label=label, **style)
@@ -232,6 +242,7 @@ def write_report(
     *,
     metadata: Mapping[str, Any] | None = None,
     perplexity: bool = True,
+    dashed: Collection[str] = (),
 ) -> dict[str, Path]:
     """Write results.txt (the table), results.csv, results.json and loss_vs_length.png.
 
@@ -244,5 +255,5 @@ def write_report(
     paths["table"].write_text(f"{heading}training length {train_length}\n{table}\n", encoding="utf-8")
     write_csv(results, paths["csv"])
     write_json(results, paths["json"], train_length=train_length, title=title, metadata=metadata)
-    plot_losses(results, paths["png"], train_length=train_length, title=title)
+    plot_losses(results, paths["png"], train_length=train_length, title=title, dashed=dashed)
     return paths
