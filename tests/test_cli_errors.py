@@ -3,12 +3,15 @@ before any model loads; --traceback shows the traceback instead. --help and list
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import hf_posenc
 from hf_posenc.cli import build_parser, main
 from hf_posenc.data import stdlib_documents
 from hf_posenc.tiny import tiny_model
@@ -163,3 +166,37 @@ def test_lm_eval_passthrough_checks_the_model_before_lm_eval_starts(
     assert main([*argv, "--tasks", "arc_easy"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err, err
+
+
+def test_list_reads_a_cached_catalogue_without_importing_torch(tmp_path):
+    """`hf-posenc list` builds its catalogue once (importing the registry) and afterwards prints it
+    from the cache without importing torch; the printed catalogue is the registry's own listing;
+    a damaged cache file is rebuilt."""
+    env = {**os.environ, "HF_POSENC_CACHE": str(tmp_path)}
+    code = (
+        "import sys; from hf_posenc.cli import main; main(['list', '--json']); "
+        "print('TORCH', 'torch' in sys.modules)"
+    )
+
+    def run() -> tuple[dict, bool]:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+        )
+        listing, _, flag = out.stdout.rpartition("TORCH ")
+        return json.loads(listing), flag.strip() == "True"
+
+    first, first_imported_torch = run()
+    (cached,) = tmp_path.glob("catalogue-*.json")
+    second, second_imported_torch = run()
+    assert first_imported_torch and not second_imported_torch
+    assert first == second
+    names = [info.name for info in hf_posenc.list_encodings()]
+    assert [row["name"] for row in second["encodings"]] == names
+    assert second["families"] == hf_posenc.registry.supported_families()
+    params = {row["name"]: row["parameters"] for row in second["encodings"]}
+    assert params["t5"] == json.loads(
+        json.dumps(hf_posenc.registry.get_encoding("t5").config_class.parameter_defaults())
+    )
+    cached.write_text("{not json")
+    third, third_imported_torch = run()
+    assert third == first and third_imported_torch

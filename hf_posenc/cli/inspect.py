@@ -21,29 +21,20 @@ def _format_parameters(parameters: dict) -> str:
 
 
 def command_list(args: argparse.Namespace) -> int:
-    from ..registry import list_encodings, supported_families
+    from ..catalogue import catalogue
 
-    infos = list_encodings()
+    listing = catalogue()  # cached metadata: no torch import once the catalogue is built
     if args.json:
-        rows = [
-            {
-                "name": i.name,
-                "aliases": list(i.aliases),
-                "stages": list(i.stages),
-                "parameters": i.parameters,
-                "summary": i.summary,
-                "paper": i.paper,
-            }
-            for i in infos
-        ]
-        print(json.dumps({"encodings": rows, "families": supported_families()}, indent=2, default=str))
+        print(json.dumps(listing, indent=2))
         return 0
-    for info in infos:
-        print(f"{info.name:<11} {info.summary}")
-        print(f"{'':<11} aliases: {', '.join(info.aliases) or '-'}; stages: {', '.join(info.stages) or '-'}")
-        print(f"{'':<11} parameters: {_format_parameters(info.parameters)}")
-        print(f"{'':<11} paper: {info.paper}")
-    print(f"model families: {', '.join(supported_families())}")
+    for info in listing["encodings"]:
+        print(f"{info['name']:<11} {info['summary']}")
+        print(
+            f"{'':<11} aliases: {', '.join(info['aliases']) or '-'}; stages: {', '.join(info['stages']) or '-'}"
+        )
+        print(f"{'':<11} parameters: {_format_parameters(info['parameters'])}")
+        print(f"{'':<11} paper: {info['paper']}")
+    print(f"model families: {', '.join(listing['families'])}")
     return 0
 
 
