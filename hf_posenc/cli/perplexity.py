@@ -7,7 +7,7 @@ Each model directory holds a checkpoint and its tokenizer. A checkpoint saved fr
 patched model is re-patched from its ``config.posenc``; a plain one is evaluated natively,
 or patched with ``--encoding`` first. Every input is checked (model directories and
 tokenizers, data sources, the output directory, encoding parameters, enough tokens, learned
-tables / GPT-2's ``n_positions`` long enough) before any model is loaded. Prints the table
+tables, or a family's native limit, long enough) before any model is loaded. Prints the table
 and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--output``.
 """
 
@@ -48,7 +48,7 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     """The encoding a model will be evaluated with; fails early on a conflict or a too-short limit."""
     from transformers import AutoConfig
 
-    from ..registry import canonical_name
+    from ..registry import adapter_for_config, canonical_name
 
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
@@ -72,10 +72,12 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
                 f"{directory!r}: evaluation length {longest} is longer than the learned position table "
                 f"(max_positions={limit}); lower --multiples / --train-length to at most {limit} tokens"
             )
-    if name is None and config.model_type == "gpt2" and longest > config.n_positions:
+    adapter = adapter_for_config(config)
+    native_limit = adapter.native_position_limit(config) if name is None and adapter is not None else None
+    if native_limit is not None and longest > native_limit[0]:
         raise PositionRangeError(
-            f"{directory!r}: evaluation length {longest} is longer than native GPT-2's "
-            f"n_positions={config.n_positions}; lower --multiples / --train-length, or add --encoding "
+            f"{directory!r}: evaluation length {longest} is longer than {native_limit[1].format(native_limit[0])}"
+            "; lower --multiples / --train-length, or add --encoding "
             "(e.g. alibi) to patch it with an encoding that extrapolates"
         )
     return name or "native"
