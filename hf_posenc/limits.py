@@ -6,14 +6,15 @@ from torch import nn
 
 from .interpolation import covered_positions
 from .patch import MODULE_NAME, patch_info
+from .registry import adapter_for_config
 
 
 def position_limit(model: nn.Module) -> tuple[int, str] | None:
     """``(tokens, what sets it)`` for a model that cannot take longer inputs, else None.
 
-    A model patched with ``learned`` stops at its table (``max_positions``); a native
-    (unpatched) GPT-2 stops at its ``wpe`` table (``n_positions``). Every other encoding
-    accepts any length.
+    A model patched with ``learned`` stops at its table (``max_positions``); an unpatched
+    model stops where its family says (``FamilyAdapter.native_position_limit``, e.g. a learned
+    position table). Every other encoding accepts any length.
     """
     info = patch_info(model)
     if info is not None and info["encoding"] == "learned":
@@ -25,6 +26,7 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
             f"interpolated by {factor:g}: {{}} positions)"
         )
     config = getattr(model, "config", None)
-    if info is None and getattr(config, "model_type", None) == "gpt2":
-        return int(config.n_positions), "native GPT-2's wpe table (n_positions={})"
+    adapter = adapter_for_config(config)
+    if info is None and adapter is not None:
+        return adapter.native_position_limit(config)
     return None

@@ -34,7 +34,7 @@ def check_model_path(path: str, *, what: str = "--model", need_tokenizer: bool =
     if not folder.exists():
         raise FileNotFoundError(
             f"{what} {path!r} does not exist; allowed: a local model folder (with config.json) or a hub id "
-            "such as meta-llama/Llama-3.2-1B"
+            "such as HuggingFaceTB/SmolLM2-135M"
         )
     if not folder.is_dir():
         raise NotADirectoryError(f"{what} {path!r} is a file; allowed: a model folder with config.json")

@@ -7,15 +7,16 @@ import difflib
 from typing import TYPE_CHECKING, Any
 
 from .errors import UnknownEncodingError, UnsupportedModelError
-from .models import GPT2Adapter, LlamaAdapter, MistralAdapter
-from .models.base import FamilyAdapter
+from .models import adapter_for_model_type, family_adapters, served_model_types
+
+if TYPE_CHECKING:  # models.base imports torch; the families register themselves (models/__init__.py)
+    from .models.base import FamilyAdapter
 
 if TYPE_CHECKING:  # the encodings package imports this module to register itself
     from .encodings.base import Encoding
 
 _ENCODINGS: dict[str, type[Encoding]] = {}
 _ALIASES: dict[str, str] = {}
-_FAMILIES: dict[str, FamilyAdapter] = {}
 
 
 def register_encoding(cls: type[Encoding]) -> type[Encoding]:
@@ -89,27 +90,37 @@ def list_encodings() -> list[EncodingInfo]:
     ]
 
 
-def register_family(adapter: FamilyAdapter) -> FamilyAdapter:
-    for model_type in adapter.model_types:
-        _FAMILIES[model_type] = adapter
-    return adapter
-
-
 def supported_families() -> list[str]:
-    return sorted(_FAMILIES)
+    """Every ``config.model_type`` a registered family serves, sorted."""
+    return served_model_types()
+
+
+def families() -> dict[str, FamilyAdapter]:
+    """Family name -> adapter (one module each in ``hf_posenc/models/``)."""
+    return family_adapters()
+
+
+def adapter_for_config(config: Any) -> FamilyAdapter | None:
+    """The adapter of ``config.model_type``, or None when no family serves it."""
+    return adapter_for_model_type(getattr(config, "model_type", None))
 
 
 def adapter_for(model: Any) -> FamilyAdapter:
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    adapter = _FAMILIES.get(model_type)
+    adapter = adapter_for_config(config)
     if adapter is None:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"model_type {getattr(config, 'model_type', None)!r} ({type(model).__name__}) is not supported; "
             f"supported families: {', '.join(supported_families())}"
         )
     return adapter
 
 
-for _adapter in (LlamaAdapter(), MistralAdapter(), GPT2Adapter()):
-    register_family(_adapter)
+def get_family(name: str) -> FamilyAdapter:
+    """The adapter of family ``name``; an unknown name gets a did-you-mean."""
+    known = families()
+    if name in known:
+        return known[name]
+    close = difflib.get_close_matches(str(name), sorted(known), n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise UnsupportedModelError(f"unknown model family {name!r}.{hint} Known families: {', '.join(known)}")

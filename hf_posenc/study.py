@@ -221,6 +221,7 @@ def check_study(config: StudyConfig) -> Path:
 def _pretrain_base(config: StudyConfig, settings, status: str):
     """Train the tokenizer and pretrain the embedded tiny Llama with RoPE; return its final folder."""
     from .data import read_documents
+    from .models import DEFAULT_FAMILY
     from .tiny import tiny_model
     from .tokenizer import train_bpe_tokenizer
     from .training import train
@@ -230,7 +231,7 @@ def _pretrain_base(config: StudyConfig, settings, status: str):
     )
     tokenizer = train_bpe_tokenizer(documents, vocab_size=config.vocab_size)
     model = tiny_model(
-        "llama",
+        DEFAULT_FAMILY,
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidParameterError
+from .models import DEFAULT_FAMILY
 from .study import StudyConfig, parse_encoding_spec, spec_slug
 
 
 def _tiny_spec(config: StudyConfig) -> str:
     """The embedded base model as a model "name" that records everything that shapes it."""
     return (
-        f"builtin:tiny-llama(hidden={config.hidden_size},layers={config.num_layers},vocab={config.vocab_size},"
+        f"builtin:tiny-{DEFAULT_FAMILY}(hidden={config.hidden_size},layers={config.num_layers},vocab={config.vocab_size},"
         f"positions={config.train_length * max(config.multiples)},seed={config.seed})"
     )
 

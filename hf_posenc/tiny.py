@@ -1,6 +1,7 @@
 """Small random models of each supported family, built from a config (nothing downloaded).
 
-Used by ``hf-posenc check`` and the test suite; handy for trying an encoding quickly.
+Used by ``hf-posenc check`` and the test suite; handy for trying an encoding quickly. Each
+family's config comes from its adapter (``FamilyAdapter.tiny_config``).
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from .errors import UnsupportedModelError
 
 
 def tiny_model(
@@ -25,31 +24,25 @@ def tiny_model(
     seed: int = 0,
     **config_overrides: Any,
 ) -> nn.Module:
-    """A causal LM of ``family`` ('llama', 'mistral' or 'gpt2') with random weights, in eval mode.
-
-    GPT-2 has no grouped-query attention, so ``num_kv_heads`` is ignored for it.
+    """A causal LM of ``family`` (see ``hf_posenc.supported_families()``) with random weights,
+    in eval mode. Families without grouped-query attention ignore ``num_kv_heads``.
     ``config_overrides`` set any further config attribute (e.g. ``sliding_window=8``).
     """
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
+    from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "gpt2":
-        config = GPT2Config(
-            n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions, **common
-        )
-    elif family in ("llama", "mistral"):
-        config_class = LlamaConfig if family == "llama" else MistralConfig
-        config = config_class(
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_positions,
-            **common,
-        )
-    else:
-        raise UnsupportedModelError(f"tiny_model: family {family!r} is not one of gpt2, llama, mistral")
+    from .registry import get_family
+
+    config = get_family(family).tiny_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        max_positions=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     for key, value in config_overrides.items():
         setattr(config, key, value)
     torch.manual_seed(seed)

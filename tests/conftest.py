@@ -7,12 +7,15 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
+from hf_posenc.registry import adapter_for, families
 from hf_posenc.tiny import tiny_model
 
 hf_logging.set_verbosity_error()
 
 VOCAB = 101
-FAMILIES = ("llama", "mistral", "gpt2")
+#: every registered family (one module each in hf_posenc/models/): each is exercised by the
+#: tests parametrised over FAMILIES
+FAMILIES = tuple(families())
 ENCODINGS = ("nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe")
 #: every encoding with its defaults, plus variants whose code paths differ
 CASES = [(name, {}) for name in ENCODINGS] + [
@@ -39,13 +42,10 @@ def case_id(case) -> str:
 
 
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A 2-layer model of ``family`` with random weights, in eval mode, fp32, no dropout.
-
-    Mistral gets a sliding window of 8, shorter than most test inputs."""
-    if family == "mistral":
-        overrides.setdefault("sliding_window", 8)
-    if family == "gpt2":
-        overrides.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    """A 2-layer model of ``family`` with random weights, in eval mode, fp32, with the family's
+    test settings (``test_config_overrides``: no dropout; Mistral's sliding window of 8,
+    shorter than most test inputs)."""
+    overrides = {**families()[family].test_config_overrides, **overrides}
     model = tiny_model(family, vocab_size=VOCAB, max_positions=64, seed=seed, **overrides)
     # larger weights than the default init make positional effects visible in logits
     with torch.no_grad():
@@ -53,6 +53,26 @@ def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     return model
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of ``model`` in layer order."""
+    return adapter_for(model).attention_modules(model)
+
+
+def native_window(model: torch.nn.Module, layer: int = 0) -> int | None:
+    """The sliding window of ``layer`` as the config states it (``layer_types`` when present)."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def num_query_heads(model: torch.nn.Module) -> int:
+    """Query heads per layer, as the config states them."""
+    config = model.config
+    return getattr(config, "num_attention_heads", None) or config.n_head
 
 
 def randomize_encoding(model: torch.nn.Module, seed: int = 1) -> None:

@@ -76,32 +76,53 @@ def rotation_matrix(
 # -- one attention layer ------------------------------------------------------------------
 
 
-def projections(family: str, module, x_qk: torch.Tensor, x_v: torch.Tensor):
-    """q, k, v as (T, heads, head_dim) float64 lists per batch, from the module's own weights."""
+def _linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """x @ W^T (+ b) in float64, for an nn.Linear (weight (out, in), bias optional)."""
+    out = x @ layer.weight.double().T
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """Zhang & Sennrich 2019: x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.double()
+
+
+def projections(module, x_qk: torch.Tensor, x_v: torch.Tensor):
+    """q, k, v as (B, T, heads, head_dim) float64, from the module's own weights, read from its
+    structure: a fused Conv1D ``c_attn`` (GPT-2: weight (in, 3*out) plus bias), or separate
+    ``q_proj``/``k_proj``/``v_proj`` linears (with their biases when present), followed by the
+    q/k RMSNorms when the module has them — over each head when the norm's weight has head_dim
+    entries (Qwen3), over the whole projection otherwise (OLMo 2)."""
     d_head = module.head_dim
-    if family == "gpt2":
+    split = lambda t: t.reshape(*t.shape[:-1], -1, d_head)  # noqa: E731  (B, T, H, D)
+    if hasattr(module, "c_attn"):
         w, b = module.c_attn.weight.double(), module.c_attn.bias.double()  # (d, 3d)
         d = w.shape[0]
         q = x_qk @ w[:, :d] + b[:d]
         k = x_qk @ w[:, d : 2 * d] + b[d : 2 * d]
         v = x_v @ w[:, 2 * d :] + b[2 * d :]
-    else:
-        q = x_qk @ module.q_proj.weight.double().T
-        k = x_qk @ module.k_proj.weight.double().T
-        v = x_v @ module.v_proj.weight.double().T
-    split = lambda t: t.reshape(*t.shape[:-1], -1, d_head)  # noqa: E731  (B, T, H, D)
-    return split(q), split(k), split(v)
+        return split(q), split(k), split(v)
+    q, k, v = _linear(x_qk, module.q_proj), _linear(x_qk, module.k_proj), _linear(x_v, module.v_proj)
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    per_head = q_norm is not None and q_norm.weight.numel() == d_head
+    if q_norm is not None and not per_head:
+        q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)
+    q, k, v = split(q), split(k), split(v)
+    if per_head:
+        q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)
+    return q, k, v
 
 
-def output_projection(family: str, module, merged: torch.Tensor) -> torch.Tensor:
-    if family == "gpt2":
+def output_projection(module, merged: torch.Tensor) -> torch.Tensor:
+    """The output projection of merged heads (B, T, H*D): ``c_proj`` (Conv1D) or ``o_proj``."""
+    if hasattr(module, "c_proj"):
         return merged @ module.c_proj.weight.double() + module.c_proj.bias.double()
-    return merged @ module.o_proj.weight.double().T
+    return _linear(merged, module.o_proj)
 
 
 @torch.no_grad()
 def attention_layer(
-    family: str,
     module,
     hidden: torch.Tensor,
     *,
@@ -128,7 +149,7 @@ def attention_layer(
             x_qk[:, t, : len(values)] = values
         if override_value:
             x_v = x_qk
-    q, k, v = projections(family, module, x_qk, x_v)
+    q, k, v = projections(module, x_qk, x_v)
     heads, kv_heads = q.shape[2], k.shape[2]
     out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
     for b in range(batch):
@@ -143,4 +164,4 @@ def attention_layer(
                     scores.append(float(qi @ kj) * scaling + (bias(h, i, j) if bias else 0.0))
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
-    return output_projection(family, module, out.reshape(batch, length, -1))
+    return output_projection(module, out.reshape(batch, length, -1))

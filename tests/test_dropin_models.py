@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES, VOCAB, make_model, patch, token_ids
+from conftest import FAMILIES, VOCAB, attention_modules, make_model, patch, token_ids
 from conftest import no_grad_logits as logits
 
 import hf_posenc
@@ -86,9 +86,11 @@ def test_peft_wrapped_models(family, order):
     parameters train, and unpatching restores the peft model's own outputs."""
     from peft import LoraConfig, get_peft_model
 
-    targets = ["c_attn"] if family == "gpt2" else ["q_proj", "v_proj"]
-    lora = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
     model = make_model(family)
+    fused = hasattr(attention_modules(model)[0], "c_attn")  # GPT-2's fused q/k/v Conv1D
+    lora = LoraConfig(
+        r=4, target_modules=["c_attn"] if fused else ["q_proj", "v_proj"], init_lora_weights=False
+    )
     ids = token_ids(2, 10)
     if order == "patch_then_peft":
         hf_posenc.patch_model(model, "t5")

@@ -15,7 +15,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import make_model, patch, token_ids
+from conftest import make_model, native_window, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
@@ -96,15 +96,15 @@ def sba_row(q, keys_k, keys, i, scale, attend_current, remainder):
 
 
 @torch.no_grad()
-def layer_reference(family, name, params, module, hidden, model, layer_idx):
+def layer_reference(name, params, module, hidden, model, layer_idx):
     """Patched attention layer output, (B, T, hidden) fp64, from loops over batch, query, head, key."""
     hidden = hidden.double()
     batch, length, _ = hidden.shape
-    q, k, v = ref.projections(family, module, hidden, hidden)  # (B, T, H, D)
+    q, k, v = ref.projections(module, hidden, hidden)  # (B, T, H, D)
     heads, kv_heads, d = q.shape[2], k.shape[2], q.shape[3]
     scale = module.scaling
     assert scale == pytest.approx(d**-0.5)  # the references' 1/sqrt(d)
-    window = 8 if family == "mistral" else None
+    window = native_window(model, layer_idx)
     out = torch.zeros(batch, length, heads, d, dtype=torch.float64)
     if name == "cope":
         npos_max = params.get("npos_max", 64)
@@ -152,7 +152,7 @@ def layer_reference(family, name, params, module, hidden, model, layer_idx):
                         params.get("remainder", "current"),
                     )
                 out[b, i, h] = sum(w * v[b, j, group(h)] for w, j in zip(rows[h], keys, strict=True))
-    return ref.output_projection(family, module, out.reshape(batch, length, -1))
+    return ref.output_projection(module, out.reshape(batch, length, -1))
 
 
 @pytest.mark.parametrize("case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
@@ -161,10 +161,10 @@ def test_patched_attention_equals_formula_reference(family, case):
     (random encoding parameters; Mistral's sliding window included)."""
     name, params = case
     model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
-        expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
+        expected = layer_reference(name, params, module, hidden, model, layer_idx)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 

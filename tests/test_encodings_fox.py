@@ -13,7 +13,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, patch, randomize_encoding, token_ids
+from conftest import case_id, make_model, native_window, patch, randomize_encoding, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
@@ -49,7 +49,7 @@ def rms(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fox_layer_reference(family, module, hidden, posenc, layer, params, window):
+def fox_layer_reference(module, hidden, posenc, layer, params, window):
     """One attention layer by the formulas, fp64:
 
     shift   k_t <- a_t k_{t-1} + (1-a_t) k_t, a_t = sigmoid(w_a . x_t + b_a) per KV head, k_{-1} = 0
@@ -61,7 +61,7 @@ def fox_layer_reference(family, module, hidden, posenc, layer, params, window):
     pro = {**dict.fromkeys(PRO_OFF, True), **params} if posenc.config.encoding == "fox_pro" else PRO_OFF
     x = hidden.double()
     batch, length, _ = x.shape
-    q, k, v = ref.projections(family, module, x, x)  # (B, T, H, D)
+    q, k, v = ref.projections(module, x, x)  # (B, T, H, D)
     heads, kv_heads = q.shape[2], k.shape[2]
     groups = heads // kv_heads
     w_f, b_f = posenc.forget[layer].weight.double(), posenc.forget[layer].bias.double()
@@ -123,18 +123,18 @@ def fox_layer_reference(family, module, hidden, posenc, layer, params, window):
     if pro["output_gate"]:
         gate = posenc.output_gate[layer]
         merged = merged * torch.sigmoid(x @ gate.weight.double().T + gate.bias.double())
-    return ref.output_projection(family, module, merged)
+    return ref.output_projection(module, merged)
 
 
 def test_patched_attention_equals_formula_reference(family, case):
     """Every patched attention layer equals the fp64 loop reference of the FoX / FoX (Pro) formulas."""
     name, params = case
     model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
-    window = 8 if family == "mistral" else None
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
-        expected = fox_layer_reference(family, module, hidden, model.posenc, layer_idx, params, window)
+        window = native_window(model, layer_idx)
+        expected = fox_layer_reference(module, hidden, model.posenc, layer_idx, params, window)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, patch, randomize_encoding, token_ids
+from conftest import case_id, make_model, native_window, num_query_heads, patch, randomize_encoding, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
@@ -93,10 +93,10 @@ def test_patched_attention_equals_formula_reference(family, ref_case):
     loops in fp64 from the module's weights and the encoding's raw parameters."""
     name, params = ref_case
     model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
-        heads = module.config.num_attention_heads if family != "gpt2" else module.num_heads
+        heads = num_query_heads(model)
         if name == "kerple":
             bias = kerple_reference(params, model.posenc, layer_idx)
         elif name == "sandwich":
@@ -104,11 +104,10 @@ def test_patched_attention_equals_formula_reference(family, ref_case):
         else:
             bias = fire_reference(params, model.posenc, layer_idx)
         expected = ref.attention_layer(
-            family,
             module,
             hidden,
             scaling=module.scaling,
-            window=8 if family == "mistral" else None,
+            window=native_window(model, layer_idx),
             bias=bias,
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)

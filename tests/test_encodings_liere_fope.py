@@ -14,7 +14,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, patch, token_ids
+from conftest import case_id, make_model, native_window, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
@@ -60,12 +60,12 @@ def case(request):
 
 
 @torch.no_grad()
-def attention_with_matrices(family: str, module, hidden: torch.Tensor, *, window, matrix) -> torch.Tensor:
+def attention_with_matrices(module, hidden: torch.Tensor, *, window, matrix) -> torch.Tensor:
     """softmax_j((M(g, i) q_i) . (M(g, j) k_j) * scaling) v_j over allowed j, per query head h with
     KV head g = h // group; ``matrix(g, t)`` is the (D, D) positional map of token t."""
     hidden = hidden.double()
     batch, length, _ = hidden.shape
-    q, k, v = ref.projections(family, module, hidden, hidden)
+    q, k, v = ref.projections(module, hidden, hidden)
     heads, kv_heads = q.shape[2], k.shape[2]
     out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
     for b in range(batch):
@@ -77,7 +77,7 @@ def attention_with_matrices(family: str, module, hidden: torch.Tensor, *, window
                 scores = [float(qi @ (matrix(g, j) @ k[b, j, g])) * module.scaling for j in keys]
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
-    return ref.output_projection(family, module, out.reshape(batch, length, -1))
+    return ref.output_projection(module, out.reshape(batch, length, -1))
 
 
 def liere_matrices(posenc, layer: int, head_dim: int):
@@ -145,13 +145,13 @@ def test_patched_attention_equals_formula_reference(family, ref_case):
     (randomised, so the LieRE generators are general skew-symmetric blocks)."""
     name, params = ref_case
     model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
         build = liere_matrices if name == "liere" else fope_matrices
         matrix = build(model.posenc, layer_idx, module.head_dim)
         expected = attention_with_matrices(
-            family, module, hidden, window=8 if family == "mistral" else None, matrix=matrix
+            module, hidden, window=native_window(model, layer_idx), matrix=matrix
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -160,18 +160,17 @@ def test_fope_without_clipping_and_noise_equals_the_rope_formula(family):
     """FoPE with identity coefficients (sigma=0) and no clipping equals the RoPE formula reference:
     block rotations by t * theta^(-2i/d) on pairs (i, i + d/2)."""
     model = patch(make_model(family), "fope", {"sigma": 0.0, "clip": False}, randomize=False)
-    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     theta = model.posenc.config.theta
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
         d = module.head_dim
         inv_freq = [theta ** (-2 * i / d) for i in range(d // 2)]
         expected = ref.attention_layer(
-            family,
             module,
             hidden,
             scaling=module.scaling,
-            window=8 if family == "mistral" else None,
+            window=native_window(model, layer_idx),
             rotation=lambda t, i, f=inv_freq, d=d: ref.rotation_matrix(t, f, d),
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, patch, token_ids
+from conftest import attention_modules, case_id, make_model, native_window, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
@@ -98,11 +98,11 @@ def comrope_matrix(posenc, layer: int, kv_head: int, x: list[float]) -> torch.Te
 
 
 @torch.no_grad()
-def attention_reference(family, module, hidden, rotation, window=None) -> torch.Tensor:
+def attention_reference(module, hidden, rotation, window=None) -> torch.Tensor:
     """softmax_j((R_i q_i) . (R_j k_j) * scaling) v_j over j <= i (and the window); rotation(b, t, kv_head)."""
     hidden = hidden.double()
     batch, length, _ = hidden.shape
-    q, k, v = ref.projections(family, module, hidden, hidden)  # (B, T, H, D)
+    q, k, v = ref.projections(module, hidden, hidden)  # (B, T, H, D)
     heads, kv_heads = q.shape[2], k.shape[2]
     out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
     for b in range(batch):
@@ -117,14 +117,13 @@ def attention_reference(family, module, hidden, rotation, window=None) -> torch.
                 )
                 weights = torch.softmax(scores, dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
-    return ref.output_projection(family, module, out.reshape(batch, length, -1))
+    return ref.output_projection(module, out.reshape(batch, length, -1))
 
 
-def capture(model, family, ids, **kwargs):
+def capture(model, ids, **kwargs):
     """Inputs and outputs of every attention module in one forward with ``kwargs``."""
     records, handles = {}, []
-    layers = model.transformer.h if family == "gpt2" else model.model.layers
-    attention = [layer.attn if family == "gpt2" else layer.self_attn for layer in layers]
+    attention = attention_modules(model)
 
     def hook(idx):
         def fn(module, args, kw, output):
@@ -146,7 +145,7 @@ def check_against_reference(family, name, params, coords=None, atol=ATOL):
     model = patch(make_model(family), name, params)
     ids = token_ids(2, LENGTH)
     kwargs = {} if coords is None else {"position_coordinates": coords}
-    records, attention = capture(model, family, ids, **kwargs)
+    records, attention = capture(model, ids, **kwargs)
     axes = axes_of(name, params)
     head_dim = model.posenc.geometry.head_dim
     cfg = model.posenc.config
@@ -168,9 +167,7 @@ def check_against_reference(family, name, params, coords=None, atol=ATOL):
             return cache[key]
 
         hidden, output = records[layer]
-        expected = attention_reference(
-            family, module, hidden, rotation, window=8 if family == "mistral" else None
-        )
+        expected = attention_reference(module, hidden, rotation, window=native_window(model, layer))
         torch.testing.assert_close(output.double(), expected, atol=atol, rtol=atol)
 
 

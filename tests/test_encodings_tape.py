@@ -12,7 +12,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import make_model, patch, token_ids
+from conftest import make_model, native_window, num_query_heads, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
@@ -34,17 +34,17 @@ def silu(x: float) -> float:
 
 
 @torch.no_grad()
-def reference_layers(family, model, attention, records, length):
+def reference_layers(model, attention, records, length):
     """Equations (1)-(4) with loops: the attention output of every layer, (T, hidden) fp64, batch row 0."""
     enc = model.posenc
     theta = enc.config.theta
     first = attention[0]
     d = first.head_dim
-    heads = model.config.num_attention_heads if family != "gpt2" else model.config.n_head
+    heads = num_query_heads(model)
     kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
     groups = heads // kv_heads
     half = d // 2
-    window = 8 if family == "mistral" else None
+    window = native_window(model)
     freqs = [theta ** (-2 * f / d) for f in range(half)]
     # (1): stream[g][t] = [cos(t w_f)]_f + [sin(t w_f)]_f
     stream = [[[math.cos(t * w) for w in freqs] + [math.sin(t * w) for w in freqs] for t in range(length)]]
@@ -58,7 +58,7 @@ def reference_layers(family, model, attention, records, length):
             wx = enc.x_proj[layer - 1].double() / math.sqrt(hidden.shape[-1])
             down = enc.down[layer - 1].double() / math.sqrt(enc.up.shape[1])
             stream = _pe_layer(stream, hidden, up, wx, down, kv_heads, length, d)
-        q, k, v = ref.projections(family, module, hidden[None], hidden[None])
+        q, k, v = ref.projections(module, hidden[None], hidden[None])
         q, k, v = q[0], k[0], v[0]  # (T, H, D)
 
         def rotation(e):  # (2) as a D x D matrix on the (f, f + D/2) pairs
@@ -83,7 +83,7 @@ def reference_layers(family, model, attention, records, length):
                     out[i, h] += w / total * v[j, g]
                     for e in range(d):
                         attended[h][i][e] += w / total * stream[g][j][e]
-        outputs.append(ref.output_projection(family, module, out.reshape(length, -1)))
+        outputs.append(ref.output_projection(module, out.reshape(length, -1)))
         if layer < enc.gamma.shape[0]:  # (3)
             gamma = enc.gamma[layer].double()
             stream = [
@@ -127,8 +127,8 @@ def test_every_layer_equals_the_formula_reference(family):
     """Each patched attention layer's output equals equations (1)-(4) computed with loops in fp64,
     with random encoding parameters (so the stream really changes from layer to layer)."""
     model = patch(make_model(family), "tape", {"position_size": 3})
-    records, attention = run_and_capture(model, family, token_ids(1, LENGTH))
-    expected = reference_layers(family, model, attention, records, LENGTH)
+    records, attention = run_and_capture(model, token_ids(1, LENGTH))
+    expected = reference_layers(model, attention, records, LENGTH)
     for layer, want in enumerate(expected):
         torch.testing.assert_close(
             records[layer][1][0].double(), want, atol=1e-5, rtol=1e-5, msg=f"layer {layer}"

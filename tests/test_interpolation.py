@@ -67,12 +67,12 @@ BIAS_CASES = [
 @pytest.mark.parametrize("backend", ["chunked", "sdpa"])
 def test_score_bias_at_a_factor_equals_the_formula_at_interpolated_positions(name, params, backend):
     model = patch(make_model("llama"), name, {**params, "scaling": linear()}, backend=backend)
-    records, attention = run_and_capture(model, "llama", token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
         heads = module.config.num_attention_heads
         bias = bias_reference(name, params, model, layer_idx, heads, F)
-        expected = ref.attention_layer("llama", module, hidden, scaling=module.scaling, bias=bias)
+        expected = ref.attention_layer(module, hidden, scaling=module.scaling, bias=bias)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -137,14 +137,14 @@ def test_rotary_encodings_at_a_factor_rotate_by_n_over_f(name, params):
     """At their initial values these all equal RoPE (rope2d with 1 axis; text on axis 0 of 2),
     so at factor f each layer equals RoPE's rotation R(n/f) (Chen et al. 2023's interpolation)."""
     model = patch(make_model("llama"), name, {**params, "scaling": linear()}, randomize=False)
-    records, attention = run_and_capture(model, "llama", token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     theta = float(model.config.rope_parameters["rope_theta"])
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
         inv_freq = axial_inv_freq(module.head_dim, theta, params.get("axes", 1))
         matrices = [ref.rotation_matrix(t / F, inv_freq, module.head_dim) for t in range(LENGTH)]
         expected = ref.attention_layer(
-            "llama", module, hidden, scaling=module.scaling, rotation=lambda t, i, m=matrices: m[t]
+            module, hidden, scaling=module.scaling, rotation=lambda t, i, m=matrices: m[t]
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 

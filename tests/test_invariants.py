@@ -166,7 +166,7 @@ def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     name, params = case
     model = make_model(family)
     ids = token_ids(2, 12)
-    base = model.transformer if family == "gpt2" else model.model
+    base = model.base_model
     with torch.no_grad():
         before = model(ids).logits
     keys = list(model.state_dict())

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import reference as ref
 import torch
-from conftest import make_model, patch, token_ids
+from conftest import attention_modules, make_model, native_window, num_query_heads, patch, token_ids
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 LENGTH = 12  # longer than Mistral's sliding window of 8
 
 
-def run_and_capture(model, family, ids):
+def run_and_capture(model, ids):
     """Run a forward and record (hidden input, output) of every attention module and the input of layer 0."""
     records, handles = {}, []
-    layers = model.transformer.h if family == "gpt2" else model.model.layers
-    attention = [layer.attn if family == "gpt2" else layer.self_attn for layer in layers]
+    attention = attention_modules(model)
+    first_layer = next(m for m in model.modules() if any(c is attention[0] for c in m.children()))
 
     def attention_hook(idx):
         def hook(module, args, kwargs, output):
@@ -31,7 +31,7 @@ def run_and_capture(model, family, ids):
 
     for idx, module in enumerate(attention):
         handles.append(module.register_forward_hook(attention_hook(idx), with_kwargs=True))
-    handles.append(layers[0].register_forward_pre_hook(layer_hook, with_kwargs=True))
+    handles.append(first_layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
     try:
         with torch.no_grad():
             model(ids)
@@ -68,10 +68,10 @@ def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[
     return inv_freq.double().tolist(), float(factor)
 
 
-def layer_reference(family, name, params, module, hidden, model, layer_idx):
+def layer_reference(name, params, module, hidden, model, layer_idx):
     geometry_d = hidden.shape[-1]
-    heads = module.config.num_attention_heads if family != "gpt2" else module.num_heads
-    kwargs = dict(scaling=module.scaling, window=8 if family == "mistral" else None)
+    heads = num_query_heads(model)
+    kwargs = dict(scaling=module.scaling, window=native_window(model, layer_idx))
     if name == "rope":
         # causal dynamic NTK: query i uses the frequencies for length i + 1; others: one schedule
         dynamic = params.get("scaling", {}).get("type") == "dynamic"
@@ -102,16 +102,16 @@ def layer_reference(family, name, params, module, hidden, model, layer_idx):
                 t, l, S, params.get("theta1", 1 / 2048), params.get("theta2", 1 / 16), factor
             )
         kwargs["override_value"] = params.get("override_value", False)
-    return ref.attention_layer(family, module, hidden, **kwargs)
+    return ref.attention_layer(module, hidden, **kwargs)
 
 
 def test_patched_attention_equals_formula_reference(family, case):
     name, params = case
     model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, family, token_ids(2, LENGTH))
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
-        expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
+        expected = layer_reference(name, params, module, hidden, model, layer_idx)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -119,7 +119,7 @@ def test_embedding_stage_adds_formula_vectors(family, case):
     name, params = case
     model = patch(make_model(family), name, params)
     ids = token_ids(2, LENGTH)
-    records, _ = run_and_capture(model, family, ids)
+    records, _ = run_and_capture(model, ids)
     tokens = model.get_input_embeddings().weight[ids].double()  # (B, T, d)
     d = tokens.shape[-1]
     if name == "sinusoidal":

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..models import DEFAULT_FAMILY
+
 
 @dataclasses.dataclass
 class BenchConfig:
     encodings: list[str]
     lengths: list[int] = dataclasses.field(default_factory=lambda: [512, 2048, 4096, 8192])
     modes: list[str] = dataclasses.field(default_factory=lambda: ["forward", "train", "decode"])
-    family: str = "llama"
+    family: str = DEFAULT_FAMILY
     vocab_size: int = 32000  # a real tokenizer's size: the logits are part of the memory baseline
     hidden_size: int = 256
     num_layers: int = 4

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import InvalidParameterError
+from ..models import family_names
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--lengths", nargs="+", type=int, default=defaults.lengths)
     parser.add_argument("--modes", nargs="+", default=defaults.modes, choices=["forward", "train", "decode"])
-    parser.add_argument("--family", default=defaults.family, choices=["llama", "mistral", "gpt2"])
+    parser.add_argument("--family", default=defaults.family, choices=family_names())
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num-layers", type=int, default=defaults.num_layers)

@@ -1,7 +1,7 @@
 """``hf-posenc list`` (the encodings) and ``hf-posenc check`` (verify them on a tiny model).
 
 ``hf-posenc check`` is the offline self-test a user runs after installing: it builds a
-small random Llama, Mistral or GPT-2 from a config (no download), patches it with every
+small random model of each family from a config (no download), patches it with every
 encoding and verifies the core guarantees (KV-cache decoding equals a full forward,
 save/reload is identical, unpatch restores the exact original), printing one row each.
 """
@@ -13,7 +13,7 @@ import json
 import tempfile
 import time
 
-FAMILIES = ("llama", "mistral", "gpt2")  # checked against the registry when a command runs
+from ..models import family_names
 
 
 def _format_parameters(parameters: dict) -> str:
@@ -100,7 +100,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     listing.set_defaults(run=command_list)
 
     check = commands.add_parser("check", help="patch a tiny random model with each encoding and verify it")
-    check.add_argument("--families", nargs="+", default=["llama", "mistral", "gpt2"], choices=FAMILIES)
+    check.add_argument("--families", nargs="+", default=family_names(), choices=family_names())
     check.add_argument("--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(run=command_check)

@@ -13,7 +13,7 @@ position interpolation of a model trained unscaled::
 
 and its row is labelled ``final (expe, x0.5 at eval)``. Every input is checked (model directories and
 tokenizers, data sources, the output directory, encoding parameters, enough tokens, learned
-tables / GPT-2's ``n_positions`` long enough) before any model is loaded. Prints the table
+tables, or a family's native limit, long enough) before any model is loaded. Prints the table
 and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--output``.
 """
 
@@ -80,7 +80,7 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     from transformers import AutoConfig
 
     from ..loading import check_overrides
-    from ..registry import canonical_name
+    from ..registry import adapter_for_config, canonical_name
 
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
@@ -112,10 +112,12 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
                 f"(max_positions={rows}) covers ({limit} positions at this scaling); lower --multiples / "
                 f"--train-length to at most {limit} tokens"
             )
-    if name is None and config.model_type == "gpt2" and longest > config.n_positions:
+    adapter = adapter_for_config(config)
+    native_limit = adapter.native_position_limit(config) if name is None and adapter is not None else None
+    if native_limit is not None and longest > native_limit[0]:
         raise PositionRangeError(
-            f"{directory!r}: evaluation length {longest} is longer than native GPT-2's "
-            f"n_positions={config.n_positions}; lower --multiples / --train-length, or add --encoding "
+            f"{directory!r}: evaluation length {longest} is longer than {native_limit[1].format(native_limit[0])}"
+            "; lower --multiples / --train-length, or add --encoding "
             "(e.g. alibi) to patch it with an encoding that extrapolates"
         )
     return Plan(name or "native", dict(resolved) if name else None, overrides)

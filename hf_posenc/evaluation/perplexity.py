@@ -27,9 +27,6 @@ from ..errors import PositionRangeError
 from ..limits import position_limit
 from .errors import EvaluationError
 
-#: families whose causal-LM head is a plain ``lm_head(base_model(...))``; their logits are
-#: computed in chunks so a long window never materialises (L, vocab) fp32 logits at once
-CHUNKED_HEAD_FAMILIES = ("llama", "mistral", "gpt2")
 #: fp32 logit elements per chunk (~256 MiB)
 CHUNK_ELEMENTS = 1 << 26
 
@@ -121,8 +118,14 @@ def _nll_sum(model: nn.Module, ids: torch.Tensor) -> float:
     targets = ids[:, 1:].reshape(-1)  # (B*(L-1),)
     from transformers import PreTrainedModel
 
-    family = getattr(getattr(model, "config", None), "model_type", None)
-    chunked = isinstance(model, PreTrainedModel) and family in CHUNKED_HEAD_FAMILIES  # not e.g. a PeftModel
+    from ..registry import adapter_for_config
+
+    # a family whose causal-LM head is a plain ``lm_head(base_model(...))`` gets its logits in
+    # chunks, so a long window never materialises (L, vocab) fp32 logits at once
+    adapter = adapter_for_config(getattr(model, "config", None))
+    chunked = (
+        isinstance(model, PreTrainedModel) and adapter is not None and adapter.plain_lm_head
+    )  # not a PeftModel
     head = model.get_output_embeddings() if chunked else None
     if head is None:
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]

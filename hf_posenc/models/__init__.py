@@ -1,8 +1,84 @@
-"""Model-family adapters, registered by ``config.model_type``."""
+"""Model families: one module per family in this package, named after the family.
 
-from .base import FamilyAdapter, ModelGeometry
-from .gpt2 import GPT2Adapter
-from .llama import LlamaAdapter
-from .mistral import MistralAdapter
+Each family module defines a :class:`~hf_posenc.models.base.FamilyAdapter` subclass decorated
+with :func:`register_family`; :func:`load_families` imports every module here (except
+``base`` and ``_private`` helpers), so adding a family is adding one file. This module is
+light (no torch) so that command lines can list the families without loading a model.
+"""
 
-__all__ = ["FamilyAdapter", "ModelGeometry", "GPT2Adapter", "LlamaAdapter", "MistralAdapter"]
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import FamilyAdapter
+
+#: modules of this package that are not families
+HELPER_MODULES = frozenset({"base"})
+#: the family of the embedded tiny model (the study's base model, the benchmark's default)
+DEFAULT_FAMILY = "llama"
+
+_BY_FAMILY: dict[str, FamilyAdapter] = {}
+_BY_MODEL_TYPE: dict[str, FamilyAdapter] = {}
+_LOADED: list[bool] = []  # non-empty once every family module is imported
+
+
+def family_names() -> list[str]:
+    """Every family, sorted: the module names in this package (nothing is imported)."""
+    return sorted(
+        info.name
+        for info in pkgutil.iter_modules(__path__)
+        if info.name not in HELPER_MODULES and not info.name.startswith("_")
+    )
+
+
+def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
+    """Class decorator: register an adapter under its ``family`` and each of its ``model_types``."""
+    module_family = cls.__module__.rsplit(".", 1)[-1]
+    if cls.family != module_family:
+        raise ValueError(f"{cls.__name__}.family={cls.family!r} must be its module's name {module_family!r}")
+    adapter = cls()
+    for model_type in cls.model_types:
+        owner = _BY_MODEL_TYPE.get(model_type)
+        if owner is not None and type(owner) is not cls:
+            raise ValueError(f"model_type {model_type!r} is already served by {type(owner).__name__}")
+        _BY_MODEL_TYPE[model_type] = adapter
+    _BY_FAMILY[cls.family] = adapter
+    return cls
+
+
+def load_families() -> None:
+    """Import every family module (each registers its adapter); once per process."""
+    if _LOADED:
+        return
+    for name in family_names():
+        importlib.import_module(f"{__name__}.{name}")
+    _LOADED.append(True)
+
+
+def family_adapters() -> dict[str, FamilyAdapter]:
+    """Family name -> adapter, for every family."""
+    load_families()
+    return dict(sorted(_BY_FAMILY.items()))
+
+
+def adapter_for_model_type(model_type: str | None) -> FamilyAdapter | None:
+    """The adapter serving ``config.model_type``, or None."""
+    load_families()
+    return _BY_MODEL_TYPE.get(model_type) if model_type is not None else None
+
+
+def served_model_types() -> list[str]:
+    """Every ``config.model_type`` some family serves, sorted."""
+    load_families()
+    return sorted(_BY_MODEL_TYPE)
+
+
+def __getattr__(name: str):
+    if name in ("FamilyAdapter", "ModelGeometry", "LayerGeometry"):
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

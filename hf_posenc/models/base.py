@@ -1,20 +1,72 @@
-"""What the engine needs to know about a model family, and nothing about encodings.
+"""The interface of a model family: everything the engine needs to know about one, and
+nothing about encodings.
 
-An adapter finds a family's attention modules and embeddings, projects hidden states to
-q/k/v with the family's own weights, applies its output projection, and neutralises its
-native positional encoding (RoPE for Llama/Mistral, ``wpe`` for GPT-2) in a reversible way.
+A family is ONE module in ``hf_posenc/models/`` (its file name is the family's name) whose
+adapter class is decorated with :func:`hf_posenc.models.register_family`. The adapter owns
+every fact about the family; nothing outside ``models/`` names a family:
+
+========================  ============================================================
+what                      where on :class:`FamilyAdapter`
+========================  ============================================================
+which configs             ``model_types`` (``config.model_type`` values it serves)
+refusing what it cannot   ``check_supported(model)``: one-line
+patch                     :class:`~hf_posenc.errors.UnsupportedModelError` naming the
+                          feature and its value (``refuse``), for every config or module
+                          feature the adapter does not reproduce (q/k norms, logit
+                          soft-capping, embedding multipliers, an attention class whose
+                          forward it has not been written for, ...)
+shapes, native settings   ``geometry(config)`` -> :class:`ModelGeometry` (model-wide
+                          values and one :class:`LayerGeometry` per layer: rope theta,
+                          native rotary on/off, sliding window, softmax scale)
+where things are          ``base_model``, ``attention_modules``
+q, k, v                   ``project(module, x_qk, x_v)``: the family's projections *with*
+                          their biases and q/k norms, as the native forward applies them
+                          before positions enter (before RoPE)
+output                    ``output(module, attn)``, ``dropout_p(module)``
+native positions          ``neutralize_native_positions(model)`` (reversible),
+                          ``native_position_table(model)`` (learned tables),
+                          ``native_position_limit(config)`` (the unpatched model's limit)
+LoRA                      ``lora_targets``, ``lora_fan_in_fan_out``
+head                      ``plain_lm_head``: logits are ``lm_head(base_model(...))`` with
+                          nothing in between (perplexity computes them in chunks)
+a tiny model              ``tiny_config(...)`` (``hf_posenc.tiny``, ``hf-posenc check``,
+                          the tests), ``test_config_overrides`` (what the test suite adds)
+========================  ============================================================
+
+The softmax scale the engine uses is the attention module's own ``scaling`` attribute
+(transformers sets it from ``head_dim`` or e.g. Gemma's ``query_pre_attn_scalar``), and a
+native sliding window arrives in each layer's attention mask; ``LayerGeometry`` records both
+so encodings can read them. An embedding scale (Gemma's sqrt(hidden)) is applied inside the
+family's embedding module, before an encoding's ``embed`` stage adds to its output;
+``ModelGeometry.embedding_scale`` records it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
+
 Undo = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGeometry:
+    """Native settings of one decoder layer (hybrid families differ from layer to layer)."""
+
+    #: the base of this layer's native RoPE frequencies (Gemma 3: local and global layers differ)
+    rope_theta: float
+    #: whether the native model rotates q/k in this layer (False: SmolLM3's NoPE layers)
+    native_rotary: bool = True
+    #: the native sliding window of this layer (None: full causal attention)
+    sliding_window: int | None = None
+    #: the native softmax scale of q.k (default head_dim**-0.5), None: not known from the config
+    softmax_scale: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,16 +86,73 @@ class ModelGeometry:
     rope_scaling: dict[str, Any] | None = None
     #: whether the model has a learned absolute position table of its own (GPT-2's ``wpe``)
     learned_position_table: bool = False
+    #: factor the family's embedding module multiplies token embeddings by (Gemma: sqrt(hidden))
+    embedding_scale: float = 1.0
+    #: one entry per layer; empty: every layer has the model-wide settings above
+    layers: tuple[LayerGeometry, ...] = ()
+
+    def layer(self, index: int) -> LayerGeometry:
+        """The settings of layer ``index`` (the model-wide ones when no per-layer list is given)."""
+        if self.layers:
+            return self.layers[index]
+        return LayerGeometry(rope_theta=self.rope_theta, softmax_scale=self.head_dim**-0.5)
 
 
 class FamilyAdapter:
-    """Base class of a model-family adapter. Subclasses fill in every method."""
+    """Base class of a model-family adapter; see the module docstring for what each member is.
 
-    family: str = ""
-    model_types: tuple[str, ...] = ()
+    Subclasses set the class attributes and fill in every method that raises
+    ``NotImplementedError``; they are registered with ``@register_family`` in their own
+    module ``hf_posenc/models/<family>.py``.
+    """
+
+    #: the family's name: the name of its module in ``hf_posenc/models/``
+    family: ClassVar[str] = ""
+    #: the ``config.model_type`` values this adapter serves
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: peft ``target_modules`` by default (``hf-posenc train --lora``)
+    lora_targets: ClassVar[tuple[str, ...]] = ()
+    #: whether the targeted layers store weights transposed (GPT-2's ``Conv1D``)
+    lora_fan_in_fan_out: ClassVar[bool] = False
+    #: logits are ``get_output_embeddings()(base_model(...).last_hidden_state)``, nothing else
+    plain_lm_head: ClassVar[bool] = True
+    #: config overrides the test suite adds to ``tiny_config`` (e.g. a short sliding window)
+    test_config_overrides: ClassVar[dict[str, Any]] = {}
 
     def check_supported(self, model: nn.Module) -> None:
-        """Raise :class:`UnsupportedModelError` for a variant of the family we cannot patch."""
+        """Raise :class:`UnsupportedModelError` (via :meth:`refuse`) for anything in ``model``'s
+        config or module structure that this adapter does not reproduce. Matching
+        ``model_type`` is not enough: check the modules the other methods rely on."""
+        raise NotImplementedError
+
+    def refuse(self, feature: str, value: Any, hint: str = "") -> None:
+        """Raise the one-line error naming an unsupported ``feature`` and its ``value``."""
+        raise UnsupportedModelError(
+            f"{self.family} model with {feature}={value!r} is not supported: hf_posenc's {self.family} "
+            f"adapter does not reproduce it{'; ' + hint if hint else ''}"
+        )
+
+    def refuse_config_values(self, config: Any, neutral: dict[str, tuple[Any, ...]]) -> None:
+        """:meth:`refuse` the first config attribute whose value is not one of its neutral
+        values (``{"final_logit_softcapping": (None,)}``); absent attributes are neutral."""
+        for name, allowed in neutral.items():
+            value = getattr(config, name, None)
+            if value is not None and value not in allowed:
+                self.refuse(name, value)
+
+    def require_attention_class(self, module: nn.Module, known: tuple[str, ...]) -> None:
+        """:meth:`refuse` an attention module whose ``forward`` is not defined by one of the
+        ``known`` classes: the patch replaces that forward, so anything a subclass or remote
+        code adds there (norms, caps, extra projections) would be dropped silently."""
+        owner = next(c for c in type(module).__mro__ if "forward" in c.__dict__)
+        if owner.__name__ not in known:
+            self.refuse("attention class", owner.__name__, f"known: {', '.join(known)}")
+
+    def require_modules(self, owner: nn.Module, names: tuple[str, ...], where: str) -> None:
+        """:meth:`refuse` when ``owner`` lacks one of the submodules the adapter reads."""
+        for name in names:
+            if not isinstance(getattr(owner, name, None), nn.Module):
+                self.refuse(f"{where} without {name}", type(owner).__name__)
 
     def geometry(self, config: Any) -> ModelGeometry:
         raise NotImplementedError
@@ -65,7 +174,8 @@ class FamilyAdapter:
     def project(
         self, module: nn.Module, x_qk: torch.Tensor, x_v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B,Hq,T,D), k (B,Hkv,T,D), v (B,Hkv,T,D) from the inputs (B,T,hidden)."""
+        """q (B,Hq,T,D), k (B,Hkv,T,D), v (B,Hkv,T,D) from the inputs (B,T,hidden), with the
+        family's biases and q/k norms applied as its native forward applies them before RoPE."""
         raise NotImplementedError
 
     def output(self, module: nn.Module, attn: torch.Tensor) -> torch.Tensor:
@@ -78,6 +188,25 @@ class FamilyAdapter:
     def native_position_table(self, model: nn.Module) -> torch.Tensor:
         """The model's own learned position table (n_positions, hidden), for families that have one."""
         raise NotImplementedError(f"{self.family} models have no learned position table")
+
+    def native_position_limit(self, config: Any) -> tuple[int, str] | None:
+        """``(tokens, description with a {} for the number)`` when the *unpatched* model cannot
+        take longer inputs (a learned table), else None."""
+        return None
+
+    def tiny_config(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_positions: int,
+        **special_tokens: int,
+    ) -> Any:
+        """A small config of this family (random weights are built from it, nothing downloaded)."""
+        raise NotImplementedError
 
 
 class RestoreAttribute:

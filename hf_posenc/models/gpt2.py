@@ -7,8 +7,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from .base import FamilyAdapter, ModelGeometry, Undo, freeze_parameters, replace_forward
+from . import register_family
+from .base import FamilyAdapter, LayerGeometry, ModelGeometry, Undo, freeze_parameters, replace_forward
+
+#: config values GPT-2's attention and embeddings do not apply: anything else is refused
+GPT2_NEUTRAL_CONFIG = {
+    "add_cross_attention": (None, False),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "scale_embedding": (None, False),
+}
 
 
 class ZeroPositions:
@@ -22,16 +30,40 @@ class ZeroPositions:
         return self.wpe.weight.new_zeros(())
 
 
+@register_family
 class GPT2Adapter(FamilyAdapter):
     family = "gpt2"
     model_types = ("gpt2",)
+    lora_targets = ("c_attn", "c_proj", "c_fc")
+    lora_fan_in_fan_out = True  # Conv1D stores weights transposed
+    test_config_overrides = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
     def check_supported(self, model: nn.Module) -> None:
-        if getattr(model.config, "add_cross_attention", False):
-            raise UnsupportedModelError(
-                "gpt2 with add_cross_attention=True is not supported: only decoder-only self-attention "
-                "can be patched"
-            )
+        self.refuse_config_values(model.config, GPT2_NEUTRAL_CONFIG)
+        base = self.base_model(model)
+        self.require_modules(base, ("h", "wpe"), "decoder stack")
+        for block in base.h:
+            self.require_modules(block, ("attn",), "decoder block")
+            self.require_attention_class(block.attn, ("GPT2Attention",))
+            self.require_modules(block.attn, ("c_attn", "c_proj"), "attention")
+
+    def native_position_limit(self, config: Any) -> tuple[int, str] | None:
+        return int(config.n_positions), "native GPT-2's n_positions={}"
+
+    def tiny_config(
+        self, *, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, max_positions, **special_tokens
+    ):
+        """GPT-2 has no grouped-query attention: ``num_kv_heads`` is ignored."""
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_positions,
+            **special_tokens,
+        )
 
     def geometry(self, config: Any) -> ModelGeometry:
         heads = config.n_head
@@ -46,7 +78,18 @@ class GPT2Adapter(FamilyAdapter):
             rope_theta=10000.0,
             partial_rotary_factor=1.0,
             learned_position_table=True,
+            layers=tuple(
+                LayerGeometry(rope_theta=10000.0, native_rotary=False, softmax_scale=self._scale(config, i))
+                for i in range(config.n_layer)
+            ),
         )
+
+    @staticmethod
+    def _scale(config: Any, index: int) -> float:
+        """GPT-2's softmax scale: 1/sqrt(head_dim) (``scale_attn_weights``), divided by the
+        layer number when ``scale_attn_by_inverse_layer_idx``."""
+        scale = (config.n_embd // config.n_head) ** -0.5 if config.scale_attn_weights else 1.0
+        return scale / (index + 1) if config.scale_attn_by_inverse_layer_idx else scale
 
     def native_position_table(self, model: nn.Module) -> torch.Tensor:
         return self.base_model(model).wpe.weight

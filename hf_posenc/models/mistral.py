@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from . import register_family
 from .llama import LlamaAdapter
 
 
+@register_family
 class MistralAdapter(LlamaAdapter):
     family = "mistral"
     model_types = ("mistral",)
+    attention_classes = ("MistralAttention",)
+    config_class_name = "MistralConfig"
+    #: a window shorter than most test inputs, so the tests see it act
+    test_config_overrides = {"sliding_window": 8}

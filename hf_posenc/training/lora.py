@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-DEFAULT_TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "gpt2": ["c_attn", "c_proj", "c_fc"],
-}
+from ..registry import adapter_for
 
 
 def apply_lora(
@@ -17,13 +13,13 @@ def apply_lora(
     """Wrap ``model`` with LoRA adapters; the encoding (``model.posenc``) stays fully trainable."""
     from peft import LoraConfig, get_peft_model
 
-    family = model.config.model_type
+    adapter = adapter_for(model)  # the family's default targets and weight layout
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=targets or DEFAULT_TARGETS[family],
-        fan_in_fan_out=family == "gpt2",  # GPT-2's Conv1D stores weights transposed
+        target_modules=targets or list(adapter.lora_targets),
+        fan_in_fan_out=adapter.lora_fan_in_fan_out,
         task_type="CAUSAL_LM",
     )
     wrapped = get_peft_model(model, config)

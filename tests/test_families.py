@@ -1,0 +1,152 @@
+"""A model family is one registered module in hf_posenc/models/: every family is in the test
+matrix, its adapter's facts match the model transformers builds, unsupported features are
+refused by name, and nothing outside models/ names a family."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, attention_modules, make_model, native_window, token_ids
+
+import hf_posenc
+from hf_posenc import UnsupportedModelError
+from hf_posenc.registry import families
+
+PACKAGE = Path(hf_posenc.__file__).parent
+MODELS = PACKAGE / "models"
+
+
+def family_files() -> list[str]:
+    """Family modules as files on disk: every module in models/ except the shared base."""
+    return sorted(
+        p.stem
+        for p in MODELS.glob("*.py")
+        if p.stem not in ("__init__", "base") and not p.stem.startswith("_")
+    )
+
+
+def test_every_family_module_is_registered_and_in_the_test_matrix():
+    """Each file in models/ registers one adapter named after the file, and the test suite's
+    FAMILIES (which the shared invariant tests are parametrised over) holds every one."""
+    adapters = families()
+    assert sorted(adapters) == family_files()
+    assert sorted(FAMILIES) == family_files()
+    for name, adapter in adapters.items():
+        assert adapter.family == name
+        assert adapter.model_types, name
+        assert type(adapter).__module__ == f"hf_posenc.models.{name}"
+    served = [t for adapter in adapters.values() for t in adapter.model_types]
+    assert sorted(served) == hf_posenc.supported_families()
+
+
+def test_tiny_model_of_each_family_matches_its_adapter(family):
+    """The tiny model is served by the family's adapter, and the adapter's geometry agrees with
+    what transformers built: one attention module per layer, each with the softmax scale and
+    sliding window its config gives it."""
+    model = make_model(family)
+    adapter = families()[family]
+    assert model.config.model_type in adapter.model_types
+    adapter.check_supported(model)  # the family's own tiny model is supported
+    geometry = adapter.geometry(model.config)
+    attention = attention_modules(model)
+    assert len(attention) == geometry.num_layers
+    for index, module in enumerate(attention):
+        layer = geometry.layer(index)
+        assert layer.softmax_scale == pytest.approx(module.scaling)
+        assert layer.sliding_window == native_window(model, index)
+        assert module.head_dim == geometry.head_dim
+    for target in adapter.lora_targets:  # every default LoRA target exists in the model
+        assert any(name.endswith("." + target) for name, _ in model.named_modules()), target
+
+
+def _subclass_attention(model) -> None:
+    """Stand-in for an attention subclass (e.g. remote code) that defines its own forward."""
+    for module in attention_modules(model):
+        module.__class__ = type("CustomAttention", (type(module),), {"forward": type(module).forward})
+
+
+def _add_q_norm(model) -> None:
+    for module in attention_modules(model):
+        module.q_norm = torch.nn.LayerNorm(module.head_dim)
+
+
+def _remove_rotary(model) -> None:
+    del model.model.rotary_emb
+
+
+#: (family, config overrides, model edit, text the refusal must contain)
+REFUSALS = [
+    ("llama", {"attn_logit_softcapping": 50.0}, None, "attn_logit_softcapping=50.0"),
+    ("llama", {"final_logit_softcapping": 30.0}, None, "final_logit_softcapping=30.0"),
+    ("llama", {"embedding_multiplier": 12.0}, None, "embedding_multiplier=12.0"),
+    ("llama", {"query_pre_attn_scalar": 256}, None, "query_pre_attn_scalar=256"),
+    ("llama", {"no_rope_layers": [1, 0]}, None, "no_rope_layers=[1, 0]"),
+    ("mistral", {"attn_logit_softcapping": 50.0}, None, "attn_logit_softcapping=50.0"),
+    ("mistral", {"scale_embedding": True}, None, "scale_embedding=True"),
+    ("llama", {}, _add_q_norm, "q/k norm module='q_norm'"),
+    ("mistral", {}, _add_q_norm, "q/k norm module='q_norm'"),
+    ("llama", {}, _subclass_attention, "attention class='CustomAttention'"),
+    ("mistral", {}, _subclass_attention, "attention class='CustomAttention'"),
+    ("gpt2", {}, _subclass_attention, "attention class='CustomAttention'"),
+    ("llama", {}, _remove_rotary, "decoder stack without rotary_emb"),
+    ("gpt2", {"attn_logit_softcapping": 50.0}, None, "attn_logit_softcapping=50.0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "edit", "feature"), REFUSALS, ids=[f"{r[0]}-{r[3]}" for r in REFUSALS]
+)
+def test_check_supported_refuses_each_unsupported_feature_by_name(family, overrides, edit, feature):
+    """A model of a supported model_type with a feature the adapter does not reproduce is
+    refused before anything changes, in one line naming the feature and its value."""
+    model = make_model(family, **overrides)
+    if edit is not None:
+        edit(model)
+    ids = token_ids(1, 6)
+    with pytest.raises(UnsupportedModelError) as info:
+        hf_posenc.patch_model(model, "alibi")
+    message = str(info.value)
+    assert feature in message and family in message and "\n" not in message
+    assert not hasattr(model, "posenc") and hf_posenc.patch_info(model) is None
+    if edit is None:  # the model still runs natively
+        with torch.no_grad():
+            model(ids)
+
+
+def _non_docstring_strings(tree: ast.AST) -> list[ast.Constant]:
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_nothing_outside_models_names_a_family():
+    """No module outside hf_posenc/models/ has a family name or model_type as a word in a
+    string (docstrings aside), nor imports a family module: family facts live in the family."""
+    names = set(FAMILIES) | {t for adapter in families().values() for t in adapter.model_types}
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if MODELS in path.parents:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in _non_docstring_strings(tree):
+            hits = names & set(re.findall(r"[A-Za-z0-9_]+", node.value))
+            if hits:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {sorted(hits)}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1] in names:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports {node.module}")
+    assert not offenders, offenders
