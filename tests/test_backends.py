@@ -585,3 +585,36 @@ def test_every_encoding_on_every_backend_choice_equals_eager_and_every_backend_i
     registered = {backend.name for backend in attention.registered_backends()}
     assert all(name in globals() for name in STAND_IN_TESTS.values())
     assert served | set(STAND_IN_TESTS) == registered, registered - served - set(STAND_IN_TESTS)
+
+
+def test_a_backend_failure_is_remembered_per_model_not_per_process(monkeypatch):
+    """A backend that fails (as FlexAttention does when a kernel cannot compile: it adds itself to
+    the call's ``failures``) is not asked again by that model, and still is by another model."""
+    from hf_posenc.attention import backend as registry
+    from hf_posenc.patch import PATCH_ATTRIBUTE
+
+    asked = []
+
+    class Failing(registry.Backend):
+        name = "failing_for_test"
+        priority = 1000
+        requests = frozenset({"auto"})
+
+        def serves(self, call):
+            return True
+
+        def attend(self, call):
+            asked.append(id(call.failures))
+            call.failures.add(self.name)
+            return None  # the dispatcher goes on to the next backend
+
+    monkeypatch.setitem(registry._REGISTRY, Failing.name, Failing())
+    first, second = patch(make_model("llama"), "alibi"), patch(make_model("llama"), "alibi")
+    ids = token_ids(1, 9)
+    with torch.no_grad():
+        reference = first(ids).logits
+        torch.testing.assert_close(first(ids).logits, reference)
+        torch.testing.assert_close(second(ids).logits, second(ids).logits)
+    runtimes = [getattr(model, PATCH_ATTRIBUTE).runtime for model in (first, second)]
+    assert asked == [id(runtimes[0].failed_backends), id(runtimes[1].failed_backends)]
+    assert all(runtime.failed_backends == {Failing.name} for runtime in runtimes)
