@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..config import FORMAT_VERSION, EncodingConfig
+from ..layout import query_key_indices
 from ..memo import ForwardMemo
 from ..models.base import ModelGeometry
 from .block_bias import BlockBias
@@ -64,7 +65,7 @@ def probe_call(
         q=torch.zeros(1, geometry.num_heads, q_len, d),
         k=torch.zeros(1, geometry.num_kv_heads, k_len, d),
         hidden=torch.zeros(1, q_len, geometry.hidden_size),
-        positions=torch.arange(k_len - q_len, k_len)[None],
+        positions=query_key_indices(q_len, k_len, None)[0][None],  # (1, Tq) bottom-right aligned
         memo=ForwardMemo(),
     )
 
