@@ -1,6 +1,7 @@
-"""A per-forward memo for tensors that every layer shares (biases, cos/sin, bucket indices).
+"""A per-forward memo for values that every layer shares (biases, cos/sin, bucket indices).
 
-Only tensors that carry no gradient belong here: they are pure functions of positions and
+Entries are tensors or values built from them (a score-bias form, a (cos, sin) pair); ``get``
+returns the type its ``compute`` returns. Only values that carry no gradient belong here: they are pure functions of positions and
 shapes, so reusing them across layers (and in gradient-checkpoint recomputation) is exact.
 The memo empties itself whenever a new forward pass starts.
 
@@ -11,14 +12,17 @@ The memo empties itself whenever a new forward pass starts.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
+
+Value = TypeVar("Value")
 
 
 class ForwardMemo:
     def __init__(self) -> None:
         self._owner: object | None = None
-        self._values: dict[Hashable, torch.Tensor] = {}
+        self._values: dict[Hashable, object] = {}
         #: per-forward values handed from layer to layer (may require grad); emptied with the memo
         self.carry: dict[Hashable, torch.Tensor] = {}
 
@@ -29,16 +33,17 @@ class ForwardMemo:
             self._values = {}
             self.carry = {}
 
-    def get(self, key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, key: Hashable, compute: Callable[[], Value]) -> Value:
+        """The value memoised under ``key`` in this forward, computed by ``compute`` the first time."""
         if torch.compiler.is_compiling():
             # inside torch.compile the graph shares repeated work itself; a Python-side cache would
             # be a data-dependent branch (fullgraph) and would keep CUDA-graph outputs alive across
             # replays (transformers' compiled generation), which the next replay overwrites
             return compute()
-        value = self._values.get(key)
-        if value is None:
-            value = compute()
-            self._values[key] = value
+        if key in self._values:
+            return self._values[key]  # type: ignore[return-value]  # stored by compute() under this key
+        value = compute()
+        self._values[key] = value
         return value
 
     def holds(self, value: object) -> bool:

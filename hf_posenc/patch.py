@@ -268,12 +268,14 @@ def apply_patch(
         handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)
         undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
-        if runtime.stages.embed:
+        if "embed" in runtime.stages:
             undo.append(runtime.hook_embedding(target.get_input_embeddings()))
         undo.extend(adapter.neutralize_native_positions(target))
         for layer_idx, attention in enumerate(adapter.attention_modules(target)):
             undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))
-        if (cls.stateful or cls.has_block_bias()) and hasattr(type(target), "_valid_auto_compile_criteria"):
+        if (cls.stateful or "score_bias" in cls.stages()) and hasattr(
+            type(target), "_valid_auto_compile_criteria"
+        ):
             # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
             # failing under transformers' compiled decoding on an H100): generate() stays eager
             undo.append(NoAutoCompile.install(target))

@@ -7,34 +7,20 @@ positions once (see :mod:`hf_posenc.positions`), hands them to the model as
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-from .attention.blocks import BLOCK_BACKENDS
 from .compat import check_attn_implementation, reentrant_checkpointing
 from .decoding_state import layer_state
-from .encodings.base import STAGES, Encoding
+from .encodings.base import Encoding
+from .encodings.call import ForwardCall
 from .errors import InvalidParameterError, UnsupportedModelError
 from .memo import ForwardMemo
 from .models.base import FamilyAdapter
 from .positions import ForwardContext, bind_arguments, compute_context, positional_names, select_coordinates
-
-
-@dataclasses.dataclass(frozen=True)
-class Stages:
-    embed: bool
-    layer_input: bool
-    adjust_qkv: bool
-    rotate: bool
-    logits: bool
-    score_bias: bool
-    transform_scores: bool
-    normalize: bool
-    adjust_output: bool
 
 
 class PatchRuntime:
@@ -52,10 +38,10 @@ class PatchRuntime:
         self.backend = backend
         #: identifies this patch's decoding state on a shared KV cache
         self.token = token
-        #: the block backend that serves this encoding's score bias, None: the full sdpa/eager core
-        self.block_backend = (
-            backend if backend in BLOCK_BACKENDS and type(encoding).has_block_bias() else None
-        )
+        #: attention backends that failed on this model (e.g. a FlexAttention compile error) and
+        #: are not asked again; per model, so one model's failure never affects another
+        self.failed_backends: set[str] = set()
+        #: the stages this encoding runs (``Encoding.active_stages``)
         self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
@@ -63,15 +49,14 @@ class PatchRuntime:
         self.base_names = positional_names(inspect.signature(type(base).forward))[1:]
         self._transient()
 
-    def _stages(self) -> Stages:
-        active = set(self.encoding.active_stages())
-        return Stages(**{s: s in active for s in STAGES})
+    def _stages(self) -> frozenset[str]:
+        return frozenset(self.encoding.active_stages())
 
     def refresh_stages(self) -> None:
         """Re-read the encoding's active stages after its parameters changed (``reconfigure``:
         RoPE switches between ``rotate`` and ``logits`` with dynamic scaling)."""
         stages = self._stages()
-        if stages.embed != self.stages.embed:
+        if ("embed" in stages) != ("embed" in self.stages):
             raise InvalidParameterError(
                 f"{self.encoding.name}: this change switches the embed stage on or off, which reconfigure "
                 "cannot do in place; allowed: unpatch_model and patch_model again"
@@ -140,7 +125,7 @@ class PatchRuntime:
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
-            want_key_positions=self.stages.logits,
+            want_key_positions="logits" in self.stages,
         )
         if coordinates is not None:
             context.coordinates = select_coordinates(
@@ -149,8 +134,11 @@ class PatchRuntime:
         call["position_ids"] = context.positions
         self.context = context
         self.memo.start(context.positions)
-        if self.stages.embed:
-            added = self.encoding.embed(context.positions, self.memo)  # (B, T, hidden) fp32
+        if "embed" in self.stages:
+            forward = ForwardCall(
+                positions=context.positions, memo=self.memo, coordinates=context.coordinates
+            )
+            added = self.encoding.embed(forward)  # (B, T, hidden) fp32
             embedding = base.get_input_embeddings()
             if inputs_embeds is None and self._embedding_hook_on(embedding):
                 # added to the token embeddings by the hook on the embedding module, so the model

@@ -8,6 +8,7 @@ Blocks are made tiny (3..5 queries) so every input spans several of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,12 +22,18 @@ import hf_posenc.attention.chunked as chunked
 from hf_posenc.attention.chunked import attend_chunked
 from hf_posenc.attention.flex import attend_flex
 from hf_posenc.attention.kernels import attend_flash_alibi
-from hf_posenc.encodings.base import probe_context
-from hf_posenc.encodings.block_bias import BlockBias
+from hf_posenc.encodings.base import probe_call
+from hf_posenc.encodings.block_bias import (
+    CumulativeBias,
+    DistanceBias,
+    LinearDistanceBias,
+    RowBias,
+    SeparableBias,
+)
 from hf_posenc.registry import get_encoding
 
 ATOL = 1e-5
-#: encodings whose bias comes as a BlockBias, with parameters that exercise their variants
+#: encodings with a score bias, with parameters that exercise their variants
 BLOCK_CASES = [
     ("alibi", {}),
     ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
@@ -48,11 +55,9 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
 
 
-def test_block_cases_cover_every_encoding_with_a_block_bias():
-    with_blocks = {
-        info.name for info in hf_posenc.list_encodings() if get_encoding(info.name).has_block_bias()
-    }
-    assert with_blocks == {name for name, _ in BLOCK_CASES}
+def test_block_cases_cover_every_encoding_with_a_score_bias():
+    with_bias = {info.name for info in hf_posenc.list_encodings() if "score_bias" in info.stages}
+    assert with_bias == {name for name, _ in BLOCK_CASES}
 
 
 def _models(family: str, name: str, params: dict, backends: tuple[str, ...]):
@@ -134,22 +139,57 @@ def test_chunked_gradients_equal_eager_gradients(family, case):
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
-def test_block_bias_equals_score_bias_on_every_attendable_entry(case):
-    """BlockBias (by_distance / separable / rows) is the score_bias of the same call, for a
-    square call and for the last queries of a longer key range (decoding)."""
+def test_every_view_of_a_score_bias_is_its_full_matrix_on_attendable_entries(case):
+    """What the backends read of one score bias agree: any block of ``rows`` (chunked) and the
+    per-score ``elementwise`` bias (FlexAttention) equal ``full()`` (sdpa/eager) wherever a query
+    may attend, for a square call and for the last queries of a longer key range (decoding).
+    (``full()`` itself is checked against each encoding's formula in its own tests.)"""
     name, params = case
     model = patch(make_model("llama"), name, params)
     geometry = model.posenc.geometry
     shapes = [(9, 9)] if get_encoding(name).stateful else [(9, 9), (3, 9), (1, 9)]  # stateful: no cache here
     for q_len, k_len in shapes:
-        ctx = probe_context(geometry, q_len, k_len)
-        ctx.hidden = torch.randn(ctx.hidden.shape, generator=torch.Generator().manual_seed(q_len))
+        ctx = probe_call(geometry, q_len, k_len)
+        hidden = torch.randn(ctx.hidden.shape, generator=torch.Generator().manual_seed(q_len))
         with torch.no_grad():
-            full = model.posenc.score_bias(ctx).expand(1, -1, q_len, k_len)
-            ctx.memo.clear()
-            blocks = model.posenc.block_bias(ctx).full()
+            bias = model.posenc.score_bias(dataclasses.replace(ctx, hidden=hidden))
+            full = bias.full()  # (B|1, Hq, Tq, Tk)
         causal = torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]  # (Tq, Tk)
-        torch.testing.assert_close(blocks[..., causal], full[..., causal], atol=1e-6, rtol=0)
+        for start, stop in [(0, q_len), (0, 1), (q_len // 2, q_len)]:
+            k_end = k_len - q_len + stop
+            block = bias.rows(start, stop, k_end)
+            expected = full[..., start:stop, :k_end]
+            attendable = causal[start:stop, :k_end]
+            torch.testing.assert_close(block[..., attendable], expected[..., attendable], atol=1e-6, rtol=0)
+        elementwise = bias.elementwise()
+        assert (
+            elementwise is not None
+        )  # every encoding's bias can be said per score (FlexAttention serves it)
+        b, h, i, j = torch.meshgrid(
+            torch.arange(full.shape[0]),
+            torch.arange(full.shape[1]),
+            torch.arange(q_len),
+            torch.arange(k_len),
+            indexing="ij",
+        )
+        with torch.no_grad():
+            scores = elementwise(b, h, i, j)
+        torch.testing.assert_close(scores[..., causal], full[..., causal], atol=1e-6, rtol=0)
+
+
+def test_the_structured_forms_are_the_biases_they_name():
+    """A LinearDistanceBias is -slope_h * (i - j); a CumulativeBias is sum_{l=j+1}^{i} g_l (fp64 loop)."""
+    slopes = torch.tensor([0.5, 0.125])
+    linear = LinearDistanceBias(3, 7, slopes).full()[0]  # (H, 3, 7)
+    for i in range(3):
+        for j in range(4 + i + 1):
+            torch.testing.assert_close(linear[:, i, j], -slopes * (4 + i - j), atol=0, rtol=0)
+    g = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    cumulative = CumulativeBias(g, g.double().cumsum(-1).float()).full()  # (B, H, T, T)
+    for i in range(8):
+        for j in range(i + 1):
+            expected = g[..., j + 1 : i + 1].double().sum(-1)
+            torch.testing.assert_close(cumulative[..., i, j].double(), expected, atol=1e-5, rtol=0)
 
 
 def _reference(q, k, v, bias, allowed, scaling):
@@ -191,9 +231,9 @@ def test_attend_chunked_equals_an_fp64_softmax(q_len, extra_keys, block, heads, 
         "rows": table[:, distance][None] * 0.5 + 1.0,
     }[form]
     bias = {
-        "by_distance": lambda: BlockBias(q_len, k_len, by_distance=table),
-        "separable": lambda: BlockBias(q_len, k_len, separable=(terms[..., -q_len:], terms)),
-        "rows": lambda: BlockBias(q_len, k_len, row_function=lambda s, e, end: dense[..., s:e, :end]),
+        "by_distance": lambda: DistanceBias(q_len, k_len, table),
+        "separable": lambda: SeparableBias(q_len, k_len, terms[..., -q_len:], terms),
+        "rows": lambda: RowBias(q_len, k_len, lambda s, e, end: dense[..., s:e, :end]),
     }[form]()
     allowed = (columns <= rows_i)[None, None].expand(2, 1, q_len, k_len).clone()
     allowed[1, :, :, : min(padding, k_len - 1)] = False
@@ -209,7 +249,7 @@ def test_chunked_bf16_stays_within_transformers_sdpa_vs_eager_tolerance():
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 64, 16, generator=generator) for _ in range(3))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    bias = BlockBias(64, 64, by_distance=-slopes[:, None] * torch.arange(64.0))
+    bias = DistanceBias(64, 64, -slopes[:, None] * torch.arange(64.0))
     causal = torch.ones(64, 64, dtype=torch.bool).tril()[None, None]
     expected = _reference(q, k, v, bias.full(), causal, 0.25).float()
     out = attend_chunked(
@@ -222,14 +262,13 @@ def test_chunked_bf16_stays_within_transformers_sdpa_vs_eager_tolerance():
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=BLOCK_IDS)
 def test_flex_serves_every_block_encoding_without_falling_back(case, monkeypatch):
     """Without gradients (FlexAttention has no CPU backward) flex itself serves each encoding."""
-    import hf_posenc.attention.blocks as blocks
 
     def no_fallback(*args, **kwargs):
         raise AssertionError("fell back to the chunked backend")
 
     name, params = case
     models = _models("llama", name, params, ("eager", "flex"))
-    monkeypatch.setattr(blocks, "attend_chunked", no_fallback)
+    monkeypatch.setattr(chunked, "attend_chunked", no_fallback)
     ids = token_ids(2, 17)
     with torch.no_grad():
         torch.testing.assert_close(models["flex"](ids).logits, models["eager"](ids).logits, atol=ATOL, rtol=0)
@@ -237,11 +276,11 @@ def test_flex_serves_every_block_encoding_without_falling_back(case, monkeypatch
 
 def test_flex_serves_by_distance_and_separable_but_not_rows():
     """attend_flex returns None (the caller falls back to chunked) for a row-function bias
-    without its own score_mod, and off CUDA whenever gradients are recorded."""
+    that cannot say its bias per score, and off CUDA whenever gradients are recorded."""
     q = k = v = torch.randn(1, 2, 6, 8)
-    rows = BlockBias(6, 6, row_function=lambda s, e, end: torch.zeros(1, 2, e - s, end))
+    rows = RowBias(6, 6, lambda s, e, end: torch.zeros(1, 2, e - s, end))
     assert attend_flex(q, k, v, bias=rows, mask=None, scaling=1.0) is None
-    table = BlockBias(6, 6, by_distance=torch.randn(2, 6))
+    table = DistanceBias(6, 6, torch.randn(2, 6))
     with torch.no_grad():
         assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0).shape == (1, 6, 2, 8)
     assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0) is None  # no CPU backward: chunked
@@ -266,7 +305,7 @@ def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():
     q = torch.randn(1, 4, 5, 8, generator=generator)
     k, v = (torch.randn(1, 4, 9, 8, generator=generator) for _ in range(2))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    bias = BlockBias(5, 9, by_distance=-slopes[:, None] * torch.arange(9.0), slopes=slopes)
+    bias = LinearDistanceBias(5, 9, slopes)
     out = attend_flash_alibi(q, k, v, bias=bias, mask=None, scaling=0.35, flash_function=flash_reference)
     expected = attend_chunked(q, k, v, bias=bias, mask=None, scaling=0.35)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
@@ -286,11 +325,9 @@ def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():
 
 
 def test_auto_uses_the_chunked_core_on_cpu_and_sdpa_does_not(monkeypatch):
-    import hf_posenc.attention.blocks as blocks
-
     calls = []
-    original = blocks.attend_chunked
-    monkeypatch.setattr(blocks, "attend_chunked", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = chunked.attend_chunked
+    monkeypatch.setattr(chunked, "attend_chunked", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     ids = token_ids(1, 9)
     with torch.no_grad():
         patch(make_model("llama"), "alibi")(ids)
@@ -411,12 +448,12 @@ def test_fla_forgetting_path_passes_bthd_layout_and_log_gates():
     q, k, v = (torch.randn(2, 4, 11, 8, generator=generator) for _ in range(3))
     log_f = torch.nn.functional.logsigmoid(torch.randn(2, 4, 11, generator=generator) + 2)
     c = log_f.double().cumsum(-1).float()
-    bias = BlockBias(11, 11, separable=(c, c), log_forget=log_f)
+    bias = CumulativeBias(log_f, c)
     out = attend_fla_forgetting(q, k, v, bias=bias, mask=None, scaling=0.3, kernel=forgetting_reference)
     torch.testing.assert_close(
         out, attend_chunked(q, k, v, bias=bias, mask=None, scaling=0.3), atol=ATOL, rtol=0
     )
-    cached = BlockBias(3, 11, separable=(c[..., -3:], c))
+    cached = SeparableBias(3, 11, c[..., -3:], c)
     assert (
         attend_fla_forgetting(
             q[:, :, -3:], k, v, bias=cached, mask=None, scaling=0.3, kernel=forgetting_reference
@@ -459,7 +496,7 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 9, 8, generator=generator)
     k, v = (torch.randn(2, 2, 9, 8, generator=generator) for _ in range(2))
-    ctx = probe_context(sba.geometry, 9)
+    ctx = probe_call(sba.geometry, 9)
     with torch.no_grad():
         fused = attend_fla_stickbreaking(
             q,
@@ -479,7 +516,7 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
             bias=None,
             scaling=0.4,
             backend="eager",
-            normalize=lambda scores, allowed: sba.normalize(ctx, scores, allowed),
+            normalize=lambda scores, allowed: sba.normalize(ctx.with_allowed(allowed), scores),
         )
     torch.testing.assert_close(fused, eager, atol=ATOL, rtol=0)
     assert (
@@ -495,3 +532,89 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
         )
         is None
     )  # gradients recorded here: not served
+
+
+#: registered backends that serve only on CUDA with an optional package, each covered here by a
+#: test with a stand-in kernel written from the package's documented semantics
+STAND_IN_TESTS = {
+    "flash_alibi": "test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes",
+    "fla_forgetting": "test_fla_forgetting_path_passes_bthd_layout_and_log_gates",
+    "fla_stickbreaking": "test_fla_stickbreaking_path_equals_the_eager_sba",
+}
+
+
+def test_row_cases_cover_every_encoding_with_explicit_score_stages():
+    explicit = {"transform_scores", "normalize"}
+    with_rows = {info.name for info in hf_posenc.list_encodings() if explicit & set(info.stages)}
+    assert with_rows == {name for name, _ in ROW_CASES}
+
+
+def test_every_encoding_on_every_backend_choice_equals_eager_and_every_backend_is_covered(monkeypatch):
+    """Every registered encoding, patched with every ``backend=`` choice, gives eager's logits (with
+    and without left padding); the backends that served, plus the CUDA kernels' stand-in tests,
+    are every registered backend (a new backend must join this matrix or name its own test)."""
+    import hf_posenc.attention as attention
+
+    served: set[str] = set()
+    for backend in attention.registered_backends():
+        original = backend.attend
+
+        def spy(call, backend=backend, original=original):
+            result = original(call)
+            if result is not None:
+                served.add(backend.name)
+            return result
+
+        monkeypatch.setattr(backend, "attend", spy)
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
+    ids = token_ids(2, 17)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    for info in hf_posenc.list_encodings():
+        models = _models("llama", info.name, {}, attention.BACKENDS)
+        with torch.no_grad():
+            reference = models["eager"](ids).logits
+            padded_reference = models["eager"](ids, attention_mask=mask).logits
+            for choice, model in models.items():
+                logits = model(ids).logits
+                padded = model(ids, attention_mask=mask).logits
+                msg = f"{info.name} backend={choice}"
+                torch.testing.assert_close(logits, reference, atol=ATOL, rtol=0, msg=msg)
+                torch.testing.assert_close(padded[0], padded_reference[0], atol=ATOL, rtol=0, msg=msg)
+                torch.testing.assert_close(padded[1, 4:], padded_reference[1, 4:], atol=ATOL, rtol=0, msg=msg)
+    registered = {backend.name for backend in attention.registered_backends()}
+    assert all(name in globals() for name in STAND_IN_TESTS.values())
+    assert served | set(STAND_IN_TESTS) == registered, registered - served - set(STAND_IN_TESTS)
+
+
+def test_a_backend_failure_is_remembered_per_model_not_per_process(monkeypatch):
+    """A backend that fails (as FlexAttention does when a kernel cannot compile: it adds itself to
+    the call's ``failures``) is not asked again by that model, and still is by another model."""
+    from hf_posenc.attention import backend as registry
+    from hf_posenc.patch import PATCH_ATTRIBUTE
+
+    asked = []
+
+    class Failing(registry.Backend):
+        name = "failing_for_test"
+        priority = 1000
+        requests = frozenset({"auto"})
+
+        def serves(self, call):
+            return True
+
+        def attend(self, call):
+            asked.append(id(call.failures))
+            call.failures.add(self.name)
+            return None  # the dispatcher goes on to the next backend
+
+    monkeypatch.setitem(registry._REGISTRY, Failing.name, Failing())
+    first, second = patch(make_model("llama"), "alibi"), patch(make_model("llama"), "alibi")
+    ids = token_ids(1, 9)
+    with torch.no_grad():
+        reference = first(ids).logits
+        torch.testing.assert_close(first(ids).logits, reference)
+        torch.testing.assert_close(second(ids).logits, second(ids).logits)
+    runtimes = [getattr(model, PATCH_ATTRIBUTE).runtime for model in (first, second)]
+    assert asked == [id(runtimes[0].failed_backends), id(runtimes[1].failed_backends)]
+    assert all(runtime.failed_backends == {Failing.name} for runtime in runtimes)

@@ -22,7 +22,7 @@ from test_invariants import *  # noqa: F403  (the generic invariants, re-collect
 from test_reference import run_and_capture
 
 import hf_posenc
-from hf_posenc.encodings.base import probe_context
+from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.cape import available_bases
 from hf_posenc.encodings.cope import contextual_positions, interpolate_position_logits
 from hf_posenc.encodings.sba import stick_breaking_weights
@@ -115,8 +115,10 @@ def layer_reference(name, params, module, hidden, model, layer_idx):
         if params.get("base", "alibi") == "alibi":
             base = lambda h, i, j: -slopes[h] * (i - j)  # noqa: E731
         else:  # a learned base bias (KERPLE, FIRE: checked against their formulas in their own tests)
-            context = probe_context(model.posenc.geometry, length, layer_idx=layer_idx)
-            learned = model.posenc.base.score_bias(context).detach().double().reshape(heads, length, length)
+            context = probe_call(model.posenc.geometry, length, layer_idx=layer_idx)
+            learned = (
+                model.posenc.base.score_bias(context).full().detach().double().reshape(heads, length, length)
+            )
             base = lambda h, i, j: float(learned[h, i, j])  # noqa: E731
         mixer = model.posenc.mixers[layer_idx]
         w1, b1 = mixer.inner.weight.detach().double(), mixer.inner.bias.detach().double()
@@ -268,8 +270,8 @@ def test_stick_breaking_weights_are_nonnegative_and_sum_to_at_most_one(q_len, ex
     assert (weights.sum(-1) <= 1 + 1e-6).all()
 
     model = hf_posenc.patch_model(make_model("llama"), "sba")
-    ctx = probe_context(model.posenc.geometry, q_len, k_len)
-    full = model.posenc.normalize(ctx, scores, allowed)
+    ctx = probe_call(model.posenc.geometry, q_len, k_len)
+    full = model.posenc.normalize(ctx.with_allowed(allowed), scores)
     assert (full >= 0).all()
     torch.testing.assert_close(full.sum(-1), torch.ones(2, 3, q_len), atol=1e-5, rtol=0)
     off_diagonal = ~diagonal_mask(q_len, k_len)

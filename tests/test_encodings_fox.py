@@ -8,6 +8,7 @@ the package's attention code is used.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,7 +21,7 @@ from test_invariants import *  # noqa: F403  (the generic invariants, re-collect
 from test_reference import run_and_capture
 
 import hf_posenc
-from hf_posenc.encodings.base import probe_context
+from hf_posenc.encodings.base import probe_call
 
 PRO_OFF = {"qk_norm": False, "k_shift": False, "v_shift": False, "output_norm": False, "output_gate": False}
 CASES = [
@@ -202,12 +203,11 @@ def test_forgetting_bias_zero_on_diagonal_nonpositive_nonincreasing(length, past
     state: dict = {}
     with torch.no_grad():
         if past:
-            earlier = probe_context(encoding.geometry, past)
-            earlier.hidden, earlier.state = hidden[:, :past], state
-            encoding.score_bias(earlier)
-        ctx = probe_context(encoding.geometry, length, k_len)
-        ctx.hidden, ctx.state = hidden[:, past:], state
-        d = encoding.score_bias(ctx)[0]  # (Hq, Tq, Tk)
+            earlier = probe_call(encoding.geometry, past)
+            encoding.score_bias(dataclasses.replace(earlier, hidden=hidden[:, :past], state=state))
+        ctx = probe_call(encoding.geometry, length, k_len)
+        ctx = dataclasses.replace(ctx, hidden=hidden[:, past:], state=state)
+        d = encoding.score_bias(ctx).full()[0]  # (Hq, Tq, Tk)
         log_f = torch.nn.functional.logsigmoid(hidden[0].double() @ gate.weight.double().T + bias)  # (Tk, Hq)
     assert d.shape[1:] == (length, k_len)
     # c is rounded to fp32 before the difference: an error of up to ~eps32 * |c| on each side
@@ -232,10 +232,9 @@ def test_fox_initial_gates_are_near_one_and_alibi_like():
         torch.testing.assert_close(
             torch.sigmoid(gate.bias.double()), torch.exp(-1 / times), atol=1e-6, rtol=0
         )
-    ctx = probe_context(model.posenc.geometry, 10)
-    ctx.hidden = torch.randn(1, 10, 64)
+    ctx = dataclasses.replace(probe_call(model.posenc.geometry, 10), hidden=torch.randn(1, 10, 64))
     with torch.no_grad():
-        d = model.posenc.score_bias(ctx)[0].double()  # (Hq, T, T)
+        d = model.posenc.score_bias(ctx).full()[0].double()  # (Hq, T, T)
     distance = torch.arange(10)[:, None] - torch.arange(10)[None, :]
     torch.testing.assert_close(d, -distance / times[:, None, None], atol=1e-5, rtol=1e-5)
     default = hf_posenc.patch_model(make_model("gpt2"), "fox").posenc.forget[0].bias

@@ -7,6 +7,7 @@ only the encodings' raw parameters; nothing from hf_posenc computes them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -20,7 +21,8 @@ from test_invariants import *  # noqa: F403  (the generic invariants, re-collect
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
-from hf_posenc.encodings.base import ScoreContext, probe_context
+from hf_posenc.encodings.base import probe_call
+from hf_posenc.encodings.call import ScoreCall
 from hf_posenc.memo import ForwardMemo
 
 #: every code path: both kernels, shared and per-layer tables, a short FIRE threshold L (so
@@ -143,20 +145,19 @@ def test_relative_biases_depend_only_on_i_minus_j(case, k_len, layer, data):
     model = patched_model(*case)
     geometry = model.posenc.geometry
     with torch.no_grad():
-        full = model.posenc.score_bias(probe_context(geometry, k_len, k_len, layer_idx=layer))
-        last = model.posenc.score_bias(probe_context(geometry, q_len, k_len, layer_idx=layer))
+        full = model.posenc.score_bias(probe_call(geometry, k_len, k_len, layer_idx=layer)).full()[0]
+        last = model.posenc.score_bias(probe_call(geometry, q_len, k_len, layer_idx=layer)).full()[0]
     assert full.shape == (4, k_len, k_len) and last.shape == (4, q_len, k_len)
     assert torch.equal(full[:, 1:, 1:], full[:, :-1, :-1])
     assert torch.equal(last, full[:, k_len - q_len :, :])
     assert full.abs().sum() > 0 and torch.isfinite(full).all()
 
 
-def fire_context(model, q_len: int, k_len: int, first_position: int, layer_idx: int = 0) -> ScoreContext:
+def fire_context(model, q_len: int, k_len: int, first_position: int, layer_idx: int = 0) -> ScoreCall:
     """A probe whose queries sit at absolute positions first_position .. first_position + q_len - 1."""
-    ctx = probe_context(model.posenc.geometry, q_len, k_len, layer_idx=layer_idx)
-    ctx.q_positions = torch.arange(first_position, first_position + q_len)[None]
-    ctx.memo = ForwardMemo()
-    return ctx
+    ctx = probe_call(model.posenc.geometry, q_len, k_len, layer_idx=layer_idx)
+    positions = torch.arange(first_position, first_position + q_len)[None]
+    return dataclasses.replace(ctx, positions=positions, memo=ForwardMemo())
 
 
 @SETTINGS
@@ -176,8 +177,10 @@ def test_fire_bias_is_a_function_of_distance_and_query_position(k_len, offset, l
     first = offset + k_len - q_len  # absolute position of the first query
     total = offset + k_len
     with torch.no_grad():
-        square = model.posenc.score_bias(fire_context(model, total, total, 0, layer))[0]  # (H, T, T)
-        block = model.posenc.score_bias(fire_context(model, q_len, k_len, first, layer))[0]  # (H, Tq, Tk)
+        square = model.posenc.score_bias(fire_context(model, total, total, 0, layer)).full()[0]  # (H, T, T)
+        block = model.posenc.score_bias(fire_context(model, q_len, k_len, first, layer)).full()[
+            0
+        ]  # (H, Tq, Tk)
     rows = torch.arange(q_len)[:, None]
     cols = torch.arange(k_len)[None, :]
     distance = (k_len - q_len + rows) - cols  # (Tq, Tk) i - j
@@ -193,8 +196,8 @@ def test_fire_bias_is_toeplitz_below_the_threshold_and_not_past_it():
     assert float(long_l.posenc.functions[0].threshold().detach()) > 40
     short_l = patched_model("fire", (("init_L", 6.0),))
     with torch.no_grad():
-        below = long_l.posenc.score_bias(fire_context(long_l, 40, 40, 0))[0]
-        past = short_l.posenc.score_bias(fire_context(short_l, 40, 40, 0))[0]
+        below = long_l.posenc.score_bias(fire_context(long_l, 40, 40, 0)).full()[0]
+        past = short_l.posenc.score_bias(fire_context(short_l, 40, 40, 0)).full()[0]
     causal = torch.ones(39, 39, dtype=torch.bool).tril()
     torch.testing.assert_close(below[:, 1:, 1:][:, causal], below[:, :-1, :-1][:, causal], atol=1e-6, rtol=0)
     assert not torch.allclose(past[:, 1:, 1:][:, causal], past[:, :-1, :-1][:, causal], atol=1e-3)
@@ -222,8 +225,8 @@ def test_kerple_coefficients_stay_in_range_after_a_large_optimizer_step(params, 
     posenc = model.posenc
     make = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
     step = make(posenc.parameters(), lr=lr)
-    ctx = probe_context(posenc.geometry, 16)
-    loss = direction * posenc.score_bias(ctx).sum()  # direction -1 pushes r1 and r2 down
+    ctx = probe_call(posenc.geometry, 16)
+    loss = direction * posenc.score_bias(ctx).full().sum()  # direction -1 pushes r1 and r2 down
     loss.backward()
     step.step()
     if direction < 0:
@@ -234,8 +237,8 @@ def test_kerple_coefficients_stay_in_range_after_a_large_optimizer_step(params, 
         if params.get("variant") == "power":
             assert bool((r2 <= 2.0).all())
     for layer in range(posenc.geometry.num_layers):
-        ctx = probe_context(posenc.geometry, 16, layer_idx=layer)
-        bias = posenc.score_bias(ctx)  # a training forward: projects in place
+        ctx = probe_call(posenc.geometry, 16, layer_idx=layer)
+        bias = posenc.score_bias(ctx).full()  # a training forward: projects in place
         assert torch.isfinite(bias).all() and bool((bias <= 0).all())
         bias.sum().backward()  # the projected parameters still receive gradients
     assert float(posenc.r1.detach().min()) >= LOW and float(posenc.r2.detach().min()) >= LOW
@@ -261,7 +264,7 @@ def test_fire_starts_with_a_zero_bias():
     """A freshly patched FIRE model adds no bias: the output layer of f starts at zero."""
     model = hf_posenc.patch_model(make_model("llama"), "fire")
     with torch.no_grad():
-        bias = model.posenc.score_bias(probe_context(model.posenc.geometry, 20))
+        bias = model.posenc.score_bias(probe_call(model.posenc.geometry, 20)).full()
     assert torch.equal(bias, torch.zeros_like(bias))
     assert float(model.posenc.functions[0].threshold().detach()) == 512.0
     assert float(model.posenc.functions[0].c.detach()) == pytest.approx(0.1)
@@ -271,7 +274,7 @@ def test_sandwich_diagonal_is_zero_and_bias_is_nonpositive():
     """p_i.p_i - d'/2 = 0 on the diagonal; elsewhere the bias is <= 0; head h is scaled by H/(8h)."""
     model = hf_posenc.patch_model(make_model("llama"), "sandwich")
     with torch.no_grad():
-        bias = model.posenc.score_bias(probe_context(model.posenc.geometry, 50))  # (4, 50, 50)
+        bias = model.posenc.score_bias(probe_call(model.posenc.geometry, 50)).full()[0]  # (4, 50, 50)
     assert torch.equal(bias.diagonal(dim1=1, dim2=2), torch.zeros(4, 50))
     assert bool((bias <= 0).all())
     ratio = bias[0, 10, 3] / bias[3, 10, 3]
@@ -316,23 +319,29 @@ def test_bad_parameters_raise_with_value_and_allowed_range(name, params, match):
         hf_posenc.patch_model(make_model("llama"), name, **params)
 
 
-def test_fire_recomputed_hidden_layer_gives_the_plain_gradients():
-    """FIRE recomputes its MLP's hidden layer in backward (to save memory): the bias and every
-    parameter gradient equal those of the plain, non-recomputed MLP."""
+def test_fire_score_bias_gives_the_mlp_bias_and_its_gradients():
+    """FIRE's score bias, evaluated through the MLP's linear pieces (a few operations per score
+    instead of a hidden layer per score), equals the plain MLP f(psi(i-j)/psi(max(L, i))) on every
+    attendable (i, j), and every parameter receives the MLP's gradient."""
     model = patch(make_model("llama"), "fire", {"init_L": 40.0})  # L ~ 5: queries on both sides
     fn = model.posenc.functions[0]
     ctx = fire_context(model, 12, 12, 0)
-    positions = ctx.q_positions
     distance = torch.arange(12)[:, None] - torch.arange(12)[None, :]
-    grads = []
-    for recompute in (True, False):
+    causal = distance >= 0
+    weights = torch.linspace(-1, 1, 4 * int(causal.sum()))
+    results = []
+    for use_pieces in (True, False):
         fn.zero_grad()
-        if recompute:
-            bias = model.posenc.score_bias(ctx)
+        if use_pieces:
+            bias = model.posenc.score_bias(ctx).full()  # (1, H, T, T)
         else:
-            bias = fn.mlp(fn.normalized_distance(distance, positions)[..., None]).permute(0, 3, 1, 2)
-        (bias * torch.linspace(-1, 1, bias.numel()).view_as(bias)).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in fn.named_parameters()})
-    for n in grads[0]:
-        assert grads[0][n].abs().sum() > 0, n
-        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-6, msg=n)
+            x = fn.normalized_distance(distance, ctx.positions)[..., None]
+            bias = fn.mlp(x).permute(0, 3, 1, 2)  # (1, H, T, T)
+        attendable = bias[0][:, causal]  # (H, entries)
+        (attendable.reshape(-1) * weights).sum().backward()
+        results.append((attendable.detach(), {n: p.grad.clone() for n, p in fn.named_parameters()}))
+    (pieces, piece_grads), (mlp, mlp_grads) = results
+    torch.testing.assert_close(pieces, mlp, atol=1e-6, rtol=1e-5)
+    for n in mlp_grads:
+        assert mlp_grads[n].abs().sum() > 0, n
+        torch.testing.assert_close(piece_grads[n], mlp_grads[n], atol=1e-5, rtol=1e-4, msg=n)

@@ -21,6 +21,7 @@ from test_invariants import *  # noqa: F403  (the generic invariants, re-collect
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
+from hf_posenc.encodings.base import probe_layer_call
 from hf_posenc.memo import ForwardMemo
 
 #: every code path: per layer/head generators and coefficients, shared ones, partial rotary
@@ -225,7 +226,7 @@ def test_liere_scores_depend_only_on_relative_position(length, shift, layer, see
     with torch.no_grad():
         for start in (0, shift):
             positions = torch.arange(start, start + length)[None]
-            q_rot, k_rot = posenc.rotate(layer, q, k, positions, positions, ForwardMemo())
+            q_rot, k_rot = posenc.rotate(probe_layer_call(positions, layer), q, k)
             scores.append(q_rot @ k_rot.repeat_interleave(2, dim=1).transpose(-1, -2))
     torch.testing.assert_close(scores[0], scores[1], atol=1e-3, rtol=1e-4)
 
@@ -270,7 +271,7 @@ def test_fope_clipped_pairs_are_position_independent(train_length, start, layer)
     q = torch.randn(1, 4, 6, 16, generator=torch.Generator().manual_seed(start))
     positions = torch.arange(start, start + 6)[None]
     with torch.no_grad():
-        q_rot, _ = posenc.rotate(layer, q, q[:, :2], positions, positions, ForwardMemo())
+        q_rot, _ = posenc.rotate(probe_layer_call(positions, layer), q, q[:, :2])
     dims = torch.cat((clipped, clipped))
     torch.testing.assert_close(q_rot[..., dims], q[..., dims], atol=0, rtol=0)
     if (~clipped).any():

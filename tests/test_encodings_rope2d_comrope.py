@@ -19,7 +19,7 @@ from test_invariants import *  # noqa: F403  (the generic invariants, re-collect
 from transformers import DynamicCache
 
 import hf_posenc
-from hf_posenc.memo import ForwardMemo
+from hf_posenc.encodings.base import probe_layer_call
 
 #: every code path: 1-D/N-D, full and partial rotation, both ComRoPE variants, block sizes 2 and 4
 CASES = [
@@ -301,9 +301,9 @@ def rotated_scores(posenc, q, k, where_q, where_k, layer=0):
 
     def turn(x_q, x_k, where):
         if posenc.name == "rope":
-            return posenc.rotate(layer, x_q, x_k, where, where, ForwardMemo())
+            return posenc.rotate(probe_layer_call(where, layer), x_q, x_k)
         positions = torch.zeros(where.shape[:2], dtype=torch.long)
-        return posenc.rotate(layer, x_q, x_k, positions, positions, ForwardMemo(), coordinates=where)
+        return posenc.rotate(probe_layer_call(positions, layer, where), x_q, x_k)
 
     qr, _ = turn(q, q[:, ::group], where_q)
     _, kr = turn(k.repeat_interleave(group, dim=1), k, where_k)

@@ -20,6 +20,7 @@ from test_encodings_kerple_sandwich_fire import fire_reference, kerple_reference
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
+from hf_posenc.encodings.call import ForwardCall
 from hf_posenc.errors import InvalidParameterError, PositionRangeError
 from hf_posenc.memo import ForwardMemo
 
@@ -95,7 +96,7 @@ def test_flex_at_a_factor_equals_the_eager_path(name, params):
 def test_sinusoidal_at_a_factor_is_the_table_at_n_over_f():
     model = patch(make_model("llama"), "sinusoidal", {"scaling": linear()})
     positions = torch.arange(20)[None]
-    added = model.posenc.embed(positions, ForwardMemo())[0].double()
+    added = model.posenc.embed(ForwardCall(positions=positions, memo=ForwardMemo()))[0].double()
     d = added.shape[-1]
     expected = torch.tensor([ref.sinusoidal_vector(n / F, d) for n in range(20)], dtype=torch.float64)
     torch.testing.assert_close(added, expected, atol=1e-6, rtol=1e-6)
@@ -106,13 +107,15 @@ def test_learned_at_a_factor_interpolates_the_table_linearly():
     table = model.posenc.table.detach().double().numpy()
     last = math.floor(F * (table.shape[0] - 1))  # the last position inside the table at factor F
     positions = torch.tensor([[0, 1, 2, 3, 7, 40, last]])
-    added = model.posenc.embed(positions, ForwardMemo())[0].detach().double().numpy()
+    added = (
+        model.posenc.embed(ForwardCall(positions=positions, memo=ForwardMemo()))[0].detach().double().numpy()
+    )
     rows = np.arange(table.shape[0])
     for t, n in enumerate(positions[0].tolist()):
         expected = [np.interp(n / F, rows, table[:, c]) for c in range(table.shape[1])]
         np.testing.assert_allclose(added[t], expected, atol=1e-6, rtol=1e-6)
     with pytest.raises(PositionRangeError, match=rf"position {last + 1} \(position .* after linear scaling"):
-        model.posenc.embed(torch.tensor([[last + 1]]), ForwardMemo())
+        model.posenc.embed(ForwardCall(positions=torch.tensor([[last + 1]]), memo=ForwardMemo()))
 
 
 def axial_inv_freq(dim: int, theta: float, axes: int) -> list[float]:

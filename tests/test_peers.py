@@ -16,7 +16,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 import hf_posenc
 from hf_posenc.encodings.alibi import alibi_slopes
-from hf_posenc.encodings.base import probe_context
+from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.rope_scaling import inverse_frequencies, resolve_scaling
 from hf_posenc.encodings.t5 import relative_position_bucket
 
@@ -166,7 +166,7 @@ def test_patched_alibi_bias_equals_bloom_slopes_times_distance(family, num_heads
     model = make_model(family, **overrides)
     hf_posenc.patch_model(model, "alibi")
     length = 9
-    bias = model.posenc.score_bias(probe_context(model.posenc.geometry, length, length))
+    bias = model.posenc.score_bias(probe_call(model.posenc.geometry, length, length)).full()[0]
     assert bias.shape == (num_heads, length, length)
     slopes = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), num_heads, torch.float32)[:, 0, 1]
     for i in range(length):
@@ -221,7 +221,7 @@ def test_t5_score_bias_uses_seed_001_buckets():
     hf_posenc.patch_model(model, "t5", num_buckets=5, max_distance=6)
     with torch.no_grad():
         model.posenc.tables[0].weight.copy_(torch.arange(5.0)[:, None] * 10 + torch.arange(4.0)[None, :])
-    bias = model.posenc.score_bias(probe_context(model.posenc.geometry, 10, 10))
+    bias = model.posenc.score_bias(probe_call(model.posenc.geometry, 10, 10)).full()[0]
     for i, row in enumerate(SEED_001_TABLE):
         for j, bucket in enumerate(row):
             assert bias[:, i, j].tolist() == [bucket * 10.0 + h for h in range(4)]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import hf_posenc
 from hf_posenc.encodings.alibi import alibi_slopes
-from hf_posenc.encodings.base import probe_context
+from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.expe import expe_values
 from hf_posenc.encodings.exqpe import exqpe_values
 from hf_posenc.encodings.rope import apply_rotary, cos_sin
@@ -180,8 +180,8 @@ def test_relative_biases_depend_only_on_i_minus_j(family, name, k_len, data):
     q_len = data.draw(st.integers(1, k_len), label="q_len")
     model = patched_model(family, name)
     with torch.no_grad():
-        full = model.posenc.score_bias(probe_context(model.posenc.geometry, k_len, k_len))
-        last = model.posenc.score_bias(probe_context(model.posenc.geometry, q_len, k_len))
+        full = model.posenc.score_bias(probe_call(model.posenc.geometry, k_len, k_len)).full()[0]
+        last = model.posenc.score_bias(probe_call(model.posenc.geometry, q_len, k_len)).full()[0]
     assert full.shape == (4, k_len, k_len) and last.shape == (4, q_len, k_len)
     assert torch.equal(full[:, 1:, 1:], full[:, :-1, :-1])
     assert torch.equal(last, full[:, k_len - q_len :, :])

@@ -5,15 +5,18 @@ For query block ``[s, e)`` of ``Tq`` (bottom-right aligned to ``Tk`` keys) only 
 half the work of one masked call over all keys (the causal skipping native SDPA does with
 ``is_causal``), and at most one block of bias exists at a time.
 
-Toeplitz biases (``BlockBias.by_distance``) without a padding mask are not written out at
+Toeplitz biases (:class:`DistanceBias`) without a padding mask are not written out at
 all: over the keys in reverse order, bias-plus-causal-mask of query ``a`` and reversed key
 ``b`` depends on ``a + b`` only, so each block's float mask is an ``as_strided`` view (row
 and column stride 1) of one (Hq, Tq + Tk - 1) vector per call. Attention does not depend on
-the order of the keys, and gradients reach ``by_distance`` through the view.
+the order of the keys, and gradients reach the distance table through the view.
 
 Other biases (and any padding mask) are written out one (B|1, Hq, block, keys) block at a
 time; with gradients, each block is recomputed in backward (activation checkpointing), so
 training keeps no more than one block either.
+
+Registered as backend ``chunked``: calls with a score bias and no explicit-score stage, under
+``backend="chunked"``, ``"flex"`` (where FlexAttention declines) and ``"auto"``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..encodings.block_bias import BlockBias
-from .core import causal_mask, repeat_kv
+from ..encodings.block_bias import BlockBias, DistanceBias
+from ..layout import causal_keys, causal_mask, expand_kv_heads, fold_mask
+from .backend import AUTO, AttentionCall, Backend, register_backend
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
@@ -76,16 +80,15 @@ def attend_chunked(
     """
     block = block or QUERY_BLOCK
     groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, Hq, Tk, D)
+    k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)  # (B, Hq, Tk, D)
     q_len, k_len = q.shape[-2], k.shape[-2]
-    offset = k_len - q_len
     spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
 
-    if mask is None and bias.by_distance is not None and q_len > FEW_QUERIES:
+    if mask is None and isinstance(bias, DistanceBias) and q_len > FEW_QUERIES:
         minimum = torch.finfo(q.dtype).min
-        heads = bias.by_distance.shape[0]
-        future = bias.by_distance.new_full((heads, q_len - 1), minimum).to(q.dtype)
-        line = torch.cat((future, bias.by_distance.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
+        heads = bias.table.shape[0]
+        future = bias.table.new_full((heads, q_len - 1), minimum).to(q.dtype)
+        line = torch.cat((future, bias.table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
         k_rev, v_rev = k.flip(2), v.flip(2)  # reversed key b holds key Tk-1-b
         outputs = []
         for start, stop in spans:
@@ -105,16 +108,11 @@ def attend_chunked(
         return torch.cat(outputs, dim=2).transpose(1, 2)
 
     def one_block(q_block: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        k_end, rows = offset + stop, stop - start
+        k_end, rows = causal_keys(q_len, k_len, stop), stop - start
         values = bias.rows(start, stop, k_end).to(q.dtype)  # (B|1, Hq, rows, keys)
-        if mask is None:  # only the last ``rows`` keys hold future ones: mask that corner in place
-            # by_distance and separable rows are fresh tensors; a row function's may be anyone's
-            folded = values if bias.row_function is None else values.clone()
-            corner = folded[..., k_end - rows :]  # (B|1, Hq, rows, rows)
-            corner.masked_fill_(~causal_mask(rows, rows, q.device)[0], torch.finfo(q.dtype).min)
-        else:
-            allowed = mask[..., start:stop, :k_end]  # (B|1, 1, rows, keys)
-            folded = values.masked_fill(~allowed, torch.finfo(q.dtype).min)
+        # (B|1, 1, rows, keys): the block's causal keys are the first k_end (bottom-right aligned)
+        allowed = causal_mask(rows, k_end, q.device) if mask is None else mask[..., start:stop, :k_end]
+        folded = fold_mask(values, allowed)
         return F.scaled_dot_product_attention(
             q_block, k[:, :, :k_end], v[:, :, :k_end], attn_mask=folded, dropout_p=dropout_p, scale=scaling
         )
@@ -128,3 +126,17 @@ def attend_chunked(
         else:
             outputs.append(one_block(q_block, start, stop))
     return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+@register_backend
+class ChunkedBackend(Backend):
+    name = "chunked"
+    priority = 40
+    requests = frozenset({AUTO, "chunked", "flex"})
+    selectable = True
+
+    def serves(self, call: AttentionCall) -> bool:
+        return call.bias is not None and not call.explicit and not call.want_weights
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return attend_chunked(**call.bias_arguments(), dropout_p=call.dropout_p), None

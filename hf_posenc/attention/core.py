@@ -1,13 +1,11 @@
-"""The one attention core: softmax(q k^T * scale + bias, masked) v, and its backends.
+"""The full-matrix attention core: softmax(q k^T * scale + bias, masked) v, and its two backends.
 
-``eager``    the reference: explicit fp32 scores, bias, mask and softmax (returns weights).
+``eager``    the reference: explicit fp32 scores, bias, mask and softmax (returns weights);
+             serves every call (the last resort of :func:`~.backend.dispatch`), and the only
+             one for ``output_attentions`` and encodings with explicit-score stages unless a
+             block backend (``rows.py``) takes them.
 ``sdpa``     ``torch.nn.functional.scaled_dot_product_attention`` with the whole bias folded
              into a float mask (or ``is_causal`` when there is no bias and no padding).
-``chunked``  SDPA over query blocks, causal keys only, the bias built per block
-             (``chunked.py``) — for encodings that give their bias as a ``BlockBias``.
-``flex``     FlexAttention ``score_mod`` (``flex.py``), for the same encodings.
-``auto``     (default) ``chunked`` on CPU, fused kernels (``kernels.py``) / ``flex`` first on CUDA, for
-             encodings with a ``BlockBias``; ``sdpa`` for every other encoding.
 
 Masks follow transformers' sdpa convention: a boolean (B,1,Tq,Tk) tensor where True means
 "may attend", or ``None`` for a plain causal mask. Query ``i`` of ``Tq`` sits at key index
@@ -21,30 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "sdpa", "chunked", "flex", "eager")
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, Hkv, T, D) -> (B, Hkv*groups, T, D), each KV head serving ``groups`` query heads."""
-    if groups == 1:
-        return x
-    b, h, t, d = x.shape
-    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
-
-
-def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, Tq, Tk) bool, bottom-right aligned causal mask."""
-    q_index = torch.arange(k_len - q_len, k_len, device=device)
-    return (torch.arange(k_len, device=device)[None, :] <= q_index[:, None])[None, None]
-
-
-def fold_mask(
-    bias: torch.Tensor, mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The float SDPA mask: ``bias`` where a key may be attended, the dtype's minimum elsewhere."""
-    if mask is None:
-        mask = causal_mask(q_len, k_len, bias.device)
-    return bias.to(dtype).masked_fill(~mask, torch.finfo(dtype).min)
+from ..encodings.call import ScoreCall
+from ..layout import causal_mask, expand_kv_heads, fold_mask
+from .backend import AUTO, AttentionCall, Backend, register_backend
 
 
 def attend(
@@ -59,21 +36,21 @@ def attend(
     dropout_p: float = 0.0,
     backend: str = "sdpa",
     transform: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-    normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    normalize: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     folded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), bias broadcastable to (B,Hq,Tq,Tk) -> (B,Tq,Hq,D).
 
-    ``folded`` is a precomputed :func:`fold_mask` (then ``mask`` and ``bias`` are ignored).
+    ``folded`` is a precomputed float mask (:func:`float_mask`; then ``mask`` and ``bias`` are ignored).
     ``logits`` (B,Hq,Tq,Tk), when given, replaces q.k^T. ``transform(scores, allowed)`` rewrites
     the scaled scores plus bias before masking (``allowed``: the mask applied next, None when
     every key is allowed); ``normalize(scores, allowed)`` replaces the softmax. Any of the
     three needs explicit scores, so the eager path runs.
     """
     groups = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)  # (B, Hq, Tk, D)
     q_len, k_len = q.shape[-2], k.shape[-2]
-    if folded is not None:  # bias and mask already combined by fold_mask (sdpa only)
+    if folded is not None:  # bias and mask already combined by float_mask (sdpa only)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=folded, dropout_p=dropout_p, scale=scaling)
         return out.transpose(1, 2), None
     explicit = backend == "eager" or logits is not None or transform is not None or normalize is not None
@@ -94,16 +71,110 @@ def attend(
         if normalize is not None:
             weights = normalize(scores, mask).to(q.dtype)
         else:
-            if mask is not None:
-                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            weights = torch.softmax(scores, dim=-1).to(q.dtype)
+            weights = torch.softmax(fold_mask(scores, mask), dim=-1).to(q.dtype)
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
         return torch.matmul(weights, v).transpose(1, 2), weights
 
-    attn_mask = mask
-    if bias is not None:
-        attn_mask = bias.to(q.dtype)
-        if mask is not None:
-            attn_mask = attn_mask.masked_fill(~mask, torch.finfo(q.dtype).min)
+    attn_mask = mask if bias is None else fold_mask(bias.to(q.dtype), mask)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2), None
+
+
+def float_mask(bias: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The float SDPA mask of a (B|1, Hq, Tq, Tk) ``bias``: the bias where a key may be attended
+    (``mask``, or causal when None), the dtype's minimum elsewhere."""
+    q_len, k_len = bias.shape[-2], bias.shape[-1]
+    allowed = causal_mask(q_len, k_len, bias.device) if mask is None else mask
+    return fold_mask(bias.to(dtype), allowed)
+
+
+def attend_explicit(
+    call: AttentionCall,
+    score: ScoreCall,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    backend: str = "eager",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The core over ``score``'s queries and keys with the encoding's score stages: ``logits``
+    replacing q.k^T, ``transform_scores`` and ``normalize`` (each given the call with its mask)."""
+    encoding, stages = call.encoding, call.stages
+    logits = encoding.logits(score) if "logits" in stages else None  # (B, Hq, Tq, Tk)
+
+    def transform(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        return encoding.transform_scores(score.with_allowed(allowed), scores)
+
+    def normalize(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        return encoding.normalize(score.with_allowed(allowed), scores)
+
+    return attend(
+        score.q,
+        score.k,
+        v,
+        mask=mask,
+        bias=bias,
+        logits=logits,
+        scaling=call.scaling,
+        dropout_p=call.dropout_p,
+        backend=backend,
+        transform=transform if "transform_scores" in stages else None,
+        normalize=normalize if "normalize" in stages else None,
+    )
+
+
+def dense_bias(call: AttentionCall) -> torch.Tensor | None:
+    """The call's score bias as one (B|1, Hq, Tq, Tk) matrix (once per forward when every layer shares it)."""
+    bias, memo = call.bias, call.score.memo
+    if bias is None:
+        return None
+    if memo.holds(bias):  # a memoised bias (alibi, sandwich) is shared by every layer
+        return memo.get(("dense_bias", id(bias)), bias.full)
+    return bias.full()
+
+
+@register_backend
+class EagerBackend(Backend):
+    """Explicit fp32 scores: serves every call."""
+
+    name = "eager"
+    priority = 0
+    requests = frozenset({AUTO, "sdpa", "chunked", "flex", "eager"})
+    selectable = True
+
+    def serves(self, call: AttentionCall) -> bool:
+        return True
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return attend_explicit(call, call.score, call.v, call.mask, dense_bias(call))
+
+
+@register_backend
+class SdpaBackend(Backend):
+    """One SDPA call with the whole bias folded into a float mask: calls without explicit scores."""
+
+    name = "sdpa"
+    priority = 10
+    requests = frozenset({AUTO, "sdpa", "chunked", "flex"})
+    selectable = True
+
+    def serves(self, call: AttentionCall) -> bool:
+        return not call.explicit and not call.want_weights
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias, memo, mask, dtype = dense_bias(call), call.score.memo, call.mask, call.q.dtype
+        folded = None
+        if bias is not None and memo.holds(bias) and not bias.requires_grad:
+            # a memoised grad-free bias is shared by every layer: fold it with the mask once
+            key = ("folded_mask", id(bias), id(mask), dtype)
+            folded = memo.get(key, lambda: float_mask(bias, mask, dtype))
+        return attend(
+            call.q,
+            call.k,
+            call.v,
+            mask=mask,
+            bias=bias,
+            scaling=call.scaling,
+            dropout_p=call.dropout_p,
+            backend="sdpa",
+            folded=folded,
+        )

@@ -1,15 +1,18 @@
 """The FlexAttention backend for block biases.
 
 FlexAttention (``torch.nn.attention.flex_attention``) fuses the bias into the attention
-kernel: ``score_mod(score, b, h, q_idx, kv_idx)`` adds the bias from O(T) tensors
-(``BlockBias.by_distance``, ``BlockBias.separable``, or the encoding's own
-``BlockBias.score_mod``, e.g. FIRE's) and a block mask skips the future (and padding).
+kernel: ``score_mod(score, b, h, q_idx, kv_idx)`` adds the bias of each score, which every
+bias form that can say it per score gives (:meth:`BlockBias.elementwise`: a distance table,
+separable terms, FIRE's pieces), and a block mask skips the future (and padding).
 On CUDA the function is compiled once (``torch.compile``); elsewhere it runs uncompiled,
 which is exact but materialises the scores (for tests, not for speed) and has no backward.
 Causal block masks are cached per (Tq, Tk, device); padding masks per forward.
 
-:func:`attend_flex` reports ``None`` when it cannot serve a call, and the caller falls back
-to the chunked backend.
+:func:`attend_flex` reports ``None`` when it cannot serve a call, and the dispatcher falls back
+to the chunked backend. A compile failure is remembered per patched model (the call's
+``failures``), so one model's failure never switches FlexAttention off for another.
+
+Registered as backend ``flex``: under ``backend="flex"``, and ``"auto"`` on CUDA.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from ..encodings.block_bias import BlockBias
+from ..memo import ForwardMemo
+from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
 
 _BLOCK_MASKS: dict[tuple, object] = {}
 _BLOCK_MASK_LIMIT = 16
-_failed: set[str] = set()
 
 
 def flex_available() -> bool:
@@ -39,7 +44,9 @@ def flex_available() -> bool:
 def _flex_function(compiled: bool) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    if compiled:
+        return cast(Callable, torch.compile(flex_attention, dynamic=False))
+    return flex_attention
 
 
 def _block_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, device: torch.device):
@@ -69,25 +76,15 @@ def _block_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, d
 
 
 def _score_mod(bias: BlockBias) -> Callable | None:
-    if bias.score_mod is not None:
-        return bias.score_mod
-    offset = bias.k_len - bias.q_len
-    if bias.by_distance is not None:
-        table = bias.by_distance  # (Hq, Tk) fp32
+    """``score + bias`` per score, or None when the bias form cannot say it per score."""
+    elementwise = bias.elementwise()
+    if elementwise is None:
+        return None
 
-        def by_distance(score, b, h, q_idx, kv_idx):
-            distance = torch.clamp(q_idx + offset - kv_idx, min=0)
-            return score + table[h, distance]
+    def add_bias(score, b, h, q_idx, kv_idx):
+        return score + elementwise(b, h, q_idx, kv_idx)
 
-        return by_distance
-    if bias.separable is not None:
-        query_term, key_term = bias.separable  # (B, Hq, Tq), (B, Hq, Tk)
-
-        def separable(score, b, h, q_idx, kv_idx):
-            return score + (query_term[b, h, q_idx] - key_term[b, h, kv_idx])
-
-        return separable
-    return None
+    return add_bias
 
 
 def attend_flex(
@@ -98,11 +95,14 @@ def attend_flex(
     bias: BlockBias,
     mask: torch.Tensor | None,
     scaling: float,
-    memo_get: Callable | None = None,
+    memo: ForwardMemo | None = None,
+    failures: set[str] | None = None,
 ) -> torch.Tensor | None:
-    """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D) -> (B,Tq,Hq,D), or None when FlexAttention cannot serve it."""
+    """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D) -> (B,Tq,Hq,D), or None when FlexAttention cannot serve it.
+
+    ``failures``: the patched model's set of failed backends; a compile failure adds ``"flex"``."""
     score_mod = _score_mod(bias)
-    if score_mod is None or not flex_available() or "flex" in _failed:
+    if score_mod is None or not flex_available():
         return None
     if q.device.type != "cuda" and torch.is_grad_enabled():
         return None  # FlexAttention has no backward off CUDA
@@ -112,10 +112,10 @@ def attend_flex(
         block_mask = _block_mask(None, batch, q_len, k_len, q.device)
     else:
         build = functools.partial(_block_mask, mask, batch, q_len, k_len, q.device)
-        if memo_get is None or torch.compiler.is_compiling():  # id() cannot be traced; no memo there
+        if memo is None or torch.compiler.is_compiling():  # id() cannot be traced; no memo there
             block_mask = build()
         else:
-            block_mask = memo_get(("flex_block_mask", id(mask), q_len, k_len), build)
+            block_mask = memo.get(("flex_block_mask", id(mask), q_len, k_len), build)
     compiled = q.device.type == "cuda"
     gqa = q.shape[1] != k.shape[1]
     try:
@@ -128,12 +128,33 @@ def attend_flex(
     except Exception as error:  # a kernel this build of torch cannot compile: say so once, fall back
         if not compiled:
             raise
-        _failed.add("flex")
+        if failures is not None:
+            failures.add(FlexBackend.name)
         warnings.warn(
             f"hf_posenc: FlexAttention failed ({type(error).__name__}: {error}); "
-            "using the chunked backend from now on",
+            "this model uses the chunked backend from now on",
             RuntimeWarning,
             stacklevel=2,
         )
         return None
     return out.transpose(1, 2)
+
+
+@register_backend
+class FlexBackend(Backend):
+    name = "flex"
+    priority = 50
+    requests = frozenset({AUTO, "flex"})
+    selectable = True
+
+    def serves(self, call: AttentionCall) -> bool:
+        return (
+            call.bias is not None
+            and not call.explicit
+            and not call.want_weights
+            and call.dropout_p == 0.0
+            and (call.requested == "flex" or call.on_cuda)
+        )
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return output_only(attend_flex(**call.bias_arguments(), memo=call.score.memo, failures=call.failures))

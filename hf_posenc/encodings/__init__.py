@@ -1,51 +1,14 @@
-"""Encodings, one module each; importing this package registers them all."""
+"""Encodings, one module each; importing this package imports every module in it, which
+registers every encoding (``@register_encoding``): adding an encoding is adding its file."""
 
-from . import (
-    alibi,
-    cape,
-    comrope,
-    cope,
-    expe,
-    exqpe,
-    fire,
-    fope,
-    fox,
-    fox_pro,
-    kerple,
-    learned,
-    liere,
-    nope,
-    rope,
-    rope2d,
-    sandwich,
-    sba,
-    sinusoidal,
-    t5,
-    tape,
-)
+import importlib
+import pkgutil
+
 from .base import Encoding
 
-__all__ = [
-    "Encoding",
-    "alibi",
-    "cape",
-    "comrope",
-    "cope",
-    "expe",
-    "exqpe",
-    "fire",
-    "fope",
-    "fox",
-    "fox_pro",
-    "kerple",
-    "learned",
-    "liere",
-    "nope",
-    "rope",
-    "rope2d",
-    "sandwich",
-    "sba",
-    "sinusoidal",
-    "t5",
-    "tape",
-]
+#: every module of this package, imported (encodings and their shared helpers)
+MODULES = tuple(
+    importlib.import_module(f"{__name__}.{module.name}") for module in pkgutil.iter_modules(__path__)
+)
+
+__all__ = ["MODULES", "Encoding"]

@@ -20,9 +20,11 @@ import math
 import torch
 
 from ..config import EncodingConfig
-from ..interpolation import PositionInterpolation, interpolate
+from ..interpolation import PositionInterpolation
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, query_key_distance
+from .base import Encoding
+from .block_bias import LinearDistanceBias
+from .call import ScoreCall
 
 
 @dataclasses.dataclass
@@ -53,27 +55,12 @@ class ALiBi(Encoding):
     paper = "Press et al. 2022, arXiv:2108.12409"
     summary = "fixed per-head linear penalty on query-key distance"
 
-    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-
-        def build() -> torch.Tensor:
-            distance = interpolate(
-                query_key_distance(q_len, k_len, device), self.config.factor
-            ).float()  # (Tq, Tk)
-            slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
-            return -slopes[:, None, None] * distance  # (Hq, Tq, Tk)
-
-        return ctx.memo.get(("alibi", q_len, k_len, device), build)
-
-    def block_bias(self, ctx: ScoreContext) -> BlockBias:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-
-        def build() -> BlockBias:
-            slopes = alibi_slopes(self.geometry.num_heads).to(device)  # (Hq,)
-            distance = torch.arange(k_len, device=device, dtype=torch.float32)  # (Tk,) d = 0 .. Tk-1
-            distance = interpolate(distance, self.config.factor).float()  # d / f
-            # -m * (d / f) = -(m / f) * d: flash-attn's alibi_slopes kernel gets the interpolated slopes
-            slopes_for_kernel = slopes / self.config.factor
-            return BlockBias(q_len, k_len, by_distance=-slopes[:, None] * distance, slopes=slopes_for_kernel)
-
-        return ctx.memo.get(("alibi_blocks", q_len, k_len, device), build)
+    def score_bias(self, call: ScoreCall) -> LinearDistanceBias:
+        q_len, k_len, device = call.q_len, call.k_len, call.device
+        # -m * (d / f) = -(m / f) * d: interpolation divides every slope by the factor
+        return call.memo.get(
+            ("alibi", q_len, k_len, device),
+            lambda: LinearDistanceBias(
+                q_len, k_len, alibi_slopes(self.geometry.num_heads).to(device) / self.config.factor
+            ),
+        )

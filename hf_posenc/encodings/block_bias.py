@@ -1,18 +1,23 @@
-"""A score bias described by O(T) values, so attention backends can build it block by block.
+"""A score bias as O(T) values, in the most structured form that describes it.
 
-A :class:`BlockBias` gives the same bias as an encoding's ``score_bias`` for the keys a
-causal query may attend to (future keys are masked by every backend), in one of three
-forms, from the most to the least structured:
+An encoding's ``score_bias`` stage returns one of these; every attention backend reads the
+same object: the full-matrix backends take :meth:`BlockBias.full`, the chunked backend builds
+it a block at a time with :meth:`BlockBias.rows`, FlexAttention evaluates
+:meth:`BlockBias.elementwise` score by score, and fused kernels recognise the form they
+implement (a distance-linear bias, a cumulative sum of per-token increments). The forms say
+what the bias *is*, never which kernel should serve it.
 
-``by_distance``  (Hq, Tk): the bias of key-index distance ``d = i - j = 0 .. Tk-1``, the same
-                 for every batch row (ALiBi, T5, KERPLE, Sandwich): a Toeplitz matrix, which
-                 the chunked backend reads as a strided view without writing it out;
-``separable``    ((B, Hq, Tq), (B, Hq, Tk)): ``bias[i, j] = query_term[i] - key_term[j]`` (FoX's
-                 cumulative log forget gates);
-``rows``         a function ``(start, stop, k_end) -> (B|1, Hq, stop-start, k_end)`` giving the
-                 bias of queries ``start .. stop-1`` and keys ``0 .. k_end-1`` (FIRE).
+``DistanceBias``        (Hq, Tk) table: ``bias[i, j] = table[h, i - j]`` (T5, KERPLE, Sandwich), a
+                        Toeplitz matrix the chunked backend reads as a strided view;
+``LinearDistanceBias``  a DistanceBias with ``table[h, d] = -slope_h * d`` (ALiBi);
+``SeparableBias``       ``bias[i, j] = query_term[i] - key_term[j]``;
+``CumulativeBias``      a SeparableBias ``bias[i, j] = sum_{l=j+1}^{i} g_l`` whose per-token
+                        increments ``g`` of every key are known (FoX without a cache);
+``RowBias``             a function ``(start, stop, k_end) -> (B|1, Hq, stop-start, k_end)`` (FIRE),
+                        optionally with the bias of one score ``(b, h, q_idx, kv_idx) -> bias``.
 
-Queries are bottom-right aligned: query ``a`` of ``Tq`` sits at key index ``Tk - Tq + a``.
+Queries are bottom-right aligned (:mod:`hf_posenc.layout`). Every form gives the bias of the
+keys a causal query may attend; future keys, masked by every backend, get the bias of distance 0.
 """
 
 from __future__ import annotations
@@ -22,46 +27,102 @@ from collections.abc import Callable
 
 import torch
 
+from ..layout import query_key_indices
+
 RowsFunction = Callable[[int, int, int], torch.Tensor]
+#: the bias of scores at index tensors (b, h, q_idx, kv_idx) -> bias (FlexAttention's score_mod layout)
+ElementwiseBias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BlockBias:
+    """Base of the forms: the bias of ``q_len`` queries over ``k_len`` keys."""
+
     q_len: int
     k_len: int
-    by_distance: torch.Tensor | None = None  # (Hq, Tk) fp32
-    separable: tuple[torch.Tensor, torch.Tensor] | None = None  # (B, Hq, Tq), (B, Hq, Tk) fp32
-    row_function: RowsFunction | None = None
-    #: (Hq,) when ``by_distance`` is ``-slopes * d`` (ALiBi): lets flash-attn's ``alibi_slopes`` kernel serve it
-    slopes: torch.Tensor | None = None
-    #: (B, Hq, Tk) per-key log forget gates when ``separable`` is (c[-Tq:], c) with c their cumulative sum
-    #: from the first key (FoX without a cache): lets flash-linear-attention's forgetting kernel serve it
-    log_forget: torch.Tensor | None = None
-    #: a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` adding this bias (for ``row_function``
-    #: biases that can be written per score, e.g. FIRE's); the other forms get one built for them
-    score_mod: Callable | None = None
-
-    def __post_init__(self) -> None:
-        given = [self.by_distance is not None, self.separable is not None, self.row_function is not None]
-        if sum(given) != 1:
-            raise ValueError("a BlockBias needs exactly one of by_distance, separable, row_function")
 
     def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
-        """Bias of queries ``start .. stop-1`` and keys ``0 .. k_end-1``: (B|1, Hq, stop-start, k_end) fp32.
-
-        Future keys (``j > i``), which every backend masks, get the bias of distance 0.
-        """
-        if self.by_distance is not None:
-            device = self.by_distance.device
-            offset = self.k_len - self.q_len
-            query_index = torch.arange(start + offset, stop + offset, device=device)  # (rows,)
-            distance = (query_index[:, None] - torch.arange(k_end, device=device)[None]).clamp_(min=0)
-            return self.by_distance[:, distance][None]  # (1, Hq, rows, k_end)
-        if self.separable is not None:
-            query_term, key_term = self.separable  # (B, Hq, Tq), (B, Hq, Tk)
-            return query_term[..., start:stop, None] - key_term[..., None, :k_end]
-        return self.row_function(start, stop, k_end)
+        """Bias of queries ``start .. stop-1`` and keys ``0 .. k_end-1``: (B|1, Hq, stop-start, k_end) fp32."""
+        raise NotImplementedError
 
     def full(self) -> torch.Tensor:
-        """The whole (B|1, Hq, Tq, Tk) bias (tests and small inputs)."""
+        """The whole (B|1, Hq, Tq, Tk) bias."""
         return self.rows(0, self.q_len, self.k_len)
+
+    def elementwise(self) -> ElementwiseBias | None:
+        """The bias of one score from index tensors, or None when the form cannot say it per score."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DistanceBias(BlockBias):
+    table: torch.Tensor  # (Hq, Tk) fp32: the bias of distance d = i - j = 0 .. Tk-1
+
+    def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
+        queries, keys = query_key_indices(self.q_len, self.k_len, self.table.device, start, stop)
+        distance = (queries[:, None] - keys[None, :k_end]).clamp_(min=0)  # (rows, k_end)
+        return self.table[:, distance][None]  # (1, Hq, rows, k_end)
+
+    def elementwise(self) -> ElementwiseBias:
+        table, offset = self.table, self.k_len - self.q_len
+
+        def by_distance(b, h, q_idx, kv_idx):
+            return table[h, torch.clamp(q_idx + offset - kv_idx, min=0)]
+
+        return by_distance
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class LinearDistanceBias(DistanceBias):
+    """``bias[i, j] = -slope_h * (i - j)``: a DistanceBias whose table is linear in the distance."""
+
+    slopes: torch.Tensor  # (Hq,) fp32
+
+    def __init__(self, q_len: int, k_len: int, slopes: torch.Tensor) -> None:
+        distance = torch.arange(k_len, device=slopes.device, dtype=torch.float32)  # (Tk,)
+        object.__setattr__(self, "slopes", slopes)
+        super().__init__(q_len, k_len, -slopes[:, None] * distance)  # (Hq, Tk)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeparableBias(BlockBias):
+    query_term: torch.Tensor  # (B, Hq, Tq) fp32
+    key_term: torch.Tensor  # (B, Hq, Tk) fp32
+
+    def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
+        return self.query_term[..., start:stop, None] - self.key_term[..., None, :k_end]
+
+    def elementwise(self) -> ElementwiseBias:
+        query_term, key_term = self.query_term, self.key_term
+
+        def separable(b, h, q_idx, kv_idx):
+            return query_term[b, h, q_idx] - key_term[b, h, kv_idx]
+
+        return separable
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class CumulativeBias(SeparableBias):
+    """``bias[i, j] = sum_{l=j+1}^{i} g_l`` over a call with no cached keys (Tq == Tk): the
+    separable bias ``c_i - c_j`` of the running sums ``c_t = sum_{l <= t} g_l`` (given rounded
+    to fp32, as the caller accumulated them)."""
+
+    increments: torch.Tensor  # (B, Hq, Tk) fp32 g_t
+
+    def __init__(self, increments: torch.Tensor, cumulative: torch.Tensor) -> None:
+        length = increments.shape[-1]
+        object.__setattr__(self, "increments", increments)
+        super().__init__(length, length, cumulative, cumulative)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBias(BlockBias):
+    function: RowsFunction
+    #: the bias of one score (b, h, q_idx, kv_idx), for biases that can be written per score
+    score: ElementwiseBias | None = None
+
+    def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
+        return self.function(start, stop, k_end)
+
+    def elementwise(self) -> ElementwiseBias | None:
+        return self.score

@@ -29,7 +29,8 @@ from torch import nn
 from ..config import EncodingConfig, check_number, fail
 from ..errors import InvalidParameterError
 from ..registry import encoding_names, get_encoding, register_encoding
-from .base import Encoding, ScoreContext
+from .base import Encoding
+from .call import ScoreCall
 
 #: score-bias encodings CAPE can build on; only those registered in this install are accepted
 BASES = ("alibi", "kerple", "fire")
@@ -107,8 +108,8 @@ class CAPE(Encoding):
     def rows_independent(self) -> bool:
         return not self.base.stateful  # a stateful base (FoX) accumulates over all queries
 
-    def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
-        bias = self.base.score_bias(ctx).float().expand_as(scores)  # (B, Hq, Tq, Tk)
+    def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
+        bias = self.base.score_bias(call).full().float().expand_as(scores)  # (B, Hq, Tq, Tk)
         features = torch.cat([scores, bias], dim=1).permute(0, 2, 3, 1)  # (B, Tq, Tk, 2Hq)
-        mixed = self.mixers[ctx.layer_idx](features).permute(0, 3, 1, 2)  # (B, Hq, Tq, Tk)
+        mixed = self.mixers[call.layer_idx](features).permute(0, 3, 1, 2)  # (B, Hq, Tq, Tk)
         return scores + bias + mixed

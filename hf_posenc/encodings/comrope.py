@@ -41,9 +41,9 @@ from torch import nn
 from ..config import EncodingConfig, check_choice, check_number
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 from .rope2d import axial_frequencies, check_axes, token_coordinates
 
@@ -140,18 +140,18 @@ class ComRoPE(Encoding):
         exponent = weight[:, None, :, None, None] * self.skew(layer_idx, dtype)[None]  # (U, Hkv, m, b, b)
         return torch.linalg.matrix_exp(exponent).float()
 
-    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo, coordinates=None):
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
 
-        def distinct():
-            coords = token_coordinates(self.name, coordinates, q_positions, cfg.axes)  # (B, T, N)
+        def distinct() -> tuple[torch.Tensor, torch.Tensor]:
+            coords = token_coordinates(self.name, call.coordinates, call.positions, cfg.axes)  # (B, T, N)
             coords = interpolate(coords, cfg.factor).float()  # x / f
             unique, inverse = torch.unique(coords.reshape(-1, cfg.axes), dim=0, return_inverse=True)
             return unique, inverse  # (U, N), (B*T,)
 
-        unique, inverse = memo.get(("comrope", "distinct"), distinct)
-        batch, length = q_positions.shape
-        rot = self.rotation(layer_idx, unique)[inverse]  # (B*T, Hkv, m, b, b)
+        unique, inverse = call.memo.get(("comrope", "distinct"), distinct)
+        batch, length = call.positions.shape
+        rot = self.rotation(call.layer_idx, unique)[inverse]  # (B*T, Hkv, m, b, b)
         rot = rot.view(batch, length, *rot.shape[1:]).transpose(1, 2)  # (B, Hkv, T, m, b, b)
         return self._rotate_blocks(q, rot), self._rotate_blocks(k, rot)
 

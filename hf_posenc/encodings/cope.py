@@ -28,7 +28,8 @@ from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext
+from .base import Encoding
+from .call import ScoreCall
 
 
 @dataclasses.dataclass
@@ -82,11 +83,11 @@ class CoPE(Encoding):
     def rows_independent(self) -> bool:
         return True
 
-    def transform_scores(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
+    def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        table = self.embeddings[0 if cfg.shared_across_layers else ctx.layer_idx]  # (npos, D)
+        table = self.embeddings[0 if cfg.shared_across_layers else call.layer_idx]  # (npos, D)
         gates = torch.sigmoid(scores)  # (B, Hq, Tq, Tk): scores are q.k / sqrt(d) here
-        positions = contextual_positions(gates, ctx.allowed, cfg.npos_max)  # (B, Hq, Tq, Tk)
-        z = torch.matmul(ctx.q.float(), table.float().T)  # (B, Hq, Tq, npos)
+        positions = contextual_positions(gates, call.allowed, cfg.npos_max)  # (B, Hq, Tq, Tk)
+        z = torch.matmul(call.q.float(), table.float().T)  # (B, Hq, Tq, npos)
         scale = self.geometry.head_dim**-0.5
         return scores + interpolate_position_logits(z, positions) * scale

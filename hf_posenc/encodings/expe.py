@@ -21,9 +21,9 @@ import dataclasses
 import torch
 
 from ..config import check_number
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .expe_common import ExactPositionConfig, override_leading, warn_if_indistinguishable
 from .expe_precision import expe_component
 
@@ -55,11 +55,11 @@ class ExPE(Encoding):
     paper = "Datseris et al. 2025, ExPE (eq. 3)"
     summary = "overrides the first l dims of each layer's q/k input with S + theta*(n+j)"
 
-    def layer_input(self, layer_idx, hidden, positions, memo: ForwardMemo):
-        cfg = self.config
-        if layer_idx == 0:
+    def layer_input(self, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, hidden, positions = self.config, call.hidden, call.positions
+        if call.layer_idx == 0:
             warn_if_indistinguishable(self, positions, hidden.dtype)
-        values = memo.get(
+        values = call.memo.get(
             ("expe",), lambda: expe_values(positions, cfg.l, cfg.S, cfg.theta, cfg.factor)
         )  # (B, T, l)
         return override_leading(hidden, values, cfg.override_value)

@@ -24,9 +24,9 @@ import dataclasses
 import torch
 
 from ..config import check_number
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .expe_common import ExactPositionConfig, override_leading, warn_if_indistinguishable
 from .expe_precision import exqpe_component
 
@@ -69,11 +69,11 @@ class ExQPE(Encoding):
     paper = "Datseris et al. 2025, ExPE (eq. 5)"
     summary = "like ExPE, but only component n mod l grows (by theta2) per token: bf16-friendly"
 
-    def layer_input(self, layer_idx, hidden, positions, memo: ForwardMemo):
-        cfg = self.config
-        if layer_idx == 0:
+    def layer_input(self, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, hidden, positions = self.config, call.hidden, call.positions
+        if call.layer_idx == 0:
             warn_if_indistinguishable(self, positions, hidden.dtype)
-        values = memo.get(
+        values = call.memo.get(
             ("exqpe",), lambda: exqpe_values(positions, cfg.l, cfg.S, cfg.theta1, cfg.theta2, cfg.factor)
         )  # (B, T, l)
         return override_leading(hidden, values, cfg.override_value)

@@ -6,7 +6,7 @@ Interpolation for Relative Positions Improves Long Context Transformers", arXiv:
     psi(x) = log(|c| x + 1),     L = |L_multiplier| * init_L,
     f_theta(x) = W2 relu(W1 x + b1) + b2      (1 -> mlp_width -> H, one output per query head)
 
-``i`` is the query's absolute 0-based position (``ScoreContext.q_positions``, padding-aware)
+``i`` is the query's absolute 0-based position (``ScoreCall.positions``, padding-aware)
 and ``i - j`` the distance in tokens, exactly as the paper's reference code and its ports
 (mcleish7/arithmetic, VITA-Group/TAPE: ``positions = arange(T)``,
 ``normalizer = max(positions, threshold)``). Since i - j <= i, the argument of f lies in
@@ -31,12 +31,14 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..interpolation import PositionInterpolation, interpolate
+from ..layout import query_key_distance
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, module_cache, query_key_distance
+from .base import Encoding, module_cache
+from .block_bias import ElementwiseBias, RowBias
+from .call import ScoreCall
 
 EPS = 1e-6  # the reference's guard on the normaliser
 
@@ -137,12 +139,13 @@ class FIREFunction(nn.Module):
         bias = slopes[:, segment] * x + intercepts[:, segment]  # (Hq, B, Tq, Tk)
         return bias.movedim(0, 1)
 
-    def score_mod(
+    def elementwise(
         self, positions: torch.Tensor, k_len: int, pieces: tuple | None = None, factor: float = 1.0
-    ):
-        """A FlexAttention ``score_mod`` adding this bias for queries at ``positions`` (B|1, Tq; already
-        divided by ``factor``), the last Tq of ``k_len`` keys: psi((i - j) / factor) from a (Tk,) table,
-        the normaliser per query, and f as its linear pieces (the segment is the number of breakpoints <= x)."""
+    ) -> ElementwiseBias:
+        """This bias of one score (b, h, q_idx, kv_idx) for queries at ``positions`` (B|1, Tq; already
+        divided by ``factor``), the last Tq of ``k_len`` keys: psi((i - j) / factor) from a (Tk,)
+        table, the normaliser per query, and f as its linear pieces (the segment is the number of
+        breakpoints <= x)."""
         offset = k_len - positions.shape[-1]
         c = self.c.float().abs()
         distances = interpolate(torch.arange(k_len, device=positions.device), factor).float()  # (Tk,)
@@ -151,25 +154,21 @@ class FIREFunction(nn.Module):
         points, slopes, intercepts = pieces or self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
         shared_rows = normalizer.shape[0] == 1
 
-        def fire(score, b, h, q_idx, kv_idx):
+        def fire(b, h, q_idx, kv_idx):
             distance = torch.clamp(q_idx + offset - kv_idx, min=0)
             row = 0 if shared_rows else b
             x = log_distance[distance] / normalizer[row, q_idx]
             segment = torch.zeros_like(distance)
             for k in range(points.shape[0]):
                 segment = segment + (x >= points[k]).to(distance.dtype)
-            return score + (slopes[h, segment] * x + intercepts[h, segment])
+            return slopes[h, segment] * x + intercepts[h, segment]
 
         return fire
 
     def forward(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """-> (B, Hq, Tq, Tk) fp32 bias."""
         x = self.normalized_distance(distance, positions)[..., None]  # (B, Tq, Tk, 1)
-        # with gradients, the hidden layer (width x the size of the bias) is recomputed in backward
-        # instead of being kept for every layer: exact, one more pass of the small MLP
-        grad = torch.is_grad_enabled()
-        bias = checkpoint(self.mlp, x, use_reentrant=False) if grad else self.mlp(x)  # (B, Tq, Tk, Hq)
-        return bias.permute(0, 3, 1, 2)
+        return self.mlp(x).permute(0, 3, 1, 2)  # (B, Hq, Tq, Tk)
 
 
 @register_encoding
@@ -192,41 +191,24 @@ class FIRE(Encoding):
     def function(self, layer_idx: int) -> FIREFunction:
         return self.functions[0 if self.config.shared_across_layers else layer_idx]
 
-    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
+    def score_bias(self, call: ScoreCall) -> RowBias:
+        q_len, k_len, device = call.q_len, call.k_len, call.device
         factor = self.config.factor
-        distance = ctx.memo.get(
-            ("fire_distance", q_len, k_len, device),
-            lambda: interpolate(query_key_distance(q_len, k_len, device), factor),
-        )  # (Tq, Tk) (i - j) / factor
-        positions = ctx.memo.get(
+        positions = call.memo.get(
             ("fire_positions", q_len, k_len, device),
-            lambda: interpolate(_distinct_rows(ctx.q_positions), factor),
+            lambda: interpolate(_distinct_rows(call.positions), factor),
         )  # (B|1, Tq) i / factor
-        return self.function(ctx.layer_idx)(distance, positions)  # (B|1, Hq, Tq, Tk)
-
-    def block_bias(self, ctx: ScoreContext) -> BlockBias:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-        factor = self.config.factor
-        positions = ctx.memo.get(
-            ("fire_positions", q_len, k_len, device),
-            lambda: interpolate(_distinct_rows(ctx.q_positions), factor),
-        )  # (B|1, Tq) i / factor
-        function = self.function(ctx.layer_idx)
+        function = self.function(call.layer_idx)
         pieces = function.linear_pieces()  # once per call, shared by every block (and by flex)
-        offset = k_len - q_len
 
         def rows(start: int, stop: int, k_end: int) -> torch.Tensor:
-            query_index = torch.arange(start + offset, stop + offset, device=device)
-            distance = query_index[:, None] - torch.arange(k_end, device=device)[None]  # (rows, keys) i - j
+            distance = query_key_distance(q_len, k_len, device, start, stop)[:, :k_end]  # (rows, keys) i - j
             distance = interpolate(distance, factor)  # (i - j) / factor
             return function.evaluate_pieces(
                 distance, positions[:, start:stop], pieces
             )  # (B|1, Hq, rows, keys)
 
-        return BlockBias(
-            q_len, k_len, row_function=rows, score_mod=function.score_mod(positions, k_len, pieces, factor)
-        )
+        return RowBias(q_len, k_len, rows, score=function.elementwise(positions, k_len, pieces, factor))
 
 
 def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:

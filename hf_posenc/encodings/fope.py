@@ -36,9 +36,11 @@ from torch import nn
 
 from ..config import EncodingConfig, check_bool, check_number
 from ..interpolation import PositionInterpolation, interpolate
+from ..layout import expand_kv_heads
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim, rotate_half
 from .rope_scaling import base_inv_freq
 
@@ -136,10 +138,10 @@ class FoPE(Encoding):
         out = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
         return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
 
-    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
-        cos, sin = self.cos_sin(layer_idx, q_positions, memo)  # (B, Hkv|1, T, d_rot)
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, d_rot)
         k_out = self.apply(k, cos, sin)
         if cos.shape[1] > 1:  # query head h uses the coefficients of its KV head
             group = q.shape[1] // cos.shape[1]
-            cos, sin = cos.repeat_interleave(group, dim=1), sin.repeat_interleave(group, dim=1)
+            cos, sin = expand_kv_heads(cos, group), expand_kv_heads(sin, group)
         return self.apply(q, cos, sin), k_out

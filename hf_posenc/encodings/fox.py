@@ -23,18 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext
-from .fox_common import (
-    STATE_KEY,
-    ForgetGateConfig,
-    cumulative_log_forget,
-    forget_gates,
-    forgetting_bias,
-    log_forget,
-)
+from .base import Encoding
+from .block_bias import CumulativeBias, SeparableBias
+from .call import ScoreCall
+from .fox_common import STATE_KEY, ForgetGateConfig, cumulative_log_forget, forget_gates, log_forget
 
 
 @dataclasses.dataclass
@@ -57,14 +50,9 @@ class FoX(Encoding):
         super().__init__(config, geometry)
         self.forget = forget_gates(config, geometry)  # [layer]: Linear(hidden -> Hq)
 
-    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
-        log_f = log_forget(self.forget[ctx.layer_idx], ctx.hidden)  # (B, Hq, Tq)
-        return forgetting_bias(log_f, ctx.k_len, ctx.state)  # (B, Hq, Tq, Tk)
-
-    def block_bias(self, ctx: ScoreContext) -> BlockBias:
-        log_f = log_forget(self.forget[ctx.layer_idx], ctx.hidden)  # (B, Hq, Tq)
-        c = cumulative_log_forget(log_f, ctx.k_len, ctx.state)  # (B, Hq, Tk)
-        fresh = ctx.q_len == ctx.k_len  # no cached keys: c is the cumulative sum of exactly these log f
-        return BlockBias(
-            ctx.q_len, ctx.k_len, separable=(c[..., -ctx.q_len :], c), log_forget=log_f if fresh else None
-        )  # D_ij = c_i - c_j
+    def score_bias(self, call: ScoreCall) -> SeparableBias:
+        log_f = log_forget(self.forget[call.layer_idx], call.hidden)  # (B, Hq, Tq)
+        c = cumulative_log_forget(log_f, call.k_len, call.state)  # (B, Hq, Tk)
+        if call.q_len == call.k_len:  # no cached keys: c is the running sum of exactly these log f
+            return CumulativeBias(log_f, c)
+        return SeparableBias(call.q_len, call.k_len, c[..., -call.q_len :], c)  # D_ij = c_i - c_j

@@ -93,10 +93,3 @@ def cumulative_log_forget(log_f: torch.Tensor, k_len: int, state: dict[str, Any]
             "a cache must be filled by this patched model from its first token (and not reordered or cropped)"
         )
     return cumulative.float()  # (B, H, Tk)
-
-
-def forgetting_bias(log_f: torch.Tensor, k_len: int, state: dict[str, Any] | None) -> torch.Tensor:
-    """log f (B, H, Tq) of the new tokens -> D (B, H, Tq, Tk) fp32, D_ij = c_i - c_j (see
-    :func:`cumulative_log_forget`)."""
-    c = cumulative_log_forget(log_f, k_len, state)  # (B, H, Tk)
-    return c[..., -log_f.shape[-1] :, None] - c[..., None, :]  # (B, H, Tq, Tk)

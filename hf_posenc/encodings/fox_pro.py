@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import check_bool, check_number
-from ..memo import ForwardMemo
 from ..registry import register_encoding
+from .call import LayerCall
 from .fox import FoX
 from .fox_common import STATE_KEY, ForgetGateConfig
 
@@ -147,9 +146,10 @@ class FoXPro(FoX):
         return out
 
     def adjust_qkv(
-        self, layer_idx, hidden, positions, q, k, v, state: dict[str, Any] | None, memo: ForwardMemo
-    ):
-        first = (positions == 0)[:, None, :, None].to(k.device)  # (B, 1, T, 1): no previous token
+        self, call: LayerCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        layer_idx, hidden, state = call.layer_idx, call.hidden, call.state
+        first = (call.positions == 0)[:, None, :, None].to(k.device)  # (B, 1, T, 1): no previous token
         if self.k_shift is not None:
             k = self._shift(self.k_shift[layer_idx], "fox_pro_k_previous", hidden, k, state, first)
         if self.v_shift is not None:
@@ -159,7 +159,8 @@ class FoXPro(FoX):
             k = rms_norm(k, self.k_norm[layer_idx][:, None], QK_NORM_EPS)  # gains (Hkv, 1, D)
         return q, k, v
 
-    def adjust_output(self, layer_idx, hidden, out, state, memo):
+    def adjust_output(self, call: LayerCall, out: torch.Tensor) -> torch.Tensor:
+        layer_idx, hidden = call.layer_idx, call.hidden
         b, t, _ = out.shape
         o = out.float()
         if self.output_norm is not None:

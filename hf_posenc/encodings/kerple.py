@@ -35,7 +35,9 @@ from torch import nn
 from ..config import EncodingConfig, check_bool, check_choice
 from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, query_key_distance
+from .base import Encoding
+from .block_bias import DistanceBias
+from .call import ScoreCall
 
 EPS = 1e-2  # the reference's lower bound for r1 and r2
 MAX_POWER = 2.0  # upper bound of the power kernel's exponent
@@ -89,13 +91,13 @@ class KERPLE(Encoding):
         r2 = self.r2[row].float().clamp(min=EPS, max=self._r2_max)
         return r1, r2
 
-    def distance_table(self, ctx: ScoreContext) -> torch.Tensor:
+    def distance_table(self, call: ScoreCall) -> torch.Tensor:
         """(Hq, Tk) fp32 bias of every distance 0 .. Tk-1 (projects r1, r2 first in a training forward)."""
-        k_len, device = ctx.k_len, ctx.device
+        k_len, device = call.k_len, call.device
         if torch.is_grad_enabled():
             self.project_()
-        r1, r2 = self.coefficients(ctx.layer_idx)  # (Hq,), (Hq,)
-        n = ctx.memo.get(
+        r1, r2 = self.coefficients(call.layer_idx)  # (Hq,), (Hq,)
+        n = call.memo.get(
             ("kerple_n", k_len, device),
             lambda: interpolate(torch.arange(k_len, device=device), self.config.factor).float(),
         )  # (Tk,) every distance 0 .. Tk-1, divided by the factor
@@ -103,13 +105,5 @@ class KERPLE(Encoding):
             return -r1[:, None] * torch.log1p(r2[:, None] * n)  # (Hq, Tk)
         return -r1[:, None] * n.pow(r2[:, None])  # (Hq, Tk)
 
-    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-        table = self.distance_table(ctx)  # (Hq, Tk)
-        index = ctx.memo.get(
-            ("kerple_index", q_len, k_len, device), lambda: query_key_distance(q_len, k_len, device).abs()
-        )  # (Tq, Tk) |i - j|
-        return table.index_select(1, index.reshape(-1)).view(-1, q_len, k_len)  # (Hq, Tq, Tk)
-
-    def block_bias(self, ctx: ScoreContext) -> BlockBias:
-        return BlockBias(ctx.q_len, ctx.k_len, by_distance=self.distance_table(ctx))
+    def score_bias(self, call: ScoreCall) -> DistanceBias:
+        return DistanceBias(call.q_len, call.k_len, self.distance_table(call))

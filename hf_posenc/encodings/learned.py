@@ -26,9 +26,9 @@ from torch import nn
 from ..config import EncodingConfig, check_choice, check_number
 from ..errors import InvalidParameterError, PositionRangeError
 from ..interpolation import PositionInterpolation, interpolate
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import ForwardCall
 from .sinusoidal import sinusoidal_table
 
 
@@ -83,7 +83,8 @@ class Learned(Encoding):
         with torch.no_grad():
             self.table[:rows].copy_(wpe[:rows])
 
-    def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
+    def embed(self, call: ForwardCall) -> torch.Tensor:
+        positions = call.positions
         limit, factor = self.table.shape[0], self.config.factor
         if positions.numel() and not torch.compiler.is_compiling():  # data-dependent: eager only
             top, bottom = int(positions.max()), int(positions.min())

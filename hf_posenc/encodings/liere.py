@@ -41,9 +41,11 @@ from torch import nn
 from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
+from ..layout import expand_kv_heads
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 
 
@@ -160,9 +162,9 @@ class LieRE(Encoding):
         out = out[..., self.inverse_perm].to(x.dtype)
         return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
 
-    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
-        rotation = self.rotations(layer_idx, q_positions, memo)  # (B, Hkv|1, T, nb, b, b)
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotation = self.rotations(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, nb, b, b)
         k_rot = self.apply(k, rotation)
         if rotation.shape[1] > 1:  # query head h uses the generators of its KV head h // group
-            rotation = rotation.repeat_interleave(q.shape[1] // rotation.shape[1], dim=1)
+            rotation = expand_kv_heads(rotation, q.shape[1] // rotation.shape[1])
         return self.apply(q, rotation), k_rot

@@ -24,9 +24,9 @@ import torch
 
 from ..config import EncodingConfig, check_number
 from ..errors import InvalidParameterError
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall, ScoreCall
 from .rope_dynamic import causal_dynamic_logits
 from .rope_scaling import inverse_frequencies, resolve_scaling, validate_scaling
 
@@ -132,23 +132,25 @@ class RoPE(Encoding):
     def active_stages(self) -> list[str]:
         return ["logits"] if self.dynamic else ["rotate"]
 
-    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
 
-        def rotation():
+        def rotation() -> tuple[torch.Tensor, torch.Tensor]:
             inv_freq, factor = inverse_frequencies(self.dim, cfg.theta, cfg.scaling, device=q.device)
-            return cos_sin(q_positions, inv_freq, factor, q.dtype)
+            return cos_sin(call.positions, inv_freq, factor, q.dtype)
 
-        cos, sin = memo.get(("rope", q.dtype), rotation)  # (B, 1, T, d_rot) each
+        cos, sin = call.memo.get(("rope", q.dtype), rotation)  # (B, 1, T, d_rot) each
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def logits(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo):
+    def logits(self, call: ScoreCall) -> torch.Tensor:
         scaling = self.config.scaling
+        if call.key_positions is None:
+            raise ValueError("rope (dynamic): the logits stage needs the key positions")
         return causal_dynamic_logits(
-            q,
-            k,
-            q_positions,
-            k_positions,
+            call.q,
+            call.k,
+            call.positions,
+            call.key_positions,
             theta=self.config.theta,
             dim=self.dim,
             factor=scaling["factor"],

@@ -33,9 +33,9 @@ import torch
 from ..config import EncodingConfig, check_number
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .rope import apply_rotary, check_rotary_settings, fill_rotary_defaults, rotary_dim
 
 MAX_AXES = 16
@@ -106,16 +106,16 @@ class RoPE2D(Encoding):
         super().__init__(config, geometry)
         self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
 
-    def rotate(self, layer_idx, q, k, q_positions, k_positions, memo: ForwardMemo, coordinates=None):
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
 
-        def rotation():
-            coords = token_coordinates(self.name, coordinates, q_positions, cfg.axes)  # (B, T, N)
+        def rotation() -> tuple[torch.Tensor, torch.Tensor]:
+            coords = token_coordinates(self.name, call.coordinates, call.positions, cfg.axes)  # (B, T, N)
             coords = interpolate(coords, cfg.factor).float()  # x / f
             omega, axis = axial_frequencies(self.dim, cfg.axes, cfg.theta, device=q.device)  # (d_rot/2,)
             angles = coords[..., axis] * omega  # (B, T, d_rot/2)
             angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d_rot)
             return angles.cos().to(q.dtype), angles.sin().to(q.dtype)
 
-        cos, sin = memo.get(("rope2d", q.dtype), rotation)  # (B, 1, T, d_rot) each
+        cos, sin = call.memo.get(("rope2d", q.dtype), rotation)  # (B, 1, T, d_rot) each
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

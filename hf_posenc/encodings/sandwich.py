@@ -25,7 +25,9 @@ import torch
 from ..config import EncodingConfig, check_number, fail
 from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, module_cache, query_key_distance
+from .base import Encoding, module_cache
+from .block_bias import DistanceBias
+from .call import ScoreCall
 
 
 @dataclasses.dataclass
@@ -81,18 +83,9 @@ class Sandwich(Encoding):
             cache[key] = kernel
         return kernel[:k_len]
 
-    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-
-        def build() -> torch.Tensor:
-            index = query_key_distance(q_len, k_len, device).abs()  # (Tq, Tk)
-            return self.distance_table(k_len, device)[:, index]  # (Hq, Tq, Tk)
-
-        return ctx.memo.get(("sandwich", q_len, k_len, device), build)
-
-    def block_bias(self, ctx: ScoreContext) -> BlockBias:
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-        return ctx.memo.get(
-            ("sandwich_blocks", q_len, k_len, device),
-            lambda: BlockBias(q_len, k_len, by_distance=self.distance_table(k_len, device)),
+    def score_bias(self, call: ScoreCall) -> DistanceBias:
+        q_len, k_len, device = call.q_len, call.k_len, call.device
+        return call.memo.get(
+            ("sandwich", q_len, k_len, device),
+            lambda: DistanceBias(q_len, k_len, self.distance_table(k_len, device)),
         )

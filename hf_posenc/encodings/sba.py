@@ -26,10 +26,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..attention.kernels import attend_fla_stickbreaking
 from ..config import EncodingConfig, check_bool, check_choice
+from ..layout import own_key
 from ..registry import register_encoding
-from .base import Encoding, ScoreContext
+from .base import Encoding
+from .call import ScoreCall
 
 REMAINDERS = ("current", "drop")
 
@@ -46,12 +47,6 @@ class SBAConfig(EncodingConfig):
     def validate(self) -> None:
         check_bool(self.encoding, "attend_current", self.attend_current)
         check_choice(self.encoding, "remainder", self.remainder, REMAINDERS)
-
-
-def diagonal(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """(Tq, Tk) bool, True at each query's own key (bottom-right aligned)."""
-    q_index = torch.arange(k_len - q_len, k_len, device=device)
-    return q_index[:, None] == torch.arange(k_len, device=device)[None, :]
 
 
 def stick_breaking_weights(scores: torch.Tensor, breaks: torch.Tensor) -> torch.Tensor:
@@ -75,21 +70,13 @@ class StickBreaking(Encoding):
     paper = "Tan et al. 2024, arXiv:2410.17980"
     summary = "stick-breaking attention replaces the softmax; leftover mass to the current token"
 
-    def fused_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float
-    ) -> torch.Tensor | None:
-        cfg = self.config
-        return attend_fla_stickbreaking(
-            q, k, v, mask=mask, scaling=scaling, attend_current=cfg.attend_current, remainder=cfg.remainder
-        )
-
     def rows_independent(self) -> bool:
         return True
 
-    def normalize(self, ctx: ScoreContext, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
+    def normalize(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
+        cfg, allowed = self.config, call.allowed
         q_len, k_len, device = scores.shape[-2], scores.shape[-1], scores.device
-        own = ctx.memo.get(("sba_diagonal", q_len, k_len, device), lambda: diagonal(q_len, k_len, device))
+        own = call.memo.get(("sba_diagonal", q_len, k_len, device), lambda: own_key(q_len, k_len, device))
         if allowed is None:  # every key allowed
             allowed = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
         breaks = allowed if cfg.attend_current else allowed & ~own  # (B|1, 1, Tq, Tk)

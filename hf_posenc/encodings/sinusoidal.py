@@ -19,9 +19,9 @@ import torch
 
 from ..config import EncodingConfig, check_number
 from ..interpolation import PositionInterpolation, interpolate
-from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import ForwardCall
 
 
 @dataclasses.dataclass
@@ -53,7 +53,7 @@ class Sinusoidal(Encoding):
     paper = "Vaswani et al. 2017, arXiv:1706.03762"
     summary = "fixed sin/cos vectors added to the token embeddings"
 
-    def embed(self, positions: torch.Tensor, memo: ForwardMemo) -> torch.Tensor:
+    def embed(self, call: ForwardCall) -> torch.Tensor:
         cfg = self.config
-        scaled = interpolate(positions, cfg.factor)  # n / f
+        scaled = interpolate(call.positions, cfg.factor)  # n / f
         return cfg.scale * sinusoidal_table(scaled, self.geometry.hidden_size, cfg.base)  # (B, T, hidden)

@@ -31,7 +31,9 @@ from ..config import EncodingConfig, check_bool, check_number
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate_floor
 from ..registry import register_encoding
-from .base import BlockBias, Encoding, ScoreContext, query_key_distance
+from .base import Encoding
+from .block_bias import DistanceBias
+from .call import ScoreCall
 
 
 @dataclasses.dataclass
@@ -82,24 +84,10 @@ class T5Bias(Encoding):
         for table in self.tables:
             nn.init.zeros_(table.weight)
 
-    def score_bias(self, ctx: ScoreContext) -> torch.Tensor:
+    def score_bias(self, call: ScoreCall) -> DistanceBias:
         cfg = self.config
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-        buckets = ctx.memo.get(
-            ("t5_buckets", q_len, k_len, device),
-            lambda: relative_position_bucket(
-                interpolate_floor(query_key_distance(q_len, k_len, device), cfg.factor),
-                cfg.num_buckets,
-                cfg.max_distance,
-            ),
-        )  # (Tq, Tk)
-        table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
-        return table(buckets).permute(2, 0, 1).float()  # (Hq, Tq, Tk)
-
-    def block_bias(self, ctx: ScoreContext) -> BlockBias:
-        cfg = self.config
-        q_len, k_len, device = ctx.q_len, ctx.k_len, ctx.device
-        buckets = ctx.memo.get(
+        k_len, device = call.k_len, call.device
+        buckets = call.memo.get(
             ("t5_distance_buckets", k_len, device),
             lambda: relative_position_bucket(
                 interpolate_floor(torch.arange(k_len, device=device), cfg.factor),
@@ -107,5 +95,5 @@ class T5Bias(Encoding):
                 cfg.max_distance,
             ),
         )  # (Tk,) bucket of distance d = 0 .. Tk-1
-        table = self.tables[0 if cfg.shared_across_layers else ctx.layer_idx]
-        return BlockBias(q_len, k_len, by_distance=table(buckets).t().float())  # (Hq, Tk)
+        table = self.tables[0 if cfg.shared_across_layers else call.layer_idx]
+        return DistanceBias(call.q_len, k_len, table(buckets).t().float())  # (Hq, Tk)

@@ -54,9 +54,11 @@ from torch import nn
 from ..config import EncodingConfig, check_number
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
+from ..layout import expand_kv_heads
 from ..memo import ForwardMemo
 from ..registry import register_encoding
 from .base import Encoding
+from .call import LayerCall
 from .rope import rotate_half
 
 
@@ -152,12 +154,13 @@ class TAPE(Encoding):
         mixed = mixed * gate.transpose(1, 2)[..., None].to(half.dtype)
         return half + torch.einsum("bptd,gp->bgtd", mixed, w_down.to(half.dtype))  # (4)
 
-    def adjust_qkv(self, layer_idx, hidden, positions, q, k, v, state, memo: ForwardMemo):
-        stream = self._stream(layer_idx, hidden, positions, memo, q.dtype)  # (B, Hkv, T, D)
+    def adjust_qkv(
+        self, call: LayerCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        layer_idx, memo = call.layer_idx, call.memo
+        stream = self._stream(layer_idx, call.hidden, call.positions, memo, q.dtype)  # (B, Hkv, T, D)
         memo.carry[("tape-in", layer_idx)] = stream
-        stream_q = (
-            stream.repeat_interleave(self.groups, dim=1) if self.groups > 1 else stream
-        )  # (B, Hq, T, D)
+        stream_q = expand_kv_heads(stream, self.groups)  # (B, Hq, T, D)
         # the stream travels with the values, so cached keys keep the features they were rotated by
         return (
             rotate_with_stream(q, stream_q),
@@ -165,7 +168,8 @@ class TAPE(Encoding):
             torch.cat((v, stream.to(v.dtype)), -1),
         )
 
-    def adjust_output(self, layer_idx, hidden, out, state, memo: ForwardMemo):
+    def adjust_output(self, call: LayerCall, out: torch.Tensor) -> torch.Tensor:
+        layer_idx, memo = call.layer_idx, call.memo
         b, t = out.shape[:2]
         d = self.geometry.head_dim
         out = out.view(b, t, -1, 2 * d)  # (B, T, Hq, 2D): attended values, attended stream

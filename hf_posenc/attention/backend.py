@@ -1,0 +1,142 @@
+"""Attention backends: registered objects, and the one dispatcher that picks among them.
+
+A backend says which calls it can serve (:meth:`Backend.serves`: the ``backend=`` choices it
+answers to, and what it needs of the call: device, dtype, bias form, mask, gradients) and at
+what priority; :func:`dispatch` asks them from the highest priority down and takes the first
+answer. A backend may still decline in :meth:`Backend.attend` (returns None, e.g. a kernel that
+failed to compile), and the next one serves. ``eager`` serves every call, so one always does.
+
+Adding a backend is one file: subclass :class:`Backend`, decorate it with
+:func:`register_backend`, and import the module in ``attention/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from ..encodings.base import Encoding
+from ..encodings.block_bias import BlockBias
+from ..encodings.call import ScoreCall
+
+#: the choice that lets every backend serve what it can
+AUTO = "auto"
+#: stages that need the explicit (B, Hq, Tq, Tk) scores
+EXPLICIT_STAGES = frozenset({"logits", "transform_scores", "normalize"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionCall:
+    """One attention call of one layer, as every backend receives it."""
+
+    #: what the encoding's score stages receive; its ``q`` (B, Hq, Tq, D) after rotation and
+    #: ``k`` (B, Hkv, Tk, D) after the cache update are the call's queries and keys
+    score: ScoreCall
+    v: torch.Tensor  # (B, Hkv, Tk, D)
+    mask: torch.Tensor | None  # (B|1, 1, Tq, Tk) bool, True = may attend; None: causal
+    scaling: float
+    dropout_p: float
+    #: the ``backend=`` the model was patched with
+    requested: str
+    #: output_attentions: the caller wants the (B, Hq, Tq, Tk) weights
+    want_weights: bool
+    encoding: Encoding
+    stages: frozenset[str]
+    #: the encoding's score bias of this call (computed once, before dispatch), or None
+    bias: BlockBias | None
+    #: backends that failed on this model and are not asked again (per patched model)
+    failures: set[str]
+
+    @property
+    def explicit(self) -> bool:
+        """Whether a stage needs the explicit scores (logits, transform_scores, normalize)."""
+        return bool(self.stages & EXPLICIT_STAGES)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.score.q
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.score.k
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.q.device.type == "cuda"
+
+    def bias_arguments(self) -> dict[str, Any]:
+        """q, k, v and the keywords every bias backend's function takes (``bias``, ``mask``, ``scaling``)."""
+        return {
+            "q": self.q,
+            "k": self.k,
+            "v": self.v,
+            "bias": self.bias,
+            "mask": self.mask,
+            "scaling": self.scaling,
+        }
+
+
+class Backend:
+    """One way to compute attention. Subclasses set the class attributes and override both methods."""
+
+    name: ClassVar[str] = ""
+    #: higher is asked first
+    priority: ClassVar[int] = 0
+    #: the ``backend=`` choices under which it may serve
+    requests: ClassVar[frozenset[str]] = frozenset()
+    #: whether ``name`` is itself a ``backend=`` choice
+    selectable: ClassVar[bool] = False
+
+    def serves(self, call: AttentionCall) -> bool:
+        """Whether this backend can compute ``call`` (its choice is already checked)."""
+        raise NotImplementedError
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """-> (output (B, Tq, Hq, D), weights (B, Hq, Tq, Tk) or None), or None to let the next one serve."""
+        raise NotImplementedError
+
+
+def output_only(out: torch.Tensor | None) -> tuple[torch.Tensor, None] | None:
+    """A kernel's output (B, Tq, Hq, D) without weights, or None when the kernel declined."""
+    return None if out is None else (out, None)
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: add one instance of ``cls`` to the registry under ``cls.name``."""
+    if not cls.name or cls.name in _REGISTRY or cls.name == AUTO:
+        raise ValueError(f"backend name {cls.name!r} is empty, taken or reserved")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def registered_backends() -> list[Backend]:
+    """Every registered backend, the highest priority first."""
+    return sorted(_REGISTRY.values(), key=lambda backend: -backend.priority)
+
+
+def backend_choices() -> tuple[str, ...]:
+    """The values ``backend=`` accepts: ``auto`` and every selectable backend's name."""
+    return (AUTO, *(backend.name for backend in registered_backends() if backend.selectable))
+
+
+def candidates(call: AttentionCall) -> list[Backend]:
+    """The backends that would serve ``call``, in the order :func:`dispatch` asks them."""
+    return [
+        backend
+        for backend in registered_backends()
+        if call.requested in backend.requests and backend.name not in call.failures and backend.serves(call)
+    ]
+
+
+def dispatch(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output (B, Tq, Hq, D), weights or None) from the first backend that serves ``call``."""
+    for backend in candidates(call):
+        result = backend.attend(call)
+        if result is not None:
+            return result
+    raise RuntimeError(f"no attention backend served this call (backend={call.requested!r})")

@@ -1,0 +1,85 @@
+"""The typed call objects every encoding stage receives (immutable: a stage never sees another's edits).
+
+    ForwardCall   positions of one forward, its memo and N-D coordinates      -> ``embed``
+    LayerCall     + the layer, its input and its decoding state               -> ``layer_input``,
+                                                                                 ``adjust_qkv``, ``rotate``,
+                                                                                 ``adjust_output``
+    ScoreCall     + queries and keys as attended (after rotation and the      -> ``logits``, ``score_bias``,
+                  cache update), key positions and the mask                     ``transform_scores``,
+                                                                                 ``normalize``
+
+A narrower view is derived with :meth:`ScoreCall.rows` or :meth:`ScoreCall.with_allowed`,
+which return new objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..layout import causal_keys
+from ..memo import ForwardMemo
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardCall:
+    positions: torch.Tensor  # (B, Tq) absolute positions of the new tokens (padding-aware)
+    memo: ForwardMemo
+    #: (B|1, Tq, axes) N-D positions the caller passed as ``position_coordinates``; None otherwise
+    coordinates: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerCall(ForwardCall):
+    layer_idx: int
+    hidden: torch.Tensor  # (B, Tq, hidden) the layer's input
+    state: dict[str, Any] | None = None  # this layer's decoding state; None without a KV cache
+
+    def with_attention(
+        self, q: torch.Tensor, k: torch.Tensor, key_positions: torch.Tensor | None = None
+    ) -> ScoreCall:
+        """This call widened by the queries and keys as attended (and the keys' positions)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return ScoreCall(**fields, q=q, k=k, key_positions=key_positions)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoreCall(LayerCall):
+    q: torch.Tensor  # (B, Hq, Tq, D) queries as attended
+    k: torch.Tensor  # (B, Hkv, Tk, D) keys as attended (cached ones included)
+    #: (B, Tk) absolute positions of the keys; only for encodings with a ``logits`` stage
+    key_positions: torch.Tensor | None = None
+    #: which keys each query may attend, (B|1, 1, Tq, Tk) bool (True = may attend), given to
+    #: ``transform_scores`` / ``normalize``; None there means every key is allowed (one decoding
+    #: query without padding)
+    allowed: torch.Tensor | None = None
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def k_len(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def with_allowed(self, allowed: torch.Tensor | None) -> ScoreCall:
+        return dataclasses.replace(self, allowed=allowed)
+
+    def rows(self, start: int, stop: int) -> ScoreCall:
+        """The call of queries ``start .. stop-1`` with the keys they may attend (bottom-right aligned)."""
+        k_end = causal_keys(self.q_len, self.k_len, stop)
+        return dataclasses.replace(
+            self,
+            q=self.q[:, :, start:stop],
+            k=self.k[:, :, :k_end],
+            hidden=self.hidden[:, start:stop],
+            positions=self.positions[:, start:stop],
+            key_positions=None if self.key_positions is None else self.key_positions[:, :k_end],
+            allowed=None if self.allowed is None else self.allowed[..., start:stop, :k_end],
+        )
