@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from encoding_cases import case_id, cases_of
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
@@ -14,28 +15,8 @@ hf_logging.set_verbosity_error()
 VOCAB = 101
 FAMILIES = ("llama", "mistral", "gpt2")
 ENCODINGS = ("nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe")
-#: every encoding with its defaults, plus variants whose code paths differ
-CASES = [(name, {}) for name in ENCODINGS] + [
-    ("rope", {"scaling": {"type": "linear", "factor": 4.0}}),
-    ("rope", {"scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}}),
-    ("rope", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
-    ("rope", {"partial_rotary_factor": 0.5, "theta": 500.0}),
-    ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
-    ("expe", {"override_value": True, "S": 0.5, "scaling": {"type": "linear", "factor": 2.0}}),
-    ("exqpe", {"l": 5, "theta2": 0.25}),
-]
-
-
-def case_id(case) -> str:
-    name, params = case
-    if not params:
-        return name
-    return (
-        name
-        + "["
-        + ",".join(f"{k}={v['type'] if isinstance(v, dict) else v}" for k, v in params.items())
-        + "]"
-    )
+#: the classical encodings' cases (every encoding's are registered in tests/encoding_cases.py)
+CASES = cases_of(*ENCODINGS)
 
 
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
