@@ -20,6 +20,6 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
             getattr(model, MODULE_NAME).table.shape[0]
         ), "the learned position table (max_positions={})"
     config = getattr(model, "config", None)
-    if info is None and getattr(config, "model_type", None) == "gpt2":
+    if info is None and config is not None and getattr(config, "model_type", None) == "gpt2":
         return int(config.n_positions), "native GPT-2's wpe table (n_positions={})"
     return None

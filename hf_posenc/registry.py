@@ -102,7 +102,7 @@ def supported_families() -> list[str]:
 def adapter_for(model: Any) -> FamilyAdapter:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    adapter = _FAMILIES.get(model_type)
+    adapter = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if adapter is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} ({type(model).__name__}) is not supported; "

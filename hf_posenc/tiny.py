@@ -5,12 +5,14 @@ Used by ``hf-posenc check`` and the test suite; handy for trying an encoding qui
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def tiny_model(
@@ -24,15 +26,16 @@ def tiny_model(
     max_positions: int = 256,
     seed: int = 0,
     **config_overrides: Any,
-) -> nn.Module:
+) -> PreTrainedModel:
     """A causal LM of ``family`` ('llama', 'mistral' or 'gpt2') with random weights, in eval mode.
 
     GPT-2 has no grouped-query attention, so ``num_kv_heads`` is ignored for it.
     ``config_overrides`` set any further config attribute (e.g. ``sliding_window=8``).
     """
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PreTrainedConfig
 
-    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config: PreTrainedConfig
     if family == "gpt2":
         config = GPT2Config(
             n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions, **common

@@ -122,9 +122,10 @@ def _nll_sum(model: nn.Module, ids: torch.Tensor) -> float:
     from transformers import PreTrainedModel
 
     family = getattr(getattr(model, "config", None), "model_type", None)
-    chunked = isinstance(model, PreTrainedModel) and family in CHUNKED_HEAD_FAMILIES  # not e.g. a PeftModel
-    head = model.get_output_embeddings() if chunked else None
-    if head is None:
+    head = None
+    if isinstance(model, PreTrainedModel) and family in CHUNKED_HEAD_FAMILIES:  # not e.g. a PeftModel
+        head = model.get_output_embeddings()
+    if head is None or not isinstance(model, PreTrainedModel):
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
         logits = logits.reshape(-1, logits.shape[-1])
         return F.cross_entropy(logits.float(), targets, reduction="sum").double().item()
