@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from encoding_cases import case_id, cases_of
@@ -11,6 +13,11 @@ import hf_posenc
 from hf_posenc.tiny import tiny_model
 
 hf_logging.set_verbosity_error()
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine under load
+# their spin-waiting multiplied CPU and wall time (hf-posenc check's rows: 6-15x the CPU time
+# with 2 threads). One thread here, and in the subprocesses tests start (CLI, accelerate).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 VOCAB = 101
 FAMILIES = ("llama", "mistral", "gpt2")

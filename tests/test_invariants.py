@@ -12,8 +12,8 @@ import logging
 
 import pytest
 import torch
-from conftest import ENCODINGS, make_model, patch, token_ids
-from encoding_cases import ALL_CASES, LAYER_REFERENCES, PARAMETER_FREE, case_ids, has_explicit_scores
+from conftest import ENCODINGS, FAMILIES, make_model, patch, token_ids
+from encoding_cases import ALL_CASES, LAYER_REFERENCES, PARAMETER_FREE, Case, case_id, has_explicit_scores
 from test_reference import LENGTH, run_and_capture
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
@@ -28,12 +28,32 @@ FULL_BACKENDS = ("sdpa", "eager")
 SDPA_CASES = [case for case in ALL_CASES if not has_explicit_scores(case)]
 
 
-@pytest.fixture(params=ALL_CASES, ids=case_ids(ALL_CASES))
-def case(request):
-    """Every registered case of every encoding (overrides conftest's classical ``case``)."""
-    return request.param
+def family_case_params(cases: list[Case]) -> list:
+    """Every family x case. The default run (``-m "not slow"``) keeps one of them per encoding:
+    its first case, on a family that rotates from encoding to encoding so every family is
+    exercised; the rest is marked ``slow`` (CI runs all)."""
+    encodings = list(dict.fromkeys(name for name, _ in cases))
+    quick = [
+        (FAMILIES[i % len(FAMILIES)], next(c for c in cases if c[0] == name))
+        for i, name in enumerate(encodings)
+    ]
+    return [
+        pytest.param(
+            family,
+            case,
+            id=f"{family}-{case_id(case)}",
+            marks=() if any(q == (family, case) for q in quick) else pytest.mark.slow,
+        )
+        for family in FAMILIES
+        for case in cases
+    ]
 
 
+#: every registered case of every encoding on every family (overrides conftest's fixtures)
+EVERY_FAMILY_AND_CASE = pytest.mark.parametrize(("family", "case"), family_case_params(ALL_CASES))
+
+
+@EVERY_FAMILY_AND_CASE
 def test_cached_decoding_equals_full_forward(family, case):
     """Token-by-token decoding with a KV cache gives, at every step, the logits a full
     forward over the same prefix gives for its last position."""
@@ -52,6 +72,7 @@ def test_cached_decoding_equals_full_forward(family, case):
             torch.testing.assert_close(steps[i], full, atol=ATOL, rtol=0)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_generate_with_cache_equals_without(family, case):
     """Greedy and sampled generate() give the same tokens and logits with and without the KV cache."""
     name, params = case
@@ -78,6 +99,7 @@ def test_generate_with_cache_equals_without(family, case):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_left_padded_batch_equals_each_sequence_alone(family, case):
     """Logits of real tokens in a left-padded batch equal those of each sequence run alone,
     in a plain forward and through generate()."""
@@ -114,6 +136,7 @@ def test_left_padded_batch_equals_each_sequence_alone(family, case):
         torch.testing.assert_close(a[1], b[0], atol=ATOL, rtol=0)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_save_and_reload_gives_identical_logits(family, case, tmp_path):
     """save_pretrained -> hf_posenc.from_pretrained restores the encoding and its learned
     parameters: identical logits and identical encoding tensors."""
@@ -166,6 +189,7 @@ def test_hf_posenc_load_is_quiet(tmp_path, caplog):
     assert "posenc." not in caplog.text
 
 
+@EVERY_FAMILY_AND_CASE
 def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     name, params = case
     model = make_model(family)
@@ -197,6 +221,7 @@ def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     assert hf_posenc.patch_info(model) is None
 
 
+@EVERY_FAMILY_AND_CASE
 def test_optimizer_step_trains_the_encoding(family, case):
     """One AdamW step on the language-model loss trains the model through the encoding.
 
@@ -237,6 +262,7 @@ def test_which_classical_encodings_have_parameters(name, has_parameters):
     assert bool(list(model.posenc.parameters())) == has_parameters
 
 
+@EVERY_FAMILY_AND_CASE
 def test_gradient_checkpointing_gives_the_same_gradients(family, case):
     name, params = case
     reference = patch(make_model(family), name, params).train()
@@ -252,6 +278,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, case):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_bf16_long_input_is_finite(family, case):
     """In bf16 at 4x a 12-token training length (48 tokens) the logits stay finite."""
     name, params = case
@@ -262,7 +289,7 @@ def test_bf16_long_input_is_finite(family, case):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("case", SDPA_CASES, ids=case_ids(SDPA_CASES))
+@pytest.mark.parametrize(("family", "case"), family_case_params(SDPA_CASES))
 def test_eager_backend_equals_sdpa_backend(family, case):
     """The sdpa backend's logits equal the eager reference core's (explicit fp32 scores), with
     and without left padding.

@@ -52,6 +52,7 @@ def test_every_registered_encoding_has_cases_and_no_case_is_unregistered():
         assert {canonical_name(name) for name, _ in cases} == {key}
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_the_invariants_run_on_every_registered_case_and_family():
     """pytest collects every invariant that takes a case for every family x registered case
     (test_eager_backend_equals_sdpa_backend: the cases that are not has_explicit_scores)."""
