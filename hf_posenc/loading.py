@@ -42,7 +42,9 @@ def _checkpoint_tensors(path: str, prefix: str, hub_kwargs: dict[str, Any]) -> d
             for file in files:
                 resolved = resolve_checkpoint_file(path, file, **hub_kwargs)
                 if resolved is None:
-                    raise FileNotFoundError(f"{path!r}: {index_name} names the shard {file!r}, which is missing")
+                    raise FileNotFoundError(
+                        f"{path!r}: {index_name} names the shard {file!r}, which is missing"
+                    )
                 paths.append(resolved)
         else:
             single = resolve_checkpoint_file(path, single_name, **hub_kwargs)
