@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -118,7 +118,7 @@ def reentrant_checkpointing(base: Any) -> bool:
 
 
 @contextlib.contextmanager
-def ignore_unexpected_keys(model_class: type, pattern: str) -> Iterator[None]:
+def ignore_unexpected_keys(model_class: type[PreTrainedModel], pattern: str) -> Iterator[None]:
     """While loading ``model_class``, do not report checkpoint keys matching ``pattern``."""
     previous = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected", None)
     had = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__

@@ -52,8 +52,8 @@ class EncodingConfig:
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
                 out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                out[f.name] = f.default_factory()  # type: ignore[misc]
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
         return out
 
     @classmethod

@@ -43,7 +43,7 @@ def _stdlib_files() -> tuple[Path, ...]:
     """The standard library's ``.py`` files (tests, IDLE, site-packages left out), sorted by path."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in skip]
         files.extend(Path(directory, name) for name in names if name.endswith(".py"))

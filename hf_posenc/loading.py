@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
 from .errors import InvalidParameterError
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, check_format_version, patch_model
 from .reconfiguration import reconfigure
 from .registry import canonical_name, get_encoding
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
@@ -36,12 +38,19 @@ def _checkpoint_tensors(path: str, prefix: str, hub_kwargs: dict[str, Any]) -> d
             with open(index) as f:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
             files = sorted({file for key, file in weight_map.items() if key.startswith(prefix)})
-            paths = [resolve_checkpoint_file(path, file, **hub_kwargs) for file in files]
+            paths: list[str] = []
+            for file in files:
+                resolved = resolve_checkpoint_file(path, file, **hub_kwargs)
+                if resolved is None:
+                    raise FileNotFoundError(
+                        f"{path!r}: {index_name} names the shard {file!r}, which is missing"
+                    )
+                paths.append(resolved)
         else:
             single = resolve_checkpoint_file(path, single_name, **hub_kwargs)
-            paths = [single] if single is not None else []
-            if not paths:
+            if single is None:
                 continue
+            paths = [single]
         tensors: dict[str, torch.Tensor] = {}
         for file in paths:
             tensors.update(reader(file, prefix))
@@ -82,7 +91,7 @@ def check_overrides(
 
 def from_pretrained(
     path: str, *model_args: Any, encoding_overrides: Mapping[str, Any] | None = None, **kwargs: Any
-) -> nn.Module:
+) -> PreTrainedModel:
     """Load a causal LM saved from a patched model and re-apply its encoding.
 
     ``encoding_overrides`` changes inference-time encoding parameters after loading, as
@@ -104,7 +113,7 @@ def from_pretrained(
         )
     check_format_version(posenc.get("format_version"))
     check_overrides(posenc, encoding_overrides, where=repr(path))
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    model_class = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
     with ignore_unexpected_keys(model_class, rf"^{MODULE_NAME}\."):
         model = AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
     saved = dict(getattr(model.config, CONFIG_KEY))
@@ -131,7 +140,7 @@ def from_pretrained(
 
 def load_model(
     path: str, encoding: str | None = None, encoding_params: dict[str, Any] | None = None, **kwargs: Any
-) -> nn.Module:
+) -> PreTrainedModel:
     """Load any causal LM for the recipes: a saved patched model is re-patched from its
     ``config.posenc`` and ``encoding_params`` override its saved parameters (inference-time
     ones, as :func:`hf_posenc.reconfigure`: e.g. a position-interpolation ``scaling``);

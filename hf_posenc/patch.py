@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -36,6 +36,9 @@ from .errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError,
 from .models.base import RestoreAttribute, Undo, replace_forward
 from .registry import adapter_for, canonical_name, get_encoding
 from .runtime import PatchRuntime
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PATCH_ATTRIBUTE = "_hf_posenc_patch"
 MODULE_NAME = "posenc"
@@ -95,7 +98,7 @@ class InitWeights:
     tensors generic Linear/Embedding inits; the encoding gets its own designed init instead
     (and, when patching rather than reloading, what ``initialise_from_model`` copies)."""
 
-    def __init__(self, model: nn.Module, encoding: Encoding, adapter: Any, initialise: bool) -> None:
+    def __init__(self, model: PreTrainedModel, encoding: Encoding, adapter: Any, initialise: bool) -> None:
         self.model, self.encoding, self.adapter, self.initialise = model, encoding, adapter, initialise
 
     def __call__(self, module: nn.Module) -> None:
@@ -191,7 +194,7 @@ def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Enc
     return cls, cls.config_class.from_params(params)
 
 
-def _model_dtype_device(model: nn.Module):
+def _model_dtype_device(model: PreTrainedModel):
     embeddings = model.get_input_embeddings()
     return embeddings.weight.dtype, embeddings.weight.device
 
@@ -230,7 +233,8 @@ def apply_patch(
 ) -> nn.Module:
     """:func:`patch_model`; ``initialise=False`` (reloading) skips ``initialise_from_model``
     (e.g. copying a native table), since the saved tensors are loaded next."""
-    target = transformers_model(model)
+    # adapter_for accepts only transformers models of a supported family
+    target = cast("PreTrainedModel", transformers_model(model))
     adapter = adapter_for(target)
     adapter.check_supported(target)
     existing: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
@@ -263,7 +267,7 @@ def apply_patch(
         target.add_module(MODULE_NAME, module)
         undo.append(PopModule(target, MODULE_NAME))
         undo.append(RestoreAttribute(target, "_init_weights"))
-        target._init_weights = InitWeights(target, module, adapter, initialise)
+        target._init_weights = InitWeights(target, module, adapter, initialise)  # type: ignore[method-assign]
         # bound methods of the runtime (not closures): copies of the model get their own runtime
         handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)

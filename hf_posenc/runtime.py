@@ -8,7 +8,7 @@ positions once (see :mod:`hf_posenc.positions`), hands them to the model as
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from .errors import InvalidParameterError, UnsupportedModelError
 from .memo import ForwardMemo
 from .models.base import FamilyAdapter
 from .positions import ForwardContext, bind_arguments, compute_context, positional_names, select_coordinates
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class PatchRuntime:
@@ -78,7 +81,7 @@ class PatchRuntime:
         self.__dict__.update(state)
         self._transient()
 
-    def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def before_base_forward(self, base: PreTrainedModel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
         # N-D token coordinates for encodings that take them; transformers never sees the keyword
         coordinates = kwargs.pop("position_coordinates", None)
@@ -146,6 +149,7 @@ class PatchRuntime:
                 self.pending_embedding = added
             else:
                 if inputs_embeds is None:
+                    assert input_ids is not None  # one of the two is given (returned early otherwise)
                     inputs_embeds = embedding(input_ids.reshape(batch, length))  # (B, T, hidden)
                     call["input_ids"] = None
                 call["inputs_embeds"] = inputs_embeds + added.reshape(inputs_embeds.shape).to(

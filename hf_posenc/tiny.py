@@ -6,10 +6,12 @@ family's config comes from its adapter (``FamilyAdapter.tiny_config``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def tiny_model(
@@ -23,7 +25,7 @@ def tiny_model(
     max_positions: int = 256,
     seed: int = 0,
     **config_overrides: Any,
-) -> nn.Module:
+) -> PreTrainedModel:
     """A causal LM of ``family`` (see ``hf_posenc.supported_families()``) with random weights,
     in eval mode. Families without grouped-query attention ignore ``num_kv_heads``.
     ``config_overrides`` set any further config attribute (e.g. ``sliding_window=8``).

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from encoding_cases import case_id, cases_of
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
@@ -11,34 +14,19 @@ from hf_posenc.registry import adapter_for, families
 from hf_posenc.tiny import tiny_model
 
 hf_logging.set_verbosity_error()
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine under load
+# their spin-waiting multiplied CPU and wall time (hf-posenc check's rows: 6-15x the CPU time
+# with 2 threads). One thread here, and in the subprocesses tests start (CLI, accelerate).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 VOCAB = 101
 #: every registered family (one module each in hf_posenc/models/): each is exercised by the
 #: tests parametrised over FAMILIES
 FAMILIES = tuple(families())
 ENCODINGS = ("nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe")
-#: every encoding with its defaults, plus variants whose code paths differ
-CASES = [(name, {}) for name in ENCODINGS] + [
-    ("rope", {"scaling": {"type": "linear", "factor": 4.0}}),
-    ("rope", {"scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}}),
-    ("rope", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
-    ("rope", {"partial_rotary_factor": 0.5, "theta": 500.0}),
-    ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
-    ("expe", {"override_value": True, "S": 0.5, "scaling": {"type": "linear", "factor": 2.0}}),
-    ("exqpe", {"l": 5, "theta2": 0.25}),
-]
-
-
-def case_id(case) -> str:
-    name, params = case
-    if not params:
-        return name
-    return (
-        name
-        + "["
-        + ",".join(f"{k}={v['type'] if isinstance(v, dict) else v}" for k, v in params.items())
-        + "]"
-    )
+#: the classical encodings' cases (every encoding's are registered in tests/encoding_cases.py)
+CASES = cases_of(*ENCODINGS)
 
 
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hf_posenc.cli import main
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_bench_reports_ratios_to_native_for_each_encoding_mode_and_length(tmp_path, capsys):
     code = main(
         [

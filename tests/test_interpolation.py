@@ -16,8 +16,8 @@ import pytest
 import reference as ref
 import torch
 from conftest import make_model, no_grad_logits, patch, token_ids
-from test_encodings_kerple_sandwich_fire import fire_reference, kerple_reference, sandwich_reference
 from test_reference import LENGTH, run_and_capture
+from test_relative_bias_encodings import fire_reference, kerple_reference, sandwich_reference
 
 import hf_posenc
 from hf_posenc.encodings.call import ForwardCall

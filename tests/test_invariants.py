@@ -1,35 +1,59 @@
 """Invariants every encoding keeps on every family: KV-cache decoding, left padding,
-save/reload, exact unpatch, training, gradient checkpointing, bf16, backends."""
+save/reload, exact unpatch, training, gradient checkpointing, bf16, backends.
+
+The cases are every registered encoding's (tests/encoding_cases.py); test_suite_coverage.py
+checks that the registry covers every encoding hf_posenc registers.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import pytest
 import torch
-from conftest import ENCODINGS, make_model, patch, token_ids
+from conftest import ENCODINGS, FAMILIES, make_model, patch, token_ids
+from encoding_cases import ALL_CASES, LAYER_REFERENCES, PARAMETER_FREE, Case, case_id, has_explicit_scores
+from test_reference import LENGTH, run_and_capture
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
 
 ATOL = 1e-5
-
-#: the invariants every encoding keeps; test modules for new encodings re-collect them with
-#: `from test_invariants import *` and their own `case` fixture
-__all__ = [
-    "test_bf16_long_input_is_finite",
-    "test_cached_decoding_equals_full_forward",
-    "test_eager_backend_equals_sdpa_backend",
-    "test_generate_with_cache_equals_without",
-    "test_gradient_checkpointing_gives_the_same_gradients",
-    "test_left_padded_batch_equals_each_sequence_alone",
-    "test_optimizer_step_trains_the_encoding",
-    "test_save_and_reload_gives_identical_logits",
-    "test_unpatch_restores_exactly_and_leaves_no_trace",
-]
+#: the two full-attention backends compared by test_eager_backend_equals_sdpa_backend (the block
+#: backends chunked, flex and auto are compared with eager in test_backends.py)
+FULL_BACKENDS = ("sdpa", "eager")
+#: the cases whose sdpa backend runs a core of its own (see test_eager_backend_equals_sdpa_backend)
+SDPA_CASES = [case for case in ALL_CASES if not has_explicit_scores(case)]
 
 
+def family_case_params(cases: list[Case]) -> list:
+    """Every family x case. The default run (``-m "not slow"``) keeps one of them per encoding:
+    its first case, on a family that rotates from encoding to encoding so every family is
+    exercised; the rest is marked ``slow`` (CI runs all)."""
+    encodings = list(dict.fromkeys(name for name, _ in cases))
+    quick = [
+        (FAMILIES[i % len(FAMILIES)], next(c for c in cases if c[0] == name))
+        for i, name in enumerate(encodings)
+    ]
+    return [
+        pytest.param(
+            family,
+            case,
+            id=f"{family}-{case_id(case)}",
+            marks=() if any(q == (family, case) for q in quick) else pytest.mark.slow,
+        )
+        for family in FAMILIES
+        for case in cases
+    ]
+
+
+#: every registered case of every encoding on every family (overrides conftest's fixtures)
+EVERY_FAMILY_AND_CASE = pytest.mark.parametrize(("family", "case"), family_case_params(ALL_CASES))
+
+
+@EVERY_FAMILY_AND_CASE
 def test_cached_decoding_equals_full_forward(family, case):
     """Token-by-token decoding with a KV cache gives, at every step, the logits a full
     forward over the same prefix gives for its last position."""
@@ -48,6 +72,7 @@ def test_cached_decoding_equals_full_forward(family, case):
             torch.testing.assert_close(steps[i], full, atol=ATOL, rtol=0)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_generate_with_cache_equals_without(family, case):
     """Greedy and sampled generate() give the same tokens and logits with and without the KV cache."""
     name, params = case
@@ -74,6 +99,7 @@ def test_generate_with_cache_equals_without(family, case):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_left_padded_batch_equals_each_sequence_alone(family, case):
     """Logits of real tokens in a left-padded batch equal those of each sequence run alone,
     in a plain forward and through generate()."""
@@ -110,6 +136,7 @@ def test_left_padded_batch_equals_each_sequence_alone(family, case):
         torch.testing.assert_close(a[1], b[0], atol=ATOL, rtol=0)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_save_and_reload_gives_identical_logits(family, case, tmp_path):
     """save_pretrained -> hf_posenc.from_pretrained restores the encoding and its learned
     parameters: identical logits and identical encoding tensors."""
@@ -162,6 +189,7 @@ def test_hf_posenc_load_is_quiet(tmp_path, caplog):
     assert "posenc." not in caplog.text
 
 
+@EVERY_FAMILY_AND_CASE
 def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     name, params = case
     model = make_model(family)
@@ -193,22 +221,39 @@ def test_unpatch_restores_exactly_and_leaves_no_trace(family, case):
     assert hf_posenc.patch_info(model) is None
 
 
+@EVERY_FAMILY_AND_CASE
 def test_optimizer_step_trains_the_encoding(family, case):
-    """One optimizer step changes the encoding's own parameters (where it has any) and the
-    model's weights; gradients reach every encoding parameter."""
+    """One AdamW step on the language-model loss trains the model through the encoding.
+
+    Every encoding: the loss is finite, gradients reach every trainable weight of the model
+    (attention projections included) and the step changes every weight whose gradient is
+    nonzero. An encoding with parameters: gradients reach each of them and the step changes
+    each. A parameter-free encoding (``PARAMETER_FREE``; that it has none is checked here) has
+    nothing of its own to train: after the step its attention layers still equal the formula
+    reference computed from the updated weights (no stale cache of the old weights, no hidden
+    trained state)."""
     name, params = case
     model = patch(make_model(family), name, params).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    before = {n: p.detach().clone() for n, p in model.posenc.named_parameters()}
+    assert bool(list(model.posenc.parameters())) == (name not in PARAMETER_FREE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = token_ids(2, 12)
     loss = model(ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
-    for n, p in model.posenc.named_parameters():
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in trainable.items():
         assert p.grad is not None and p.grad.abs().sum() > 0, n
     optimizer.step()
-    for n, p in model.posenc.named_parameters():
+    for n, p in trainable.items():
         assert not torch.equal(p, before[n]), n
+    if name in PARAMETER_FREE:
+        reference = importlib.import_module(LAYER_REFERENCES[name]).layer_reference
+        records, attention = run_and_capture(model.eval(), family, token_ids(2, LENGTH))
+        for layer_idx, module in enumerate(attention):
+            hidden, output = records[layer_idx]
+            expected = reference(family, name, params, module, hidden, model, layer_idx)
+            torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("name", "has_parameters"), [(n, n in ("t5", "learned")) for n in ENCODINGS])
@@ -217,6 +262,7 @@ def test_which_classical_encodings_have_parameters(name, has_parameters):
     assert bool(list(model.posenc.parameters())) == has_parameters
 
 
+@EVERY_FAMILY_AND_CASE
 def test_gradient_checkpointing_gives_the_same_gradients(family, case):
     name, params = case
     reference = patch(make_model(family), name, params).train()
@@ -232,6 +278,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, case):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
 
 
+@EVERY_FAMILY_AND_CASE
 def test_bf16_long_input_is_finite(family, case):
     """In bf16 at 4x a 12-token training length (48 tokens) the logits stay finite."""
     name, params = case
@@ -242,13 +289,22 @@ def test_bf16_long_input_is_finite(family, case):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize(("family", "case"), family_case_params(SDPA_CASES))
 def test_eager_backend_equals_sdpa_backend(family, case):
+    """The sdpa backend's logits equal the eager reference core's (explicit fp32 scores), with
+    and without left padding.
+
+    Left out: the cases of ``has_explicit_scores`` (cope, sba, cape and RoPE with causal dynamic
+    NTK). Their attention needs explicit scores, so both backends run the same eager core and
+    the comparison would be eager with itself; they are checked instead against their fp64
+    formula references (test_contextual_encodings.py, test_reference.py) and, in query
+    blocks, against eager in test_backends.py."""
     name, params = case
     ids = token_ids(2, 12)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     logits = []
-    for backend in ("sdpa", "eager"):
+    for backend in FULL_BACKENDS:
         model = patch(make_model(family), name, params, backend=backend)
         with torch.no_grad():
             logits.append(model(ids, attention_mask=mask).logits)

@@ -83,6 +83,7 @@ def assert_accuracies(results: dict, names) -> None:
         assert 0.0 <= results["results"][name]["acc,none"] <= 1.0, name
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_paper_preset_on_local_data_compares_checkpoints(checkpoints, tmp_path, capsys):
     """The paper preset runs the four packaged tasks 0-shot on the fixture files for a patched
     checkpoint and a plain one patched through model_args (encoding=t5,num_buckets=16), writes
@@ -132,6 +133,7 @@ def test_leaderboard_preset_runs_each_task_with_its_own_shots(checkpoints, tmp_p
     assert "| value" in out and "| stderr" in out  # one model: value and stderr columns
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_passthrough_runs_lm_eval_own_cli_with_the_registered_model(checkpoints, tmp_path, capsys):
     """Without recipe options the arguments go to lm-eval's CLI unchanged; ``--model hf-posenc``
     resolves, and ``encoding=alibi`` patches the plain checkpoint."""

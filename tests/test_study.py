@@ -88,6 +88,7 @@ def _recorded_steps(run: Path) -> int:
     return json.loads((run / "final" / "training_run.json").read_text())["config"]["max_steps"]
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_runs_are_reused_only_when_their_settings_match(tmp_path, capsys):
     """Same command: every run is reused. Changed --steps: an error naming the difference, nothing
     retrained or relabelled. With --overwrite: the runs are retrained with the new settings."""

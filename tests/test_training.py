@@ -133,6 +133,7 @@ def one_process(workspace):
     )
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 @pytest.mark.parametrize("recipe", ["cpu_2proc", "ddp", "fsdp"])
 def test_two_cpu_processes_from_each_recipe_config_reach_the_same_losses_as_one(
     workspace, one_process, recipe
@@ -245,6 +246,7 @@ def test_existing_run_is_never_overwritten_and_resume_checks_settings(workspace)
         train(config(workspace, "fresh"), resume=True, progress=False)
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_a_stopped_rank_makes_the_other_fail_after_the_ddp_timeout(workspace):
     """SIGSTOP on rank 1 of a 2-process run: rank 0 stops with a one-line error within
     --ddp-timeout (5 s) plus slack, instead of waiting for the 30-minute default; no final/."""

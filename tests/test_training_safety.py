@@ -209,6 +209,7 @@ def test_bad_data_fails_in_one_line_before_training(workspace, tmp_path, capsys)
     assert not (tmp_path / "run" / "final").exists()
 
 
+@pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
 def test_a_launch_whose_processes_do_not_join_stops_before_writing_anything(workspace, tmp_path):
     """torchrun-style environment (WORLD_SIZE=2) but accelerate told to ignore it: every process
     would be the main one. The run stops with one clear line, exit code 2, nothing written."""

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..patch import patch_model
 from ..provenance import provenance
@@ -47,7 +48,7 @@ class Measurement:
 
 
 def _model(config: BenchConfig, max_positions: int) -> torch.nn.Module:
-    model = tiny_model(
+    model: nn.Module = tiny_model(
         config.family,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,

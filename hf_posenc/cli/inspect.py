@@ -65,22 +65,14 @@ def _check_one(family: str, name: str, seed: int) -> dict:
     return {"cache_max_abs_diff": worst, "reload_identical": reload_equal, "unpatch_exact": restored}
 
 
-def command_check(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
-    from ..registry import canonical_name, list_encodings
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    names = (
-        [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
-    )
+def _check_all(families: list[str], names: list[str], seed: int) -> int:
+    """Check every family x encoding, one printed row each; the number of failures."""
     failures = 0
     print(f"{'family':<8} {'encoding':<11} {'cache==full':>12} {'reload':>7} {'unpatch':>8} {'time':>7}")
-    for family in args.families:
+    for family in families:
         for name in names:
             start = time.perf_counter()
-            result = _check_one(family, name, args.seed)
+            result = _check_one(family, name, seed)
             ok = (
                 result["cache_max_abs_diff"] < 1e-4 and result["reload_identical"] and result["unpatch_exact"]
             )
@@ -90,6 +82,28 @@ def command_check(args: argparse.Namespace) -> int:
                 f"{'same' if result['reload_identical'] else 'DIFF':>7} "
                 f"{'exact' if result['unpatch_exact'] else 'DIFF':>8} {time.perf_counter() - start:>6.2f}s"
             )
+    return failures
+
+
+def command_check(args: argparse.Namespace) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ..registry import canonical_name, list_encodings
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    names = (
+        [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
+    )
+    # the models are tiny: intra-op threads only cost, and on a loaded machine their
+    # spin-waiting multiplied the check's CPU and wall time several times over
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        failures = _check_all(args.families, names, args.seed)
+    finally:
+        torch.set_num_threads(threads)
     print("all checks passed" if not failures else f"{failures} check(s) FAILED")
     return 1 if failures else 0
 

@@ -55,7 +55,7 @@ examples:
 class _RawArgsParser(argparse.ArgumentParser):
     """A subcommand parser that keeps its arguments verbatim (they are lm-eval's, parsed later)."""
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         namespace = namespace if namespace is not None else argparse.Namespace()
         namespace.lm_eval_argv = list(sys.argv[2:] if args is None else args)
         namespace.run = command_lm_eval

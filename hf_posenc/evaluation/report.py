@@ -141,7 +141,8 @@ def line_styles(count: int) -> list[dict[str, Any]]:
     """Distinguishable styles for ``count`` lines: 10 colours, then dashed/dotted variants, distinct markers."""
     from matplotlib import colormaps
 
-    colours = colormaps["tab10"].colors
+    tab10 = colormaps["tab10"]
+    colours = [tab10(i) for i in range(tab10.N)]  # an integer indexes the 10 listed colours (RGBA)
     dashes = ["-", "--", "-.", ":"]
     markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
     return [

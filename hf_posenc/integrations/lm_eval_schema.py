@@ -39,7 +39,7 @@ def _hellaswag(row: dict) -> str | None:
         if not _is_str(row.get(field)):
             return f"field {field!r} must be a string, got {json.dumps(row.get(field))}"
     endings = row.get("endings")
-    if not _str_list(endings):
+    if not isinstance(endings, list) or not _str_list(endings):
         return f"field 'endings' must be a list of at least 2 strings, got {json.dumps(endings)[:80]}"
     label = row.get("label")
     allowed = [str(i) for i in range(len(endings))]
@@ -97,15 +97,15 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        line = raw[: error.start].count(b"\n") + 1
-        raise SchemaError(f"{path}:{line}: not UTF-8 text") from None
+        bad_line = raw[: error.start].count(b"\n") + 1
+        raise SchemaError(f"{path}:{bad_line}: not UTF-8 text") from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as error:
             raise SchemaError(f"{path}:{error.lineno}: not valid JSON ({error.msg})") from None
-        for number, row in enumerate(rows, 1):
-            yield f"row {number}", row
+        for row_number, row in enumerate(rows, 1):
+            yield f"row {row_number}", row
         return
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():

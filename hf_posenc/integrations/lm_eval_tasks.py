@@ -104,7 +104,7 @@ def read_task_yaml(path: Path) -> dict[str, Any]:
     return merged
 
 
-def split_roles(config: Mapping[str, Any]) -> tuple[str, str | None]:
+def split_roles(config: Mapping[str, Any]) -> tuple[str | None, str | None]:
     """(evaluation split, few-shot split) of a task config, by lm-eval's rules."""
     evaluation = config.get("test_split") or config.get("validation_split")
     fewshot = config.get("fewshot_split") or config.get("training_split") or config.get("validation_split")
@@ -244,7 +244,7 @@ def _mmlu_groups(runs: Sequence[TaskRun]) -> dict[str, dict[str, Any]]:
         return {}
     top = read_task_yaml(mmlu_dir / "_mmlu.yaml")
     present = [c for c in top["task"] if c in categories]
-    groups = {c: {"include": str(mmlu_dir / f"_{c}.yaml")} for c in present}
+    groups: dict[str, dict[str, Any]] = {c: {"include": str(mmlu_dir / f"_{c}.yaml")} for c in present}
     groups["mmlu"] = {"include": str(mmlu_dir / "_mmlu.yaml"), "task": present}
     return groups
 

@@ -157,7 +157,7 @@ class FamilyAdapter:
     def geometry(self, config: Any) -> ModelGeometry:
         raise NotImplementedError
 
-    def base_model(self, model: nn.Module) -> nn.Module:
+    def base_model(self, model: nn.Module) -> Any:
         """The decoder stack whose forward sees positions: ``model.model`` / ``model.transformer``
         under any head class (transformers' ``base_model`` follows ``base_model_prefix``), or the
         model itself when it is the headless stack (``LlamaModel``, ``GPT2Model``)."""

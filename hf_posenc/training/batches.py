@@ -8,12 +8,17 @@ processes with the same global batch, sees exactly the same examples.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .corpus import TokenBlocks
 
 
 class BatchOrder:
     def __init__(
-        self, blocks: torch.Tensor, per_process: int, num_processes: int, rank: int, seed: int
+        self, blocks: torch.Tensor | TokenBlocks, per_process: int, num_processes: int, rank: int, seed: int
     ) -> None:
         self.blocks = blocks  # (N, L)
         self.per_process = per_process

@@ -91,7 +91,8 @@ def document_dataset(
     from datasets import Features, Value, concatenate_datasets
 
     check_sources(sources)
-    parts, local = [], []
+    parts: list[Any] = []
+    local: list[Any] = []
 
     def flush_local() -> None:
         if local:

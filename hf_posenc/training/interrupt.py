@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 
 class StopRequest:
@@ -15,7 +17,7 @@ class StopRequest:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested = False
-        self._previous = None
+        self._previous: signal.Handlers | int | Callable[[int, FrameType | None], Any] | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:

@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from .lora import apply_lora, merge_lora
 from .outputs import write_final
 
 StepCallback = Callable[[int, dict[str, float]], None]
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclasses.dataclass
@@ -100,13 +103,14 @@ def _check_positions(model: nn.Module, seq_len: int) -> None:
         )
 
 
-def prepare_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
+def prepare_model(config: TrainConfig, model: nn.Module | None) -> PreTrainedModel:
+    """The causal LM to train (training needs a transformers model: loaded, or the caller's)."""
     dtype = getattr(torch, config.dtype)
     if model is None:
         return load_model(config.model, config.encoding, config.encoding_params or None, dtype=dtype)
     if config.encoding and patch_info(model) is None:
         patch_model(model, config.encoding, **config.encoding_params)
-    return model.to(dtype)
+    return cast("PreTrainedModel", model.to(dtype))
 
 
 def preflight(config: TrainConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from ..registry import adapter_for
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 
 def apply_lora(
-    model: nn.Module, *, r: int, alpha: int, dropout: float, targets: list[str] | None
-) -> nn.Module:
+    model: PreTrainedModel, *, r: int, alpha: int, dropout: float, targets: list[str] | None
+) -> PeftModel:
     """Wrap ``model`` with LoRA adapters; the encoding (``model.posenc``) stays fully trainable."""
     from peft import LoraConfig, get_peft_model
 
@@ -30,6 +36,6 @@ def apply_lora(
     return wrapped
 
 
-def merge_lora(model: nn.Module) -> nn.Module:
+def merge_lora(model: PeftModel) -> nn.Module:
     """Fold the adapters into the base weights: a plain (patched) model that saves and reloads."""
     return model.merge_and_unload()

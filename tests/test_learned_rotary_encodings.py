@@ -14,47 +14,18 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, native_window, patch, token_ids
+from conftest import make_model, native_window, patch, token_ids
+from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
 from hf_posenc.encodings.base import probe_layer_call
 from hf_posenc.memo import ForwardMemo
 
-#: every code path: per layer/head generators and coefficients, shared ones, partial rotary
-#: (pass-through dims), small LieRE blocks, FoPE's denser frequency grid and heavy clipping
-CASES = [
-    ("liere", {}),
-    (
-        "liere",
-        {
-            "shared_across_layers": True,
-            "shared_across_heads": True,
-            "block_size": 4,
-            "partial_rotary_factor": 0.5,
-        },
-    ),
-    ("fope", {}),
-    (
-        "fope",
-        {
-            "frequencies_per_dim": 2,
-            "shared_across_layers": True,
-            "shared_across_heads": True,
-            "partial_rotary_factor": 0.5,
-            "train_length": 16,
-        },
-    ),
-]
+CASES = cases_of("liere", "fope")
 SETTINGS = settings(max_examples=15, deadline=None)
-
-
-@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
-def case(request):
-    return request.param
 
 
 # -- formula references (fp64, explicit matrices) --------------------------------------------------

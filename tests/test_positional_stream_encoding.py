@@ -15,18 +15,9 @@ import torch
 from conftest import make_model, native_window, num_query_heads, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
-
-#: the default PE-layer width and a narrow one, another theta
-CASES = [("tape", {}), ("tape", {"position_size": 3, "theta": 500.0})]
-
-
-@pytest.fixture(params=CASES, ids=["tape", "tape-narrow"])
-def case(request):
-    return request.param
 
 
 def silu(x: float) -> float:

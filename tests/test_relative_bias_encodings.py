@@ -14,10 +14,10 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, native_window, num_query_heads, patch, randomize_encoding, token_ids
+from conftest import make_model, native_window, num_query_heads, patch, randomize_encoding, token_ids
+from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
@@ -25,23 +25,10 @@ from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.call import ScoreCall
 from hf_posenc.memo import ForwardMemo
 
-#: every code path: both kernels, shared and per-layer tables, a short FIRE threshold L (so
-#: queries past L are interpolated by their position), shared FIRE
-CASES = [
-    ("kerple", {}),
-    ("kerple", {"variant": "power", "shared_across_layers": False}),
-    ("sandwich", {}),
-    ("fire", {}),
-    ("fire", {"init_L": 20.0, "shared_across_layers": True, "mlp_width": 8}),
-]
+CASES = cases_of("kerple", "sandwich", "fire")
 REFERENCE_CASES = [*CASES, ("sandwich", {"dim": 16}), ("kerple", {"variant": "power"})]
 SETTINGS = settings(max_examples=30, deadline=None)
 LOW = float(torch.tensor(0.01))  # KERPLE's lower bound 0.01 as the fp32 value the parameters hold
-
-
-@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
-def case(request):
-    return request.param
 
 
 # -- formula references (fp64, loops) ------------------------------------------------------------
@@ -89,6 +76,19 @@ def fire_reference(params: dict, posenc, layer_idx: int):
     return bias
 
 
+def layer_reference(family, name, params, module, hidden, model, layer_idx):
+    """One attention layer, fp64: softmax(q.k*scale + bias_formula) v by tests/reference.py."""
+    heads = num_query_heads(model)
+    if name == "kerple":
+        bias = kerple_reference(params, model.posenc, layer_idx)
+    elif name == "sandwich":
+        bias = sandwich_reference(params, heads)
+    else:
+        bias = fire_reference(params, model.posenc, layer_idx)
+    window = native_window(model, layer_idx)
+    return ref.attention_layer(module, hidden, scaling=module.scaling, window=window, bias=bias)
+
+
 @pytest.mark.parametrize("ref_case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
 def test_patched_attention_equals_formula_reference(family, ref_case):
     """Every patched attention layer equals softmax(q.k*scale + bias_formula) v computed with
@@ -98,20 +98,7 @@ def test_patched_attention_equals_formula_reference(family, ref_case):
     records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
-        heads = num_query_heads(model)
-        if name == "kerple":
-            bias = kerple_reference(params, model.posenc, layer_idx)
-        elif name == "sandwich":
-            bias = sandwich_reference(params, heads)
-        else:
-            bias = fire_reference(params, model.posenc, layer_idx)
-        expected = ref.attention_layer(
-            module,
-            hidden,
-            scaling=module.scaling,
-            window=native_window(model, layer_idx),
-            bias=bias,
-        )
+        expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -14,21 +14,17 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import case_id, make_model, native_window, patch, randomize_encoding, token_ids
+from conftest import make_model, native_window, patch, randomize_encoding, token_ids
+from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from test_reference import run_and_capture
 
 import hf_posenc
 from hf_posenc.encodings.base import probe_call
 
 PRO_OFF = {"qk_norm": False, "k_shift": False, "v_shift": False, "output_norm": False, "output_gate": False}
-CASES = [
-    ("fox", {}),
-    ("fox_pro", {}),
-    ("fox_pro", {"qk_norm": False, "output_norm": False, "v_shift": False}),  # k shift + output gate only
-]
+CASES = cases_of("fox", "fox_pro")
 LENGTH = 12  # longer than Mistral's sliding window of 8
 SETTINGS = settings(max_examples=25, deadline=None)
 

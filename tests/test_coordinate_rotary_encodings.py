@@ -12,34 +12,21 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from conftest import attention_modules, case_id, make_model, native_window, patch, token_ids
+from conftest import attention_modules, make_model, native_window, patch, token_ids
+from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from transformers import DynamicCache
 
 import hf_posenc
 from hf_posenc.encodings.base import probe_layer_call
 
-#: every code path: 1-D/N-D, full and partial rotation, both ComRoPE variants, block sizes 2 and 4
-CASES = [
-    ("rope2d", {}),
-    ("rope2d", {"axes": 4, "theta": 500.0, "partial_rotary_factor": 0.5}),
-    ("comrope", {}),
-    ("comrope", {"variant": "ld"}),
-    ("comrope", {"block_size": 2, "axes": 2}),
-    ("comrope", {"variant": "ld", "axes": 2, "partial_rotary_factor": 0.5}),
-]
+CASES = cases_of("rope2d", "comrope")
 #: cases with more than one axis: N-D coordinates passed by the caller
 ND_CASES = [c for c in CASES if c[1].get("axes", 2 if c[0] == "rope2d" else 1) > 1]
 LENGTH = 12
 ATOL = 1e-5
 SETTINGS = settings(max_examples=25, deadline=None)
-
-
-@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
-def case(request):
-    return request.param
 
 
 def axes_of(name: str, params: dict) -> int:
@@ -141,33 +128,38 @@ def capture(model, ids, **kwargs):
     return records, attention
 
 
+def layer_reference(family, name, params, module, hidden, model, layer_idx, coords=None):
+    """One attention layer by the formula in fp64: rotations R(x) of the text positions
+    x = (t, 0, ..., 0), or of the caller's ``coords`` (B, T, N)."""
+    axes = axes_of(name, params)
+    head_dim = model.posenc.geometry.head_dim
+    cfg = model.posenc.config
+    cache = {}
+
+    def point(b, t):
+        return [float(v) for v in coords[b, t]] if coords is not None else [float(t)] + [0.0] * (axes - 1)
+
+    def rotation(b, t, g):
+        key = (b, t, g)
+        if key not in cache:
+            if name == "rope2d":
+                rotary = int(head_dim * cfg.partial_rotary_factor)
+                cache[key] = rope2d_matrix(point(b, t), head_dim, rotary, cfg.theta)
+            else:
+                cache[key] = comrope_matrix(model.posenc, layer_idx, g, point(b, t))
+        return cache[key]
+
+    return attention_reference(module, hidden, rotation, window=native_window(model, layer_idx))
+
+
 def check_against_reference(family, name, params, coords=None, atol=ATOL):
     model = patch(make_model(family), name, params)
     ids = token_ids(2, LENGTH)
     kwargs = {} if coords is None else {"position_coordinates": coords}
     records, attention = capture(model, ids, **kwargs)
-    axes = axes_of(name, params)
-    head_dim = model.posenc.geometry.head_dim
-    cfg = model.posenc.config
-
-    def point(b, t):
-        return [float(v) for v in coords[b, t]] if coords is not None else [float(t)] + [0.0] * (axes - 1)
-
     for layer, module in enumerate(attention):
-        cache = {}
-
-        def rotation(b, t, g, layer=layer, cache=cache):
-            key = (b, t, g)
-            if key not in cache:
-                if name == "rope2d":
-                    rotary = int(head_dim * cfg.partial_rotary_factor)
-                    cache[key] = rope2d_matrix(point(b, t), head_dim, rotary, cfg.theta)
-                else:
-                    cache[key] = comrope_matrix(model.posenc, layer, g, point(b, t))
-            return cache[key]
-
         hidden, output = records[layer]
-        expected = attention_reference(module, hidden, rotation, window=native_window(model, layer))
+        expected = layer_reference(family, name, params, module, hidden, model, layer, coords)
         torch.testing.assert_close(output.double(), expected, atol=atol, rtol=atol)
 
 

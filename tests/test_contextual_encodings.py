@@ -16,48 +16,22 @@ import pytest
 import reference as ref
 import torch
 from conftest import make_model, native_window, patch, token_ids
+from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_invariants import *  # noqa: F403  (the generic invariants, re-collected for this module's cases)
 from test_reference import run_and_capture
 
 import hf_posenc
 from hf_posenc.encodings.base import probe_call
-from hf_posenc.encodings.cape import available_bases
 from hf_posenc.encodings.cope import contextual_positions, interpolate_position_logits
 from hf_posenc.encodings.sba import stick_breaking_weights
 
-CASES = [
-    ("cope", {}),
-    ("cope", {"npos_max": 4, "shared_across_layers": True}),  # positions clamp at 3
-    ("sba", {}),
-    ("sba", {"attend_current": True, "remainder": "drop"}),
-    # CAPE at its default width 32 with the tests' N(0, 0.5) random weights amplifies the fp32
-    # rounding of q.k (blocked differently in a decoding step and a full forward) to ~1e-5 on
-    # the logits, the invariants' tolerance; a narrower MLP keeps the same code path. The
-    # default width is checked against the formula reference below.
-    ("cape", {"hidden": 8}),
-]
-# learned base biases, when those encodings are installed
-if "kerple" in available_bases():
-    CASES.append(("cape", {"base": "kerple", "base_params": {"variant": "power"}, "hidden": 8}))
-if "fire" in available_bases():
-    CASES.append(("cape", {"base": "fire", "hidden": 8}))
+CASES = cases_of("cope", "sba", "cape")
 REFERENCE_CASES = [*CASES, ("cape", {})]
-
-
-def case_id(case) -> str:
-    name, params = case
-    return name + ("[" + ",".join(f"{k}={v}" for k, v in params.items()) + "]" if params else "")
 
 
 LENGTH = 12  # longer than Mistral's sliding window of 8
 SETTINGS = settings(max_examples=40, deadline=None)
-
-
-@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
-def case(request):
-    return request.param
 
 
 # -- formula references ---------------------------------------------------------------------

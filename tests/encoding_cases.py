@@ -1,0 +1,168 @@
+"""The one registry of per-encoding test cases.
+
+A case is ``(encoding name, patch parameters)``. Every registered encoding has at least its
+defaults here plus the variants whose code paths differ; ``test_invariants.py`` runs the shared
+invariants (KV-cache decoding, left padding, save/reload, unpatch, training, checkpointing,
+bf16, backends) on all of them, each encoding's own module draws its cases from here with
+:func:`cases_of`, and ``test_suite_coverage.py`` checks that nothing registered in hf_posenc is
+missing. Nothing here imports hf_posenc: the facts below are written down, not read back
+from the code under test, and the coverage test compares the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Case = tuple[str, dict[str, Any]]
+
+#: name -> cases; the first case of each encoding is its defaults
+CASES_BY_ENCODING: dict[str, list[Case]] = {
+    # -- classical ------------------------------------------------------------------------
+    "nope": [("nope", {})],
+    "sinusoidal": [("sinusoidal", {})],
+    "learned": [("learned", {})],
+    "t5": [
+        ("t5", {}),
+        ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
+    ],
+    "alibi": [("alibi", {})],
+    "rope": [
+        ("rope", {}),
+        ("rope", {"scaling": {"type": "linear", "factor": 4.0}}),
+        ("rope", {"scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}}),
+        ("rope", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("rope", {"partial_rotary_factor": 0.5, "theta": 500.0}),
+    ],
+    "expe": [
+        ("expe", {}),
+        ("expe", {"override_value": True, "S": 0.5, "scaling": {"type": "linear", "factor": 2.0}}),
+    ],
+    "exqpe": [("exqpe", {}), ("exqpe", {"l": 5, "theta2": 0.25})],
+    # -- relative score biases: both KERPLE kernels, shared and per-layer tables, a short FIRE
+    # threshold L (queries past L are interpolated by their position), shared FIRE ------------
+    "kerple": [("kerple", {}), ("kerple", {"variant": "power", "shared_across_layers": False})],
+    "sandwich": [("sandwich", {})],
+    "fire": [("fire", {}), ("fire", {"init_L": 20.0, "shared_across_layers": True, "mlp_width": 8})],
+    # -- contextual: scores read or rewritten by the encoding ------------------------------------
+    "cope": [
+        ("cope", {}),
+        ("cope", {"npos_max": 4, "shared_across_layers": True}),  # positions clamp at 3
+    ],
+    "sba": [("sba", {}), ("sba", {"attend_current": True, "remainder": "drop"})],
+    # CAPE at its default width 32 with the tests' N(0, 0.5) random weights amplifies the fp32
+    # rounding of q.k (blocked differently in a decoding step and a full forward) to ~1e-5 on
+    # the logits, the invariants' tolerance; a narrower MLP keeps the same code path. The
+    # default width is checked against the formula reference in test_contextual_encodings.py.
+    "cape": [
+        ("cape", {"hidden": 8}),
+        ("cape", {"base": "kerple", "base_params": {"variant": "power"}, "hidden": 8}),
+        ("cape", {"base": "fire", "hidden": 8}),
+    ],
+    # -- forget gates ----------------------------------------------------------------------------
+    "fox": [("fox", {})],
+    "fox_pro": [
+        ("fox_pro", {}),
+        ("fox_pro", {"qk_norm": False, "output_norm": False, "v_shift": False}),  # k shift + output gate
+    ],
+    # -- learned rotations: per layer/head generators and coefficients, shared ones, partial
+    # rotary (pass-through dims), small LieRE blocks, FoPE's denser grid and heavy clipping -----
+    "liere": [
+        ("liere", {}),
+        (
+            "liere",
+            {
+                "shared_across_layers": True,
+                "shared_across_heads": True,
+                "block_size": 4,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ],
+    "fope": [
+        ("fope", {}),
+        (
+            "fope",
+            {
+                "frequencies_per_dim": 2,
+                "shared_across_layers": True,
+                "shared_across_heads": True,
+                "partial_rotary_factor": 0.5,
+                "train_length": 16,
+            },
+        ),
+    ],
+    # -- rotations of N-D coordinates: 1-D/N-D, full and partial rotation, both ComRoPE
+    # variants, block sizes 2 and 4 ---------------------------------------------------------------
+    "rope2d": [("rope2d", {}), ("rope2d", {"axes": 4, "theta": 500.0, "partial_rotary_factor": 0.5})],
+    "comrope": [
+        ("comrope", {}),
+        ("comrope", {"variant": "ld"}),
+        ("comrope", {"block_size": 2, "axes": 2}),
+        ("comrope", {"variant": "ld", "axes": 2, "partial_rotary_factor": 0.5}),
+    ],
+    # -- a positional stream per token: the default PE-layer width and a narrow one ----------------
+    "tape": [("tape", {}), ("tape", {"position_size": 3, "theta": 500.0})],
+}
+
+#: every case of every encoding
+ALL_CASES: list[Case] = [case for cases in CASES_BY_ENCODING.values() for case in cases]
+
+#: encodings without trainable parameters of their own (an optimizer step can only move the
+#: model's weights); checked against each patched encoding by test_invariants.py
+PARAMETER_FREE = frozenset(
+    {"nope", "sinusoidal", "alibi", "rope", "expe", "exqpe", "sandwich", "sba", "rope2d"}
+)
+
+#: where the formula reference of each parameter-free encoding lives: a test module whose
+#: ``layer_reference(family, name, params, module, hidden, model, layer_idx)`` gives one
+#: attention layer's output in fp64 from loops over the formula (tests/reference.py)
+LAYER_REFERENCES = {
+    "nope": "test_reference",
+    "sinusoidal": "test_reference",
+    "alibi": "test_reference",
+    "rope": "test_reference",
+    "expe": "test_reference",
+    "exqpe": "test_reference",
+    "sandwich": "test_relative_bias_encodings",
+    "sba": "test_contextual_encodings",
+    "rope2d": "test_coordinate_rotary_encodings",
+}
+
+#: encodings whose attention needs explicit scores (stage ``logits``, ``transform_scores`` or
+#: ``normalize``): every backend runs the same explicit-score core for them
+EXPLICIT_SCORE_ENCODINGS = frozenset({"cope", "sba", "cape"})
+
+
+def has_explicit_scores(case: Case) -> bool:
+    """True when the case's attention computes explicit scores whatever the backend: the
+    contextual encodings, and RoPE with causal dynamic NTK (per-query frequencies: stage ``logits``)."""
+    name, params = case
+    scaling = params.get("scaling") or {}
+    return name in EXPLICIT_SCORE_ENCODINGS or (name == "rope" and scaling.get("type") == "dynamic")
+
+
+def cases_of(*names: str) -> list[Case]:
+    """The registered cases of the named encodings, in registry order."""
+    unknown = set(names) - set(CASES_BY_ENCODING)
+    if unknown:
+        raise KeyError(f"no test cases registered for {sorted(unknown)}")
+    return [case for name in names for case in CASES_BY_ENCODING[name]]
+
+
+def case_id(case: Case) -> str:
+    """A readable test id: ``name`` or ``name[key=value,...]`` (a nested dict shows its ``type``
+    or its own items)."""
+    name, params = case
+    if not params:
+        return name
+
+    def show(value: Any) -> str:
+        if isinstance(value, dict):
+            return str(value.get("type") or "-".join(f"{k}={v}" for k, v in value.items()))
+        return str(value)
+
+    return name + "[" + ",".join(f"{key}={show(value)}" for key, value in params.items()) + "]"
+
+
+def case_ids(cases: list[Case]) -> list[str]:
+    return [case_id(case) for case in cases]
