@@ -114,7 +114,7 @@ PARAMETER_FREE = frozenset(
 )
 
 #: where the formula reference of each parameter-free encoding lives: a test module whose
-#: ``layer_reference(family, name, params, module, hidden, model, layer_idx)`` gives one
+#: ``layer_reference(name, params, module, hidden, model, layer_idx)`` gives one
 #: attention layer's output in fp64 from loops over the formula (tests/reference.py)
 LAYER_REFERENCES = {
     "nope": "test_reference",

@@ -128,7 +128,7 @@ def capture(model, ids, **kwargs):
     return records, attention
 
 
-def layer_reference(family, name, params, module, hidden, model, layer_idx, coords=None):
+def layer_reference(name, params, module, hidden, model, layer_idx, coords=None):
     """One attention layer by the formula in fp64: rotations R(x) of the text positions
     x = (t, 0, ..., 0), or of the caller's ``coords`` (B, T, N)."""
     axes = axes_of(name, params)
@@ -159,7 +159,7 @@ def check_against_reference(family, name, params, coords=None, atol=ATOL):
     records, attention = capture(model, ids, **kwargs)
     for layer, module in enumerate(attention):
         hidden, output = records[layer]
-        expected = layer_reference(family, name, params, module, hidden, model, layer, coords)
+        expected = layer_reference(name, params, module, hidden, model, layer, coords)
         torch.testing.assert_close(output.double(), expected, atol=atol, rtol=atol)
 
 

@@ -249,10 +249,10 @@ def test_optimizer_step_trains_the_encoding(family, case):
         assert not torch.equal(p, before[n]), n
     if name in PARAMETER_FREE:
         reference = importlib.import_module(LAYER_REFERENCES[name]).layer_reference
-        records, attention = run_and_capture(model.eval(), family, token_ids(2, LENGTH))
+        records, attention = run_and_capture(model.eval(), token_ids(2, LENGTH))
         for layer_idx, module in enumerate(attention):
             hidden, output = records[layer_idx]
-            expected = reference(family, name, params, module, hidden, model, layer_idx)
+            expected = reference(name, params, module, hidden, model, layer_idx)
             torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -76,7 +76,7 @@ def fire_reference(params: dict, posenc, layer_idx: int):
     return bias
 
 
-def layer_reference(family, name, params, module, hidden, model, layer_idx):
+def layer_reference(name, params, module, hidden, model, layer_idx):
     """One attention layer, fp64: softmax(q.k*scale + bias_formula) v by tests/reference.py."""
     heads = num_query_heads(model)
     if name == "kerple":
@@ -98,7 +98,7 @@ def test_patched_attention_equals_formula_reference(family, ref_case):
     records, attention = run_and_capture(model, token_ids(2, LENGTH))
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
-        expected = layer_reference(family, name, params, module, hidden, model, layer_idx)
+        expected = layer_reference(name, params, module, hidden, model, layer_idx)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
