@@ -123,11 +123,10 @@ def _nll_sum(model: nn.Module, ids: torch.Tensor) -> float:
     # a family whose causal-LM head is a plain ``lm_head(base_model(...))`` gets its logits in
     # chunks, so a long window never materialises (L, vocab) fp32 logits at once
     adapter = adapter_for_config(getattr(model, "config", None))
-    chunked = (
-        isinstance(model, PreTrainedModel) and adapter is not None and adapter.plain_lm_head
-    )  # not a PeftModel
-    head = model.get_output_embeddings() if chunked else None
-    if head is None:
+    head = None
+    if isinstance(model, PreTrainedModel) and adapter is not None and adapter.plain_lm_head:  # not a PeftModel
+        head = model.get_output_embeddings()
+    if head is None or not isinstance(model, PreTrainedModel):
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
         logits = logits.reshape(-1, logits.shape[-1])
         return F.cross_entropy(logits.float(), targets, reduction="sum").double().item()
