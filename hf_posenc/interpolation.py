@@ -18,7 +18,7 @@ the encoding passes its positions or distances through :func:`interpolate` (or
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,7 +31,7 @@ class PositionInterpolation:
     """Config mixin (list it before ``EncodingConfig``): validates and normalises the config's
     ``scaling`` field after ``validate`` and gives its ``factor``."""
 
-    encoding: str
+    encoding: ClassVar[str]
     scaling: dict | None
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 @register_encoding
-class ALiBi(Encoding):
+class ALiBi(Encoding[ALiBiConfig]):
     name = "alibi"
     aliases = ("linear_bias",)
     config_class = ALiBiConfig

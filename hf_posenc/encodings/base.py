@@ -25,7 +25,7 @@ model as ``model.posenc`` so they are trained, saved, reloaded and moved with ``
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -83,8 +83,12 @@ def probe_layer_call(
     )
 
 
-class Encoding(nn.Module):
-    """Base class. Subclasses set the class attributes and override the stages they use."""
+ConfigT = TypeVar("ConfigT", bound=EncodingConfig)
+
+
+class Encoding(nn.Module, Generic[ConfigT]):
+    """Base class, generic in its config class. Subclasses set the class attributes and override
+    the stages they use."""
 
     name: ClassVar[str] = ""
     aliases: ClassVar[tuple[str, ...]] = ()
@@ -103,9 +107,9 @@ class Encoding(nn.Module):
     #: (cropped with the cache by assisted decoding), or None when the entry cannot be rolled back
     state_sequence_dims: ClassVar[dict[str, int | None]] = {}
 
-    def __init__(self, config: EncodingConfig, geometry: ModelGeometry) -> None:
+    def __init__(self, config: ConfigT, geometry: ModelGeometry) -> None:
         super().__init__()
-        self.config = config
+        self.config: ConfigT = config
         self.geometry = geometry
         # A plain transformers load of a saved patched model reports this key as unexpected,
         # so dropping the patch is never silent, even for encodings without parameters.

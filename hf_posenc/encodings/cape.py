@@ -85,7 +85,7 @@ class HeadMixer(nn.Module):
 
 
 @register_encoding
-class CAPE(Encoding):
+class CAPE(Encoding[CAPEConfig]):
     name = "cape"
     aliases = ("dape",)
     config_class = CAPEConfig

@@ -99,7 +99,7 @@ def initial_generators(dim: int, block: int, axes: int, theta: float) -> torch.T
 
 
 @register_encoding
-class ComRoPE(Encoding):
+class ComRoPE(Encoding[ComRoPEConfig]):
     name = "comrope"
     aliases = ("comrope_ap", "comrope_ld")
     config_class = ComRoPEConfig

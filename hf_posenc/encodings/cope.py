@@ -67,7 +67,7 @@ def interpolate_position_logits(z: torch.Tensor, positions: torch.Tensor) -> tor
 
 
 @register_encoding
-class CoPE(Encoding):
+class CoPE(Encoding[CoPEConfig]):
     name = "cope"
     aliases = ("contextual", "contextual_position")
     config_class = CoPEConfig

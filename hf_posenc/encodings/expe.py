@@ -48,7 +48,7 @@ def expe_values(positions: torch.Tensor, l: int, S: float, theta: float, factor:
 
 
 @register_encoding
-class ExPE(Encoding):
+class ExPE(Encoding[ExPEConfig]):
     name = "expe"
     aliases = ("exact", "exact_positional")
     config_class = ExPEConfig

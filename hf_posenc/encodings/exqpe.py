@@ -62,7 +62,7 @@ def exqpe_values(
 
 
 @register_encoding
-class ExQPE(Encoding):
+class ExQPE(Encoding[ExQPEConfig]):
     name = "exqpe"
     aliases = ("exact_quantizable",)
     config_class = ExQPEConfig

@@ -172,7 +172,7 @@ class FIREFunction(nn.Module):
 
 
 @register_encoding
-class FIRE(Encoding):
+class FIRE(Encoding[FIREConfig]):
     name = "fire"
     config_class = FIREConfig
     paper = "Li et al. 2023, arXiv:2310.04418"

@@ -87,7 +87,7 @@ def fourier_frequencies(dim: int, per_dim: int, theta: float, floor: float) -> t
 
 
 @register_encoding
-class FoPE(Encoding):
+class FoPE(Encoding[FoPEConfig]):
     name = "fope"
     aliases = ("fourier_position", "fourier_rope")
     config_class = FoPEConfig

@@ -37,7 +37,7 @@ class FoXConfig(ForgetGateConfig):
 
 
 @register_encoding
-class FoX(Encoding):
+class FoX(Encoding[ForgetGateConfig]):
     name = "fox"
     aliases = ("forgetting_transformer", "forgetting_attention")
     config_class = FoXConfig

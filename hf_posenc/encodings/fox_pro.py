@@ -107,6 +107,7 @@ class FoXPro(FoX):
     name = "fox_pro"
     aliases = ("foxpro", "fox_pro_block", "forgetting_transformer_pro")
     config_class = FoXProConfig
+    config: FoXProConfig
     paper = "Lin et al. 2025, arXiv:2503.02130 (Pro block)"
     summary = "FoX forget gate plus token shift of k/v, QK-norm, output norm and output gate"
     stateful = True

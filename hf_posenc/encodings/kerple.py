@@ -58,7 +58,7 @@ class KERPLEConfig(PositionInterpolation, EncodingConfig):
 
 
 @register_encoding
-class KERPLE(Encoding):
+class KERPLE(Encoding[KERPLEConfig]):
     name = "kerple"
     config_class = KERPLEConfig
     paper = "Chi et al. 2022, arXiv:2205.09921"

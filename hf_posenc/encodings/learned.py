@@ -60,7 +60,7 @@ class LearnedConfig(PositionInterpolation, EncodingConfig):
 
 
 @register_encoding
-class Learned(Encoding):
+class Learned(Encoding[LearnedConfig]):
     name = "learned"
     aliases = ("learned_absolute", "absolute", "ape")
     config_class = LearnedConfig

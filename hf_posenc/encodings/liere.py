@@ -105,7 +105,7 @@ def rope_generators(dim: int, block_size: int, theta: float) -> torch.Tensor:
 
 
 @register_encoding
-class LieRE(Encoding):
+class LieRE(Encoding[LieREConfig]):
     name = "liere"
     aliases = ("lie_rotary",)
     config_class = LieREConfig

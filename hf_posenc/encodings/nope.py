@@ -23,7 +23,7 @@ class NoPEConfig(EncodingConfig):
 
 
 @register_encoding
-class NoPE(Encoding):
+class NoPE(Encoding[NoPEConfig]):
     name = "nope"
     aliases = ("none", "no_pe")
     config_class = NoPEConfig

@@ -117,7 +117,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @register_encoding
-class RoPE(Encoding):
+class RoPE(Encoding[RoPEConfig]):
     name = "rope"
     aliases = ("rotary", "roformer")
     config_class = RoPEConfig

@@ -94,7 +94,7 @@ class RoPE2DConfig(PositionInterpolation, EncodingConfig):
 
 
 @register_encoding
-class RoPE2D(Encoding):
+class RoPE2D(Encoding[RoPE2DConfig]):
     name = "rope2d"
     aliases = ("axial_rope", "rope_axial", "rope_nd")
     config_class = RoPE2DConfig

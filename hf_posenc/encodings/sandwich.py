@@ -56,7 +56,7 @@ def sandwich_ratios(num_heads: int) -> torch.Tensor:
 
 
 @register_encoding
-class Sandwich(Encoding):
+class Sandwich(Encoding[SandwichConfig]):
     name = "sandwich"
     config_class = SandwichConfig
     paper = "Chi et al. 2023, arXiv:2212.10356"

@@ -63,7 +63,7 @@ def stick_breaking_weights(scores: torch.Tensor, breaks: torch.Tensor) -> torch.
 
 
 @register_encoding
-class StickBreaking(Encoding):
+class StickBreaking(Encoding[SBAConfig]):
     name = "sba"
     aliases = ("stickbreaking", "stick_breaking")
     config_class = SBAConfig

@@ -46,7 +46,7 @@ def sinusoidal_table(positions: torch.Tensor, dim: int, base: float) -> torch.Te
 
 
 @register_encoding
-class Sinusoidal(Encoding):
+class Sinusoidal(Encoding[SinusoidalConfig]):
     name = "sinusoidal"
     aliases = ("sincos", "sinusoid", "absolute_sinusoidal")
     config_class = SinusoidalConfig

@@ -67,7 +67,7 @@ def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_dista
 
 
 @register_encoding
-class T5Bias(Encoding):
+class T5Bias(Encoding[T5Config]):
     name = "t5"
     aliases = ("t5_bias", "relative", "t5_relative")
     config_class = T5Config

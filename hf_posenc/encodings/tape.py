@@ -104,7 +104,7 @@ def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
 
 
 @register_encoding
-class TAPE(Encoding):
+class TAPE(Encoding[TAPEConfig]):
     name = "tape"
     carries_layer_stream = True
     aliases = ("adape",)
