@@ -60,17 +60,31 @@ def case_id(case) -> str:
     )
 
 
+#: 1-D attention parameters make_model randomises (absent from llama, mistral and gpt2 models)
+RANDOMISED_VECTORS = (
+    "q_proj.bias",
+    "k_proj.bias",
+    "v_proj.bias",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A 2-layer model of ``family`` with random weights, in eval mode, fp32, with the family's
     test settings (``test_config_overrides``: no dropout; Mistral's sliding window of 8,
     shorter than most test inputs)."""
     overrides = {**families()[family].test_config_overrides, **overrides}
     model = tiny_model(family, vocab_size=VOCAB, max_positions=64, seed=seed, **overrides)
-    # larger weights than the default init make positional effects visible in logits
+    # larger weights than the default init make positional effects visible in logits; q/k/v
+    # biases and q/k norm gains (zeros and ones at init) get random values too, so the
+    # references see them act
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+            elif name.endswith(RANDOMISED_VECTORS):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.15)
     return model
 
 
