@@ -21,12 +21,41 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 VOCAB = 101
-#: every registered family (one module each in hf_posenc/models/): each is exercised by the
-#: tests parametrised over FAMILIES
+#: every registered family (one module each in hf_posenc/models/): the ``family`` argument of
+#: the shared invariant, formula-reference, drop-in and family tests runs over all of them
 FAMILIES = tuple(families())
+#: the families the encoding-specific files (``test_*_encodings.py``) run on, to keep CI time in
+#: check: one per layout an encoding's stages see (fused projection + learned table, separate
+#: projections with GQA, a sliding window on every layer). The other families differ only in
+#: their projection (biases, q/k norms), which the shared tests check for every encoding kind.
+ENCODING_FILE_FAMILIES = ("llama", "mistral", "gpt2")
+#: families whose native model rotates q/k (RoPE): ``patch_model(m, "rope")`` must reproduce them
+ROTARY_FAMILIES = tuple(
+    name
+    for name, adapter in families().items()
+    if adapter.geometry(
+        adapter.tiny_config(
+            vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=8
+        )
+    )
+    .layer(0)
+    .native_rotary
+)
 ENCODINGS = ("nope", "sinusoidal", "learned", "t5", "alibi", "rope", "expe", "exqpe")
 #: the classical encodings' cases (every encoding's are registered in tests/encoding_cases.py)
 CASES = cases_of(*ENCODINGS)
+#: each classical encoding with its first (default) case
+DEFAULT_CASES = [next(c for c in CASES if c[0] == name) for name in ENCODINGS]
+
+
+#: 1-D attention parameters make_model randomises (absent from llama, mistral and gpt2 models)
+RANDOMISED_VECTORS = (
+    "q_proj.bias",
+    "k_proj.bias",
+    "v_proj.bias",
+    "q_norm.weight",
+    "k_norm.weight",
+)
 
 
 def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -35,11 +64,15 @@ def make_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     shorter than most test inputs)."""
     overrides = {**families()[family].test_config_overrides, **overrides}
     model = tiny_model(family, vocab_size=VOCAB, max_positions=64, seed=seed, **overrides)
-    # larger weights than the default init make positional effects visible in logits
+    # larger weights than the default init make positional effects visible in logits; q/k/v
+    # biases and q/k norm gains (zeros and ones at init) get random values too, so the
+    # references see them act
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+            elif name.endswith(RANDOMISED_VECTORS):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.15)
     return model
 
 
@@ -78,14 +111,38 @@ def patch(model, name: str, params: dict | None = None, randomize: bool = True, 
     return model
 
 
-@pytest.fixture(params=FAMILIES)
-def family(request) -> str:
-    return request.param
+def _parametrised_here(metafunc: pytest.Metafunc, argname: str) -> bool:
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        if argname in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
+            return True
+    return False
 
 
-@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
-def case(request):
-    return request.param
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise ``family`` and the shared ``case`` (unless the test or its module does):
+    ``family`` runs on every family, or on ENCODING_FILE_FAMILIES in the encoding-specific
+    files; with ``case``, every variant of CASES runs on ENCODING_FILE_FAMILIES and each encoding
+    with its defaults on the other families (the variants exercise encoding code, not family code)."""
+    wants_family = "family" in metafunc.fixturenames and not _parametrised_here(metafunc, "family")
+    wants_case = (
+        "case" in metafunc.fixturenames
+        and not _parametrised_here(metafunc, "case")
+        and not hasattr(metafunc.module, "case")  # a module's own ``case`` fixture
+    )
+    # the encoding-specific modules (test_relative_bias_encodings.py, ...) are named by subject
+    encoding_file = metafunc.module.__name__.endswith(("_encodings", "_encoding"))
+    if wants_family and wants_case:
+        pairs = [
+            (name, case)
+            for name in (ENCODING_FILE_FAMILIES if encoding_file else FAMILIES)
+            for case in (CASES if name in ENCODING_FILE_FAMILIES else DEFAULT_CASES)
+        ]
+        metafunc.parametrize(("family", "case"), pairs, ids=[f"{f}-{case_id(c)}" for f, c in pairs])
+    elif wants_family:
+        metafunc.parametrize("family", ENCODING_FILE_FAMILIES if encoding_file else FAMILIES)
+    elif wants_case:
+        metafunc.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 
 
 #: encodings covering every stage kind for the drop-in checks: rotary, score bias, learned bias,

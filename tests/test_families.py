@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_modules, make_model, native_window, token_ids
+from conftest import FAMILIES, ROTARY_FAMILIES, attention_modules, make_model, native_window, patch, token_ids
 
 import hf_posenc
 from hf_posenc import UnsupportedModelError
@@ -78,6 +78,11 @@ def _remove_rotary(model) -> None:
     del model.model.rotary_emb
 
 
+def _remove_k_norm(model) -> None:
+    for module in attention_modules(model):
+        del module.k_norm
+
+
 #: (family, config overrides, model edit, text the refusal must contain)
 REFUSALS = [
     ("llama", {"attn_logit_softcapping": 50.0}, None, "attn_logit_softcapping=50.0"),
@@ -94,6 +99,12 @@ REFUSALS = [
     ("gpt2", {}, _subclass_attention, "attention class='CustomAttention'"),
     ("llama", {}, _remove_rotary, "decoder stack without rotary_emb"),
     ("gpt2", {"attn_logit_softcapping": 50.0}, None, "attn_logit_softcapping=50.0"),
+    ("qwen2", {"attn_logit_softcapping": 50.0}, None, "attn_logit_softcapping=50.0"),
+    ("qwen2", {}, _add_q_norm, "q/k norm module='q_norm'"),
+    ("qwen3", {}, _remove_k_norm, "qk_norm='head' attention without='q_norm/k_norm'"),
+    ("qwen3", {}, _subclass_attention, "attention class='CustomAttention'"),
+    ("olmo2", {}, _remove_k_norm, "qk_norm='projection' attention without='q_norm/k_norm'"),
+    ("olmo2", {"embedding_multiplier": 12.0}, None, "embedding_multiplier=12.0"),
 ]
 
 
@@ -115,6 +126,49 @@ def test_check_supported_refuses_each_unsupported_feature_by_name(family, overri
     if edit is None:  # the model still runs natively
         with torch.no_grad():
             model(ids)
+
+
+@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+def test_rope_with_the_models_own_settings_reproduces_the_native_model(family):
+    """``patch_model(m, "rope")`` on a family whose native model uses RoPE gives its native
+    logits (fp32, atol 1e-5), with and without left padding: the projection (biases, q/k norms),
+    the rotation and the attention are the family's own."""
+    model = make_model(family, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    ids = token_ids(2, 14)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        native = model(ids).logits
+        native_padded = model(ids, attention_mask=mask).logits
+        patch(model, "rope", randomize=False)
+        assert hf_posenc.patch_info(model)["params"]["theta"] == 500.0
+        patched = model(ids).logits
+        patched_padded = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(patched, native, atol=1e-5, rtol=0)
+    torch.testing.assert_close(patched_padded[0], native_padded[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(patched_padded[1, 3:], native_padded[1, 3:], atol=1e-5, rtol=0)
+
+
+#: one encoding per kind of attention work: rotary (plain core), block score bias, learned
+#: per-layer score bias, layer input, stateful data-dependent bias
+BACKEND_ENCODINGS = ("rope", "alibi", "t5", "expe", "fox")
+
+
+@pytest.mark.parametrize("name", BACKEND_ENCODINGS)
+def test_every_backend_equals_eager_on_every_family(family, name):
+    """The sdpa, chunked, flex and auto backends give the eager reference's logits (atol 1e-5)
+    on every family, on a left-padded batch."""
+    ids = token_ids(2, 17)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    results = {}
+    for backend in ("eager", "sdpa", "chunked", "flex", "auto"):
+        model = patch(make_model(family), name, backend=backend)  # same seeds: same weights
+        with torch.no_grad():
+            results[backend] = model(ids, attention_mask=mask).logits
+    for backend, logits in results.items():
+        torch.testing.assert_close(logits[0], results["eager"][0], atol=1e-5, rtol=0, msg=backend)
+        torch.testing.assert_close(logits[1, 4:], results["eager"][1, 4:], atol=1e-5, rtol=0, msg=backend)
 
 
 def _non_docstring_strings(tree: ast.AST) -> list[ast.Constant]:

@@ -39,6 +39,14 @@ native sliding window arrives in each layer's attention mask; ``LayerGeometry`` 
 so encodings can read them. An embedding scale (Gemma's sqrt(hidden)) is applied inside the
 family's embedding module, before an encoding's ``embed`` stage adds to its output;
 ``ModelGeometry.embedding_scale`` records it.
+
+How the next families map onto this interface: Gemma 3 sets ``embedding_scale``, one
+``LayerGeometry`` per layer (local/global ``rope_theta``, ``sliding_window``,
+``softmax_scale`` from ``query_pre_attn_scalar``) and ``qk_norm = "head"`` (a ``LlamaAdapter``
+subclass); Phi-3 overrides ``project`` for its fused ``qkv_proj`` (``partial_rotary_factor``
+is already in the geometry; ``longrope`` is refused by the rope encoding by name); SmolLM3
+marks its NoPE layers ``native_rotary=False``. Today the encodings read the model-wide
+``rope_theta``; per-layer thetas need the rotary encodings to read ``geometry.layer(i)``.
 """
 
 from __future__ import annotations
