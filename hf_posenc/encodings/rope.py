@@ -9,6 +9,14 @@ R rotates dimension pairs by angles m*omega_i with omega_i = theta^(-2i/d_rot). 
 context-extension schedule (see :mod:`.rope_scaling`): ``linear``, ``ntk``, ``dynamic``,
 ``yarn`` or ``llama3``.
 
+Per-layer settings (hybrid families, read from ``ModelGeometry.layers``): with ``theta`` left
+at None each layer rotates with its own native base (Gemma 3: 10k on sliding layers, 1M on
+global ones), and with ``scaling="model"`` each layer keeps its own native scaling (Gemma 3:
+linear on global layers only). Layers where the native model does not rotate
+(``LayerGeometry.native_rotary``, SmolLM3's NoPE layers) are left unrotated, so the defaults
+reproduce the native model; in a model with no natively rotating layer at all (GPT-2's
+learned table) every layer rotates.
+
 Dynamic NTK changes the frequencies with the sequence length. Computing them from the
 length of the whole input (as transformers does) makes every token's hidden states depend
 on tokens after it, so a KV cache can never reproduce a full forward. Here the schedule is
@@ -46,20 +54,42 @@ class RoPEConfig(EncodingConfig):
             validate_scaling(self.encoding, self.scaling)
 
     def resolve(self, geometry) -> RoPEConfig:
+        """Fill the model's values; ``theta=None`` / ``scaling="model"`` stay as they are when the
+        model's layers differ in them (resolved per layer, see the module docstring)."""
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
+        layers = model_layers(geometry)
+        if self.theta is None and len({layer.rope_theta for layer in layers}) > 1:
+            out.theta = None
         if out.scaling == "model":
-            out.scaling = geometry.rope_scaling
-            try:
-                validate_scaling(self.encoding, out.scaling)
-            except InvalidParameterError as error:
-                raise InvalidParameterError(
-                    f"rope: the checkpoint's own RoPE scaling {out.scaling!r} is not supported ({error}); pass "
-                    "scaling=None to drop it or a supported scaling dict to replace it"
-                ) from None
-        out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
+            scalings = [layer.rope_scaling for layer in layers]
+            per_layer = any(scaling != scalings[0] for scaling in scalings)
+            for scaling in scalings if per_layer else [geometry.rope_scaling]:
+                check_native_scaling(self.encoding, scaling, per_layer)
+            if not per_layer:
+                out.scaling = resolve_scaling(geometry.rope_scaling, geometry.max_position_embeddings)
+        else:
+            out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
         rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
         return out
+
+
+def model_layers(geometry) -> list:
+    """Every layer's :class:`~hf_posenc.models.base.LayerGeometry`."""
+    return [geometry.layer(index) for index in range(geometry.num_layers)]
+
+
+def check_native_scaling(encoding: str, scaling: dict | None, per_layer: bool) -> None:
+    """Refuse a checkpoint's own scaling that rope does not implement (or, per layer, dynamic NTK)."""
+    try:
+        validate_scaling(encoding, scaling)
+        if per_layer and scaling is not None and scaling["type"] == "dynamic":
+            raise InvalidParameterError("dynamic NTK on some layers only is not implemented")
+    except InvalidParameterError as error:
+        raise InvalidParameterError(
+            f"rope: the checkpoint's own RoPE scaling {scaling!r} is not supported ({error}); pass "
+            "scaling=None to drop it or a supported scaling dict to replace it"
+        ) from None
 
 
 def check_rotary_settings(encoding: str, theta: float | None, partial_rotary_factor: float | None) -> None:
@@ -127,23 +157,51 @@ class RoPE(Encoding):
     def __init__(self, config: RoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
         self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
-        self.dynamic = bool(config.scaling and config.scaling["type"] == "dynamic")
+        layers = model_layers(geometry)
+        any_native = any(layer.native_rotary for layer in layers)
+        #: per layer: (theta, resolved scaling) of its rotation, or None where it does not rotate
+        self.layer_rotations: list[tuple[float, dict | None] | None] = []
+        for layer in layers:
+            theta = config.theta if config.theta is not None else layer.rope_theta
+            scaling = config.scaling
+            if scaling == "model":
+                scaling = resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings)
+            rotates = layer.native_rotary or not any_native
+            self.layer_rotations.append((float(theta), scaling) if rotates else None)
+        self.dynamic = any(
+            r is not None and r[1] is not None and r[1]["type"] == "dynamic" for r in self.layer_rotations
+        )
 
     def active_stages(self) -> list[str]:
         return ["logits"] if self.dynamic else ["rotate"]
 
-    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
+    def _cos_sin(self, call: LayerCall, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, T, d_rot) of this layer's rotation (shared by layers with the same one)."""
+        theta, scaling = self.layer_rotations[call.layer_idx]
 
         def rotation() -> tuple[torch.Tensor, torch.Tensor]:
-            inv_freq, factor = inverse_frequencies(self.dim, cfg.theta, cfg.scaling, device=q.device)
-            return cos_sin(call.positions, inv_freq, factor, q.dtype)
+            inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=like.device)
+            return cos_sin(call.positions, inv_freq, factor, like.dtype)
 
-        cos, sin = call.memo.get(("rope", q.dtype), rotation)  # (B, 1, T, d_rot) each
+        return call.memo.get(("rope", like.dtype, theta, repr(scaling)), rotation)
+
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layer_rotations[call.layer_idx] is None:  # a natively position-free layer (NoPE)
+            return q, k
+        cos, sin = self._cos_sin(call, q)  # (B, 1, T, d_rot) each
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def logits(self, call: ScoreCall) -> torch.Tensor:
-        scaling = self.config.scaling
+        rotation = self.layer_rotations[call.layer_idx]
+        if rotation is None or rotation[1] is None or rotation[1]["type"] != "dynamic":
+            # a layer without dynamic scaling in a model that has it: rotate, then a plain q.k
+            q, k = call.q, call.k
+            if rotation is not None:
+                q, k = self._rotate_cached(call)
+            groups = q.shape[1] // k.shape[1]
+            k = k[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)  # (B, Hq, Tk, D)
+            return torch.matmul(q.float(), k.float().transpose(-1, -2))  # (B, Hq, Tq, Tk)
+        theta, scaling = rotation
         if call.key_positions is None:
             raise ValueError("rope (dynamic): the logits stage needs the key positions")
         return causal_dynamic_logits(
@@ -151,8 +209,17 @@ class RoPE(Encoding):
             call.k,
             call.positions,
             call.key_positions,
-            theta=self.config.theta,
+            theta=theta,
             dim=self.dim,
             factor=scaling["factor"],
             original=scaling["original_max_position_embeddings"],
         )
+
+    def _rotate_cached(self, call: ScoreCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """q at ``call.positions`` and the raw cached k at ``call.key_positions``, rotated."""
+        theta, scaling = self.layer_rotations[call.layer_idx]
+        key_positions = call.positions if call.key_positions is None else call.key_positions
+        inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=call.q.device)
+        q_cos, q_sin = cos_sin(call.positions, inv_freq, factor, call.q.dtype)
+        k_cos, k_sin = cos_sin(key_positions, inv_freq, factor, call.k.dtype)
+        return apply_rotary(call.q, q_cos, q_sin), apply_rotary(call.k, k_cos, k_sin)
