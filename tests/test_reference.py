@@ -68,11 +68,29 @@ def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[
     return inv_freq.double().tolist(), float(factor)
 
 
+def native_rope(model, layer_idx: int) -> tuple[float, bool]:
+    """(theta, rotates) of layer ``layer_idx`` as the config states them: Gemma 3 nests
+    ``rope_parameters`` by layer type; SmolLM3's ``no_rope_layers`` is 0 on its NoPE layers."""
+    config = model.config
+    params = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] in params:
+        params = params[layer_types[layer_idx]]
+    no_rope_layers = getattr(config, "no_rope_layers", None)
+    rotates = no_rope_layers is None or bool(no_rope_layers[layer_idx])
+    return float(params.get("rope_theta", 10000.0)), rotates
+
+
 def layer_reference(name, params, module, hidden, model, layer_idx):
     geometry_d = hidden.shape[-1]
     heads = num_query_heads(model)
     kwargs = dict(scaling=module.scaling, window=native_window(model, layer_idx))
-    if name == "rope":
+    theta, rotates = native_rope(model, layer_idx)
+    if name == "rope" and "theta" not in params:
+        params = {**params, "theta": theta}
+    if name == "rope" and not rotates:
+        pass  # rope leaves the model's natively position-free layers alone
+    elif name == "rope":
         # causal dynamic NTK: query i uses the frequencies for length i + 1; others: one schedule
         dynamic = params.get("scaling", {}).get("type") == "dynamic"
         matrices = {}

@@ -36,7 +36,13 @@ from ..registry import register_encoding
 from .base import Encoding
 from .call import LayerCall, ScoreCall
 from .rope_dynamic import causal_dynamic_logits
-from .rope_scaling import inverse_frequencies, resolve_scaling, validate_scaling
+from .rope_scaling import (
+    LENGTH_DEPENDENT,
+    check_frequency_count,
+    inverse_frequencies,
+    resolve_scaling,
+    validate_scaling,
+)
 
 
 @dataclasses.dataclass
@@ -70,7 +76,14 @@ class RoPEConfig(EncodingConfig):
                 out.scaling = resolve_scaling(geometry.rope_scaling, geometry.max_position_embeddings)
         else:
             out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
-        rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        if out.scaling == "model":
+            for layer in layers:
+                check_frequency_count(
+                    self.encoding, resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings), dim
+                )
+        else:
+            check_frequency_count(self.encoding, out.scaling, dim)
         return out
 
 
@@ -168,12 +181,14 @@ class RoPE(Encoding):
                 scaling = resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings)
             rotates = layer.native_rotary or not any_native
             self.layer_rotations.append((float(theta), scaling) if rotates else None)
-        self.dynamic = any(
-            r is not None and r[1] is not None and r[1]["type"] == "dynamic" for r in self.layer_rotations
+        #: a length-dependent schedule on some layer: q.k is computed per query (``logits``)
+        self.per_query = any(
+            r is not None and r[1] is not None and r[1]["type"] in LENGTH_DEPENDENT
+            for r in self.layer_rotations
         )
 
     def active_stages(self) -> list[str]:
-        return ["logits"] if self.dynamic else ["rotate"]
+        return ["logits"] if self.per_query else ["rotate"]
 
     def _cos_sin(self, call: LayerCall, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, d_rot) of this layer's rotation (shared by layers with the same one)."""
@@ -193,17 +208,22 @@ class RoPE(Encoding):
 
     def logits(self, call: ScoreCall) -> torch.Tensor:
         rotation = self.layer_rotations[call.layer_idx]
-        if rotation is None or rotation[1] is None or rotation[1]["type"] != "dynamic":
-            # a layer without dynamic scaling in a model that has it: rotate, then a plain q.k
-            q, k = call.q, call.k
-            if rotation is not None:
-                q, k = self._rotate_cached(call)
-            groups = q.shape[1] // k.shape[1]
-            k = k[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)  # (B, Hq, Tk, D)
-            return torch.matmul(q.float(), k.float().transpose(-1, -2))  # (B, Hq, Tq, Tk)
+        kind = None if rotation is None or rotation[1] is None else rotation[1]["type"]
+        if kind not in LENGTH_DEPENDENT:
+            # a layer without a length-dependent schedule in a model that has one
+            return self._plain_logits(call, None if rotation is None else self._rotate_cached(call))
         theta, scaling = rotation
         if call.key_positions is None:
-            raise ValueError("rope (dynamic): the logits stage needs the key positions")
+            raise ValueError(f"rope ({kind}): the logits stage needs the key positions")
+        if kind == "longrope":
+            # the query at p uses the factors for length p + 1: short_factor up to L0, long_factor past it
+            original = scaling["original_max_position_embeddings"]
+            logits = self._plain_logits(call, self._rotate_cached(call))
+            past = call.positions + 1 > original  # (B, Tq)
+            if bool(past.any()):
+                long = self._plain_logits(call, self._rotate_cached(call, seq_len=original + 1))
+                logits = torch.where(past[:, None, :, None], long, logits)
+            return logits
         return causal_dynamic_logits(
             call.q,
             call.k,
@@ -215,11 +235,23 @@ class RoPE(Encoding):
             original=scaling["original_max_position_embeddings"],
         )
 
-    def _rotate_cached(self, call: ScoreCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """q at ``call.positions`` and the raw cached k at ``call.key_positions``, rotated."""
+    @staticmethod
+    def _plain_logits(call: ScoreCall, rotated: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """q.k^T (B, Hq, Tq, Tk) fp32 of ``rotated`` (q, k), or of the call's own q, k when None."""
+        q, k = (call.q, call.k) if rotated is None else rotated
+        groups = q.shape[1] // k.shape[1]
+        k = k[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)  # (B, Hq, Tk, D)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        return torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2))
+
+    def _rotate_cached(
+        self, call: ScoreCall, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q at ``call.positions`` and the raw cached k at ``call.key_positions``, rotated with
+        this layer's frequencies for a sequence of ``seq_len`` tokens (None: the base ones)."""
         theta, scaling = self.layer_rotations[call.layer_idx]
         key_positions = call.positions if call.key_positions is None else call.key_positions
-        inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=call.q.device)
+        inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, seq_len, device=call.q.device)
         q_cos, q_sin = cos_sin(call.positions, inv_freq, factor, call.q.dtype)
         k_cos, k_sin = cos_sin(key_positions, inv_freq, factor, call.k.dtype)
         return apply_rotary(call.q, q_cos, q_sin), apply_rotary(call.k, k_cos, k_sin)
