@@ -7,7 +7,7 @@ R rotates dimension pairs by angles m*omega_i with omega_i = theta^(-2i/d_rot). 
 ``patch_model(llama, "rope")`` reproduces the native model exactly. Only the first
 ``d_rot = head_dim * partial_rotary_factor`` dimensions rotate. ``scaling`` selects a
 context-extension schedule (see :mod:`.rope_scaling`): ``linear``, ``ntk``, ``dynamic``,
-``yarn`` or ``llama3``.
+``yarn``, ``llama3`` or ``longrope``.
 
 Per-layer settings (hybrid families, read from ``ModelGeometry.layers``): with ``theta`` left
 at None each layer rotates with its own native base (Gemma 3: 10k on sliding layers, 1M on
@@ -17,11 +17,14 @@ linear on global layers only). Layers where the native model does not rotate
 reproduce the native model; in a model with no natively rotating layer at all (GPT-2's
 learned table) every layer rotates.
 
-Dynamic NTK changes the frequencies with the sequence length. Computing them from the
+Dynamic NTK and LongRoPE change the frequencies with the sequence length. Computing them from the
 length of the whole input (as transformers does) makes every token's hidden states depend
 on tokens after it, so a KV cache can never reproduce a full forward. Here the schedule is
 causal: the query at position p uses the frequencies for length p + 1, with keys rotated
 to match (see :mod:`.rope_dynamic`). Decoding with a cache then equals a full forward.
+LongRoPE likewise: the query at p uses ``short_factor`` while p + 1 <= L0 and ``long_factor``
+past it (transformers switches the whole input once it is longer than L0), with keys rotated
+by the query's set; within L0 that is exactly the native model.
 """
 
 from __future__ import annotations
