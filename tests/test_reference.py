@@ -138,7 +138,9 @@ def test_embedding_stage_adds_formula_vectors(family, case):
     model = patch(make_model(family), name, params)
     ids = token_ids(2, LENGTH)
     records, _ = run_and_capture(model, ids)
-    tokens = model.get_input_embeddings().weight[ids].double()  # (B, T, d)
+    embedding = model.get_input_embeddings()
+    # Gemma's embedding module multiplies by its embed_scale (sqrt(hidden)); the encoding adds after it
+    tokens = embedding.weight[ids].double() * float(getattr(embedding, "embed_scale", 1.0))  # (B, T, d)
     d = tokens.shape[-1]
     if name == "sinusoidal":
         table = torch.tensor([ref.sinusoidal_vector(t, d) for t in range(LENGTH)], dtype=torch.float64)
