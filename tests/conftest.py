@@ -111,6 +111,23 @@ def patch(model, name: str, params: dict | None = None, randomize: bool = True, 
     return model
 
 
+def _one_rotation(name: str) -> bool:
+    """Whether plain ``rope`` on the family's test model is one RoPE (one theta) on every layer:
+    not Gemma 3 (two thetas) nor SmolLM3 (NoPE layers), where rope follows each layer."""
+    adapter = families()[name]
+    config = adapter.tiny_config(
+        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64
+    )
+    geometry = adapter.geometry(config)
+    layers = [geometry.layer(i) for i in range(geometry.num_layers)]
+    return len({(layer.rope_theta, layer.native_rotary) for layer in layers}) == 1
+
+
+#: families whose plain ``rope`` rotates every layer alike: the tests that an encoding "starts as
+#: rope" (liere, rope2d, comrope use one theta on every layer) run on these
+ONE_ROTATION_FAMILIES = tuple(name for name in FAMILIES if _one_rotation(name))
+
+
 def _parametrised_here(metafunc: pytest.Metafunc, argname: str) -> bool:
     for marker in metafunc.definition.iter_markers("parametrize"):
         names = marker.args[0]

@@ -83,14 +83,17 @@ def _linear(x: torch.Tensor, layer) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """Zhang & Sennrich 2019: x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
+    """Zhang & Sennrich 2019: x / sqrt(mean(x^2) + eps) * weight, over the last dim; Gemma's
+    norms store weight - 1 (they scale by 1 + weight, zero-initialised)."""
     eps = getattr(norm, "variance_epsilon", None) or norm.eps
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.double()
+    weight = norm.weight.double() + (1.0 if type(norm).__name__.startswith("Gemma") else 0.0)
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def projections(module, x_qk: torch.Tensor, x_v: torch.Tensor):
     """q, k, v as (B, T, heads, head_dim) float64, from the module's own weights, read from its
-    structure: a fused Conv1D ``c_attn`` (GPT-2: weight (in, 3*out) plus bias), or separate
+    structure: a fused Conv1D ``c_attn`` (GPT-2: weight (in, 3*out) plus bias), a fused linear
+    ``qkv_proj`` (Phi-3: q, k, v stacked on the output dim), or separate
     ``q_proj``/``k_proj``/``v_proj`` linears (with their biases when present), followed by the
     q/k RMSNorms when the module has them — over each head when the norm's weight has head_dim
     entries (Qwen3), over the whole projection otherwise (OLMo 2)."""
@@ -103,6 +106,15 @@ def projections(module, x_qk: torch.Tensor, x_v: torch.Tensor):
         k = x_qk @ w[:, d : 2 * d] + b[d : 2 * d]
         v = x_v @ w[:, 2 * d :] + b[2 * d :]
         return split(q), split(k), split(v)
+    if hasattr(module, "qkv_proj"):  # Phi-3: q, k, v concatenated on the output dim, no bias
+        w = module.qkv_proj.weight.double()  # ((Hq + 2 Hkv) D, d)
+        kv = (w.shape[0] - module.config.num_attention_heads * d_head) // 2
+        q_w, k_w, v_w = (
+            w[: w.shape[0] - 2 * kv],
+            w[w.shape[0] - 2 * kv : w.shape[0] - kv],
+            w[w.shape[0] - kv :],
+        )
+        return split(x_qk @ q_w.T), split(x_qk @ k_w.T), split(x_v @ v_w.T)
     q, k, v = _linear(x_qk, module.q_proj), _linear(x_qk, module.k_proj), _linear(x_v, module.v_proj)
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     per_head = q_norm is not None and q_norm.weight.numel() == d_head

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from conftest import attention_modules, make_model, native_window, patch, token_ids
+from conftest import ONE_ROTATION_FAMILIES, attention_modules, make_model, native_window, patch, token_ids
 from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -182,6 +182,7 @@ def test_coordinate_attention_equals_explicit_rotation_reference(family, case_):
 # -- starting point: RoPE -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", ONE_ROTATION_FAMILIES)
 @pytest.mark.parametrize(
     ("name", "params"),
     [("rope2d", {"axes": 1}), ("comrope", {}), ("comrope", {"variant": "ld", "block_size": 2})],

@@ -12,10 +12,11 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES, VOCAB, attention_modules, make_model, patch, token_ids
+from conftest import FAMILIES, VOCAB, make_model, patch, token_ids
 from conftest import no_grad_logits as logits
 
 import hf_posenc
+from hf_posenc.registry import adapter_for
 
 
 # -- model classes -------------------------------------------------------------------------------
@@ -87,10 +88,10 @@ def test_peft_wrapped_models(family, order):
     from peft import LoraConfig, get_peft_model
 
     model = make_model(family)
-    fused = hasattr(attention_modules(model)[0], "c_attn")  # GPT-2's fused q/k/v Conv1D
-    lora = LoraConfig(
-        r=4, target_modules=["c_attn"] if fused else ["q_proj", "v_proj"], init_lora_weights=False
-    )
+    # the attention projections among the family's LoRA targets: q/v, or the fused q/k/v
+    # (GPT-2's c_attn Conv1D, Phi-3's qkv_proj)
+    targets = [t for t in adapter_for(model).lora_targets if t in ("q_proj", "v_proj", "c_attn", "qkv_proj")]
+    lora = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
     ids = token_ids(2, 10)
     if order == "patch_then_peft":
         hf_posenc.patch_model(model, "t5")

@@ -203,8 +203,9 @@ def test_rope_defaults_reproduce_the_checkpoints_own_scaling(rope_scaling):
 
 def test_rope_refuses_a_checkpoint_scaling_it_does_not_implement():
     model = make_model("llama")
-    model.config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0]}
-    with pytest.raises(InvalidParameterError, match="longrope"):
+    # transformers' "proportional" (Gemma 4) is not one of rope's scalings
+    model.config.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(InvalidParameterError, match="proportional"):
         hf_posenc.patch_model(model, "rope")
     assert hf_posenc.patch_info(model) is None
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import make_model, native_window, patch, token_ids
+from conftest import ONE_ROTATION_FAMILIES, make_model, native_window, patch, token_ids
 from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -202,6 +202,7 @@ def test_liere_scores_depend_only_on_relative_position(length, shift, layer, see
     torch.testing.assert_close(scores[0], scores[1], atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ONE_ROTATION_FAMILIES)
 def test_liere_starts_as_rope(family):
     """Patched with LieRE's initial generators (RoPE's frequencies in 2x2 blocks, zeros elsewhere)
     a model gives RoPE's logits (up to fp32 matrix_exp error)."""

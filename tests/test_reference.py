@@ -68,11 +68,29 @@ def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[
     return inv_freq.double().tolist(), float(factor)
 
 
+def native_rope(model, layer_idx: int) -> tuple[float, bool]:
+    """(theta, rotates) of layer ``layer_idx`` as the config states them: Gemma 3 nests
+    ``rope_parameters`` by layer type; SmolLM3's ``no_rope_layers`` is 0 on its NoPE layers."""
+    config = model.config
+    params = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] in params:
+        params = params[layer_types[layer_idx]]
+    no_rope_layers = getattr(config, "no_rope_layers", None)
+    rotates = no_rope_layers is None or bool(no_rope_layers[layer_idx])
+    return float(params.get("rope_theta", 10000.0)), rotates
+
+
 def layer_reference(name, params, module, hidden, model, layer_idx):
     geometry_d = hidden.shape[-1]
     heads = num_query_heads(model)
     kwargs = dict(scaling=module.scaling, window=native_window(model, layer_idx))
-    if name == "rope":
+    theta, rotates = native_rope(model, layer_idx)
+    if name == "rope" and "theta" not in params:
+        params = {**params, "theta": theta}
+    if name == "rope" and not rotates:
+        pass  # rope leaves the model's natively position-free layers alone
+    elif name == "rope":
         # causal dynamic NTK: query i uses the frequencies for length i + 1; others: one schedule
         dynamic = params.get("scaling", {}).get("type") == "dynamic"
         matrices = {}
@@ -120,7 +138,9 @@ def test_embedding_stage_adds_formula_vectors(family, case):
     model = patch(make_model(family), name, params)
     ids = token_ids(2, LENGTH)
     records, _ = run_and_capture(model, ids)
-    tokens = model.get_input_embeddings().weight[ids].double()  # (B, T, d)
+    embedding = model.get_input_embeddings()
+    # Gemma's embedding module multiplies by its embed_scale (sqrt(hidden)); the encoding adds after it
+    tokens = embedding.weight[ids].double() * float(getattr(embedding, "embed_scale", 1.0))  # (B, T, d)
     d = tokens.shape[-1]
     if name == "sinusoidal":
         table = torch.tensor([ref.sinusoidal_vector(t, d) for t in range(LENGTH)], dtype=torch.float64)

@@ -7,13 +7,24 @@ R rotates dimension pairs by angles m*omega_i with omega_i = theta^(-2i/d_rot). 
 ``patch_model(llama, "rope")`` reproduces the native model exactly. Only the first
 ``d_rot = head_dim * partial_rotary_factor`` dimensions rotate. ``scaling`` selects a
 context-extension schedule (see :mod:`.rope_scaling`): ``linear``, ``ntk``, ``dynamic``,
-``yarn`` or ``llama3``.
+``yarn``, ``llama3`` or ``longrope``.
 
-Dynamic NTK changes the frequencies with the sequence length. Computing them from the
+Per-layer settings (hybrid families, read from ``ModelGeometry.layers``): with ``theta`` left
+at None each layer rotates with its own native base (Gemma 3: 10k on sliding layers, 1M on
+global ones), and with ``scaling="model"`` each layer keeps its own native scaling (Gemma 3:
+linear on global layers only). Layers where the native model does not rotate
+(``LayerGeometry.native_rotary``, SmolLM3's NoPE layers) are left unrotated, so the defaults
+reproduce the native model; in a model with no natively rotating layer at all (GPT-2's
+learned table) every layer rotates.
+
+Dynamic NTK and LongRoPE change the frequencies with the sequence length. Computing them from the
 length of the whole input (as transformers does) makes every token's hidden states depend
 on tokens after it, so a KV cache can never reproduce a full forward. Here the schedule is
 causal: the query at position p uses the frequencies for length p + 1, with keys rotated
 to match (see :mod:`.rope_dynamic`). Decoding with a cache then equals a full forward.
+LongRoPE likewise: the query at p uses ``short_factor`` while p + 1 <= L0 and ``long_factor``
+past it (transformers switches the whole input once it is longer than L0), with keys rotated
+by the query's set; within L0 that is exactly the native model.
 """
 
 from __future__ import annotations
@@ -28,7 +39,13 @@ from ..registry import register_encoding
 from .base import Encoding
 from .call import LayerCall, ScoreCall
 from .rope_dynamic import causal_dynamic_logits
-from .rope_scaling import inverse_frequencies, resolve_scaling, validate_scaling
+from .rope_scaling import (
+    LENGTH_DEPENDENT,
+    check_frequency_count,
+    inverse_frequencies,
+    resolve_scaling,
+    validate_scaling,
+)
 
 
 @dataclasses.dataclass
@@ -46,20 +63,49 @@ class RoPEConfig(EncodingConfig):
             validate_scaling(self.encoding, self.scaling)
 
     def resolve(self, geometry) -> RoPEConfig:
+        """Fill the model's values; ``theta=None`` / ``scaling="model"`` stay as they are when the
+        model's layers differ in them (resolved per layer, see the module docstring)."""
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
+        layers = model_layers(geometry)
+        if self.theta is None and len({layer.rope_theta for layer in layers}) > 1:
+            out.theta = None
         if out.scaling == "model":
-            out.scaling = geometry.rope_scaling
-            try:
-                validate_scaling(self.encoding, out.scaling)
-            except InvalidParameterError as error:
-                raise InvalidParameterError(
-                    f"rope: the checkpoint's own RoPE scaling {out.scaling!r} is not supported ({error}); pass "
-                    "scaling=None to drop it or a supported scaling dict to replace it"
-                ) from None
-        out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
-        rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+            scalings = [layer.rope_scaling for layer in layers]
+            per_layer = any(scaling != scalings[0] for scaling in scalings)
+            for scaling in scalings if per_layer else [geometry.rope_scaling]:
+                check_native_scaling(self.encoding, scaling, per_layer)
+            if not per_layer:
+                out.scaling = resolve_scaling(geometry.rope_scaling, geometry.max_position_embeddings)
+        else:
+            out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
+        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        if out.scaling == "model":
+            for layer in layers:
+                check_frequency_count(
+                    self.encoding, resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings), dim
+                )
+        else:
+            check_frequency_count(self.encoding, out.scaling, dim)
         return out
+
+
+def model_layers(geometry) -> list:
+    """Every layer's :class:`~hf_posenc.models.base.LayerGeometry`."""
+    return [geometry.layer(index) for index in range(geometry.num_layers)]
+
+
+def check_native_scaling(encoding: str, scaling: dict | None, per_layer: bool) -> None:
+    """Refuse a checkpoint's own scaling that rope does not implement (or, per layer, dynamic NTK)."""
+    try:
+        validate_scaling(encoding, scaling)
+        if per_layer and scaling is not None and scaling["type"] == "dynamic":
+            raise InvalidParameterError("dynamic NTK on some layers only is not implemented")
+    except InvalidParameterError as error:
+        raise InvalidParameterError(
+            f"rope: the checkpoint's own RoPE scaling {scaling!r} is not supported ({error}); pass "
+            "scaling=None to drop it or a supported scaling dict to replace it"
+        ) from None
 
 
 def check_rotary_settings(encoding: str, theta: float | None, partial_rotary_factor: float | None) -> None:
@@ -127,32 +173,88 @@ class RoPE(Encoding[RoPEConfig]):
     def __init__(self, config: RoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
         self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
-        self.dynamic = bool(config.scaling and config.scaling["type"] == "dynamic")
+        layers = model_layers(geometry)
+        any_native = any(layer.native_rotary for layer in layers)
+        #: per layer: (theta, resolved scaling) of its rotation, or None where it does not rotate
+        self.layer_rotations: list[tuple[float, dict | None] | None] = []
+        for layer in layers:
+            theta = config.theta if config.theta is not None else layer.rope_theta
+            scaling = config.scaling
+            if scaling == "model":
+                scaling = resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings)
+            rotates = layer.native_rotary or not any_native
+            self.layer_rotations.append((float(theta), scaling) if rotates else None)
+        #: a length-dependent schedule on some layer: q.k is computed per query (``logits``)
+        self.per_query = any(
+            r is not None and r[1] is not None and r[1]["type"] in LENGTH_DEPENDENT
+            for r in self.layer_rotations
+        )
 
     def active_stages(self) -> list[str]:
-        return ["logits"] if self.dynamic else ["rotate"]
+        return ["logits"] if self.per_query else ["rotate"]
 
-    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
+    def _cos_sin(self, call: LayerCall, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, T, d_rot) of this layer's rotation (shared by layers with the same one)."""
+        theta, scaling = self.layer_rotations[call.layer_idx]
 
         def rotation() -> tuple[torch.Tensor, torch.Tensor]:
-            inv_freq, factor = inverse_frequencies(self.dim, cfg.theta, cfg.scaling, device=q.device)
-            return cos_sin(call.positions, inv_freq, factor, q.dtype)
+            inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=like.device)
+            return cos_sin(call.positions, inv_freq, factor, like.dtype)
 
-        cos, sin = call.memo.get(("rope", q.dtype), rotation)  # (B, 1, T, d_rot) each
+        return call.memo.get(("rope", like.dtype, theta, repr(scaling)), rotation)
+
+    def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layer_rotations[call.layer_idx] is None:  # a natively position-free layer (NoPE)
+            return q, k
+        cos, sin = self._cos_sin(call, q)  # (B, 1, T, d_rot) each
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def logits(self, call: ScoreCall) -> torch.Tensor:
-        scaling = self.config.scaling
+        rotation = self.layer_rotations[call.layer_idx]
+        kind = None if rotation is None or rotation[1] is None else rotation[1]["type"]
+        if kind not in LENGTH_DEPENDENT:
+            # a layer without a length-dependent schedule in a model that has one
+            return self._plain_logits(call, None if rotation is None else self._rotate_cached(call))
+        theta, scaling = rotation
         if call.key_positions is None:
-            raise ValueError("rope (dynamic): the logits stage needs the key positions")
+            raise ValueError(f"rope ({kind}): the logits stage needs the key positions")
+        if kind == "longrope":
+            # the query at p uses the factors for length p + 1: short_factor up to L0, long_factor past it
+            original = scaling["original_max_position_embeddings"]
+            logits = self._plain_logits(call, self._rotate_cached(call))
+            past = call.positions + 1 > original  # (B, Tq)
+            if bool(past.any()):
+                long = self._plain_logits(call, self._rotate_cached(call, seq_len=original + 1))
+                logits = torch.where(past[:, None, :, None], long, logits)
+            return logits
         return causal_dynamic_logits(
             call.q,
             call.k,
             call.positions,
             call.key_positions,
-            theta=self.config.theta,
+            theta=theta,
             dim=self.dim,
             factor=scaling["factor"],
             original=scaling["original_max_position_embeddings"],
         )
+
+    @staticmethod
+    def _plain_logits(call: ScoreCall, rotated: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """q.k^T (B, Hq, Tq, Tk) fp32 of ``rotated`` (q, k), or of the call's own q, k when None."""
+        q, k = (call.q, call.k) if rotated is None else rotated
+        groups = q.shape[1] // k.shape[1]
+        k = k[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)  # (B, Hq, Tk, D)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        return torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2))
+
+    def _rotate_cached(
+        self, call: ScoreCall, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q at ``call.positions`` and the raw cached k at ``call.key_positions``, rotated with
+        this layer's frequencies for a sequence of ``seq_len`` tokens (None: the base ones)."""
+        theta, scaling = self.layer_rotations[call.layer_idx]
+        key_positions = call.positions if call.key_positions is None else call.key_positions
+        inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, seq_len, device=call.q.device)
+        q_cos, q_sin = cos_sin(call.positions, inv_freq, factor, call.q.dtype)
+        k_cos, k_sin = cos_sin(key_positions, inv_freq, factor, call.k.dtype)
+        return apply_rotary(call.q, q_cos, q_sin), apply_rotary(call.k, k_cos, k_sin)

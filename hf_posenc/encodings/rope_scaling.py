@@ -12,6 +12,13 @@ frequencies omega_i, ``attention_factor`` multiplies cos and sin (so q.k by its 
               ``beta_slow`` rotations in L0, and attention factor 0.1*ln(factor) + 1.
 - ``llama3``  Llama 3.1 (Dubey et al. 2024): long wavelengths divided by ``factor``, short ones
               kept, a smooth blend between L0/low_freq_factor and L0/high_freq_factor.
+- ``longrope`` LongRoPE (Ding et al. 2024, arXiv:2402.13753; Phi-3's 128k checkpoints): per-frequency
+              rescale factors found by search, omega_i = theta^(-2i/dim) / lambda_i, with
+              lambda = ``short_factor`` for a sequence of length L <= L0 and ``long_factor`` past
+              it; attention factor sqrt(1 + ln(factor) / ln(L0)) (1 when factor <= 1), ``factor``
+              defaulting to max_position_embeddings / L0, as transformers'
+              ``_compute_longrope_parameters``. transformers picks the set from the whole input's
+              length; the rope encoding picks it per query (see :mod:`.rope`).
 
 L0 is ``original_max_position_embeddings`` (default: the model's max_position_embeddings).
 """
@@ -38,7 +45,16 @@ SCALING_KEYS: dict[str, tuple[str, ...]] = {
         "truncate",
     ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": (
+        "short_factor",
+        "long_factor",
+        "original_max_position_embeddings",
+        "factor",
+        "attention_factor",
+    ),
 }
+#: scalings whose frequencies depend on the sequence length (the rope encoding applies them per query)
+LENGTH_DEPENDENT = ("dynamic", "longrope")
 SCALING_DEFAULTS: dict[str, dict[str, Any]] = {
     "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True},
     "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
@@ -54,10 +70,13 @@ def validate_scaling(encoding: str, scaling: Any) -> None:
     kind = scaling.get("type")
     check_choice(encoding, "scaling['type']", kind, SCALING_KEYS)
     check_keys(encoding, f"scaling (type {kind!r})", scaling, ("type", *SCALING_KEYS[kind]))
-    if "factor" not in scaling:
+    if kind == "longrope":
+        _validate_longrope(encoding, scaling)
+    elif "factor" not in scaling:
         raise fail(encoding, "scaling['factor']", None, "a number (required)")
-    low, inclusive = (0.0, False) if kind == "linear" else (1.0, True)
-    check_number(encoding, "scaling['factor']", scaling["factor"], low=low, low_inclusive=inclusive)
+    else:
+        low, inclusive = (0.0, False) if kind == "linear" else (1.0, True)
+        check_number(encoding, "scaling['factor']", scaling["factor"], low=low, low_inclusive=inclusive)
     if scaling.get("original_max_position_embeddings") is not None:
         check_number(
             encoding,
@@ -85,6 +104,42 @@ def validate_scaling(encoding: str, scaling: Any) -> None:
         )
 
 
+def _validate_longrope(encoding: str, scaling: dict) -> None:
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if (
+            not isinstance(factors, (list, tuple))
+            or not factors
+            or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
+        ):
+            raise fail(
+                encoding,
+                f"scaling[{key!r}]",
+                factors,
+                "a list of positive numbers, one per frequency (required)",
+            )
+    if len(scaling["short_factor"]) != len(scaling["long_factor"]):
+        raise fail(
+            encoding,
+            "scaling['long_factor']",
+            f"{len(scaling['long_factor'])} numbers",
+            f"as many numbers as short_factor ({len(scaling['short_factor'])})",
+        )
+    if scaling.get("factor") is not None:
+        check_number(encoding, "scaling['factor']", scaling["factor"], low=0.0, low_inclusive=False)
+
+
+def check_frequency_count(encoding: str, scaling: dict | None, dim: int) -> None:
+    """Refuse per-frequency factors (longrope) whose count is not ``dim / 2``."""
+    if scaling is not None and scaling["type"] == "longrope" and len(scaling["short_factor"]) != dim // 2:
+        raise fail(
+            encoding,
+            "scaling['short_factor']",
+            f"{len(scaling['short_factor'])} numbers",
+            f"one number per rotary frequency: {dim // 2} (rotary dimension {dim} / 2)",
+        )
+
+
 def resolve_scaling(scaling: dict | None, max_positions: int) -> dict | None:
     """Fill the defaults of a validated scaling dict."""
     if scaling is None:
@@ -96,6 +151,12 @@ def resolve_scaling(scaling: dict | None, max_positions: int) -> dict | None:
         and out.get("original_max_position_embeddings") is None
     ):
         out["original_max_position_embeddings"] = max_positions
+    if kind == "longrope":
+        if out.get("factor") is None:  # transformers: the ratio of the extended to the original length
+            out["factor"] = max_positions / out["original_max_position_embeddings"]
+        out["short_factor"] = [float(f) for f in out["short_factor"]]
+        out["long_factor"] = [float(f) for f in out["long_factor"]]
+        out.setdefault("attention_factor", None)
     out["factor"] = float(out["factor"])
     return out
 
@@ -128,6 +189,8 @@ def inverse_frequencies(
         return base_inv_freq(dim, stretched, device), 1.0
     if kind == "yarn":
         return _yarn(dim, theta, scaling, device)
+    if kind == "longrope":
+        return _longrope(dim, theta, scaling, seq_len, device)
     return _llama3(dim, theta, scaling, device), 1.0
 
 
@@ -165,3 +228,18 @@ def _llama3(dim: int, theta: float, scaling: dict, device) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
     return torch.where(medium, blended, scaled)
+
+
+def _longrope(
+    dim: int, theta: float, scaling: dict, seq_len: int | None, device
+) -> tuple[torch.Tensor, float]:
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    long = seq_len is not None and seq_len > original
+    rescale = torch.tensor(
+        scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device
+    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # (dim/2,)
+    return 1.0 / (rescale * theta**exponents), float(attention_factor)

@@ -75,6 +75,8 @@ class LayerGeometry:
     sliding_window: int | None = None
     #: the native softmax scale of q.k (default head_dim**-0.5), None: not known from the config
     softmax_scale: float | None = None
+    #: this layer's native RoPE scaling in hf_posenc's form (Gemma 3: global layers only), None: unscaled
+    rope_scaling: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,9 @@ class ModelGeometry:
         """The settings of layer ``index`` (the model-wide ones when no per-layer list is given)."""
         if self.layers:
             return self.layers[index]
-        return LayerGeometry(rope_theta=self.rope_theta, softmax_scale=self.head_dim**-0.5)
+        return LayerGeometry(
+            rope_theta=self.rope_theta, softmax_scale=self.head_dim**-0.5, rope_scaling=self.rope_scaling
+        )
 
 
 class FamilyAdapter:

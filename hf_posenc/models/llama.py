@@ -92,7 +92,12 @@ class LlamaAdapter(FamilyAdapter):
         window = getattr(config, "sliding_window", None)
         if layer_types is not None and layer_types[index] != "sliding_attention":
             window = None
-        return LayerGeometry(rope_theta=rope_theta, sliding_window=window, softmax_scale=head_dim**-0.5)
+        return LayerGeometry(
+            rope_theta=rope_theta,
+            sliding_window=window,
+            softmax_scale=head_dim**-0.5,
+            rope_scaling=native_rope_scaling(config),
+        )
 
     def geometry(self, config: Any) -> ModelGeometry:
         heads = config.num_attention_heads

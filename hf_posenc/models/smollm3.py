@@ -1,0 +1,60 @@
+"""SmolLM3 adapter (Hugging Face, 2025): Llama's layout with NoPE layers natively.
+
+``config.no_rope_layers[i]`` is 1 where layer ``i`` rotates q/k and 0 where it uses no
+positional encoding (every 4th layer by default, the "3:1 RoPE/NoPE" mix of Yang et al.,
+2025, arXiv:2501.18795). ``LayerGeometry.native_rotary`` records it, and the ``rope`` encoding
+rotates only on those layers, so ``patch_model(model, "rope")`` reproduces the native model.
+Every *other* encoding replaces the positional encoding on every layer (a bias, a rotation or
+an embedding has no notion of "NoPE layers"); to keep NoPE layers under another encoding,
+pick encodings per layer. A sliding window (``use_sliding_window``, on the NoPE layers when
+set) arrives in each layer's attention mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import register_family
+from .base import LayerGeometry
+from .llama import LLAMA_NEUTRAL_CONFIG, LlamaAdapter, native_rope_scaling
+
+#: SmolLM3's native forward reads no_rope_layers itself
+SMOLLM3_NEUTRAL_CONFIG = {k: v for k, v in LLAMA_NEUTRAL_CONFIG.items() if k != "no_rope_layers"}
+
+
+@register_family
+class SmolLM3Adapter(LlamaAdapter):
+    family = "smollm3"
+    model_types = ("smollm3",)
+    attention_classes = ("SmolLM3Attention",)
+    config_class_name = "SmolLM3Config"
+    neutral_config = SMOLLM3_NEUTRAL_CONFIG
+
+    def layer_geometry(self, config: Any, index: int, head_dim: int, rope_theta: float) -> LayerGeometry:
+        """Native rotary from ``no_rope_layers``; a window only with ``use_sliding_window``."""
+        sliding = bool(getattr(config, "use_sliding_window", False)) and (
+            config.layer_types[index] == "sliding_attention"
+        )
+        return LayerGeometry(
+            rope_theta=rope_theta,
+            native_rotary=bool(config.no_rope_layers[index]),
+            sliding_window=config.sliding_window if sliding else None,
+            softmax_scale=head_dim**-0.5,
+            rope_scaling=native_rope_scaling(config),
+        )
+
+    def tiny_config(
+        self, *, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, max_positions, **special_tokens
+    ):
+        """Every other layer is NoPE (the checkpoints: every 4th), so two layers hold one of each."""
+        config = super().tiny_config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            max_positions=max_positions,
+            **special_tokens,
+        )
+        config.no_rope_layers = [int(i % 2 == 0) for i in range(num_layers)]
+        return config
