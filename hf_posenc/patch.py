@@ -30,12 +30,13 @@ from .compat import (
     register_attention_implementation,
     set_attn_implementation,
 )
-from .config import FORMAT_VERSION, EncodingConfig
+from .config import FORMAT_VERSION, HYBRID_FORMAT_VERSION, EncodingConfig
 from .encodings.base import Encoding
 from .errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError, UnsupportedModelError
+from .hybrid import HYBRID, HybridEncoding, HybridPlan, is_hybrid_request, part_geometry, plan_hybrid
 from .models.base import RestoreAttribute, Undo, replace_forward
 from .registry import adapter_for, canonical_name, get_encoding
-from .runtime import PatchRuntime
+from .runtime import HybridRuntime, PatchRuntime
 
 PATCH_ATTRIBUTE = "_hf_posenc_patch"
 MODULE_NAME = "posenc"
@@ -52,10 +53,19 @@ class PatchRecord:
     model's own modules (no closures), so ``copy.deepcopy``/pickling a patched model gives
     an independent patched model whose record points at the copy."""
 
-    encoding: Encoding
+    encoding: Encoding | HybridEncoding
+    #: the resolved config (a hybrid's: that of its first part; see ``parts``)
     config: EncodingConfig
-    runtime: PatchRuntime
+    runtime: PatchRuntime | HybridRuntime
     undo: list[Undo]
+    #: a hybrid patch's resolved part configs (None for a plain patch)
+    parts: list[EncodingConfig] | None = None
+
+    def describe(self) -> str:
+        """The encoding's name, or a hybrid's per-layer text form (``rope*3+nope``)."""
+        if isinstance(self.encoding, HybridEncoding):
+            return f"hybrid {self.encoding.describe()}"
+        return canonical_name(self.config.encoding)
 
 
 class PopModule:
@@ -162,10 +172,11 @@ def _check_mapping(encoding: Mapping[str, Any]) -> None:
 
 def check_format_version(version: Any) -> None:
     """Raise for a ``config.posenc`` written in a format this version cannot read."""
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+    newest = max(FORMAT_VERSION, HYBRID_FORMAT_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= newest:
         raise InvalidParameterError(
             f"config.posenc format_version={version!r} is not supported; allowed: "
-            f"{', '.join(str(v) for v in range(1, FORMAT_VERSION + 1))} (written by hf_posenc <= {__version__}; "
+            f"{', '.join(str(v) for v in range(1, newest + 1))} (written by hf_posenc <= {__version__}; "
             "a newer hf_posenc may be needed)"
         )
 
@@ -196,9 +207,13 @@ def _model_dtype_device(model: nn.Module):
     return embeddings.weight.dtype, embeddings.weight.device
 
 
+#: what ``patch_model`` accepts as ``encoding``: one encoding, or a per-layer hybrid
+EncodingRequest = str | EncodingConfig | Mapping[Any, Any] | list[Any] | tuple[Any, ...]
+
+
 def patch_model(
     model: nn.Module,
-    encoding: str | EncodingConfig | Mapping[str, Any],
+    encoding: EncodingRequest,
     /,
     *,
     backend: str = "auto",
@@ -215,14 +230,92 @@ def patch_model(
     encodings whose bias comes in blocks, ``"sdpa"`` for the rest), ``"sdpa"`` (the whole
     bias as one float mask), ``"chunked"``, ``"flex"``, or ``"eager"`` (explicit scores; the
     reference). See ``hf_posenc/attention/core.py``.
+
+    Per-layer hybrids (:mod:`hf_posenc.hybrid`): a list is a pattern repeated over the depth
+    (``["rope", "rope", "rope", "nope"]``, or the text ``"rope*3+nope"``); a mapping of layer
+    indices gives each layer its encoding (``{"default": "rope", 3: "nope"}``). Entries are
+    names, config objects or ``(name, params)`` pairs; ``params`` go to every entry that has them.
     """
     apply_patch(model, encoding, backend=backend, params=params, initialise=True)
     return model
 
 
+@dataclasses.dataclass
+class _Built:
+    """The encoding module(s) of one patch, before anything is installed on the model."""
+
+    module: Encoding | HybridEncoding
+    config: EncodingConfig
+    runtime: PatchRuntime | HybridRuntime
+    #: per layer: (runtime, the layer's index as the encoding numbers it)
+    layers: list[tuple[PatchRuntime, int]]
+    classes: list[type[Encoding]]
+    entry: dict[str, Any]
+    parts: list[EncodingConfig] | None = None
+
+
+def _build_plain(
+    target: nn.Module, adapter: Any, cls: type[Encoding], config: EncodingConfig, backend: str
+) -> _Built:
+    geometry = adapter.geometry(target.config)
+    config = config.resolve(geometry)
+    module = cls(config, geometry)
+    base = adapter.base_model(target)
+    runtime = PatchRuntime(module, adapter, base, backend, token=uuid.uuid4().hex)
+    count = len(adapter.attention_modules(target))
+    entry = {
+        "encoding": cls.name,
+        "params": config.to_dict(),
+        "format_version": FORMAT_VERSION,
+        "hf_posenc_version": __version__,
+    }
+    return _Built(module, config, runtime, [(runtime, i) for i in range(count)], [cls], entry)
+
+
+def _build_hybrid(target: nn.Module, adapter: Any, plan: HybridPlan, backend: str) -> _Built:
+    geometry = adapter.geometry(target.config)
+    base = adapter.base_model(target)
+    parts: list[Encoding] = []
+    configs: list[EncodingConfig] = []
+    for index, (cls, config) in enumerate(plan.parts):
+        own = part_geometry(geometry, plan.owned(index))
+        configs.append(config.resolve(own))
+        parts.append(cls(configs[-1], own))
+    module = HybridEncoding(parts, plan.layers)
+    runtimes = [PatchRuntime(part, adapter, base, backend, token=uuid.uuid4().hex) for part in parts]
+    layers = [(runtimes[owner], plan.layers[:layer].count(owner)) for layer, owner in enumerate(plan.layers)]
+    entry = {
+        "encoding": HYBRID,
+        "params": {
+            "parts": [
+                {"encoding": type(part).name, "params": c.to_dict()}
+                for part, c in zip(parts, configs, strict=True)
+            ],
+            "layers": list(plan.layers),
+        },
+        "format_version": HYBRID_FORMAT_VERSION,
+        "hf_posenc_version": __version__,
+    }
+    classes = [type(part) for part in parts]
+    return _Built(module, configs[0], HybridRuntime(runtimes, base), layers, classes, entry, configs)
+
+
+def _build(target: nn.Module, adapter: Any, encoding: Any, params: Mapping[str, Any], backend: str) -> _Built:
+    if is_hybrid_request(encoding):
+        if isinstance(encoding, Mapping) and "format_version" in encoding:
+            check_format_version(encoding["format_version"])
+        plan = plan_hybrid(encoding, adapter.geometry(target.config).num_layers, params)
+        if len(plan.parts) == 1:  # every layer runs the same encoding: the plain patch
+            cls, config = plan.parts[0]
+            return _build_plain(target, adapter, cls, config, backend)
+        return _build_hybrid(target, adapter, plan, backend)
+    cls, config = _encoding_config(encoding, params)
+    return _build_plain(target, adapter, cls, config, backend)
+
+
 def apply_patch(
     model: nn.Module,
-    encoding: str | EncodingConfig | Mapping[str, Any],
+    encoding: EncodingRequest,
     *,
     backend: str,
     params: Mapping[str, Any],
@@ -236,7 +329,7 @@ def apply_patch(
     existing: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if existing is not None:
         raise AlreadyPatchedError(
-            f"this model is already patched with {existing.config.encoding!r}; "
+            f"this model is already patched with {existing.describe()!r}; "
             "call hf_posenc.unpatch_model(model) first"
         )
     if backend not in BACKENDS:
@@ -246,17 +339,14 @@ def apply_patch(
             f"the model already has an attribute {MODULE_NAME!r}; cannot attach the encoding"
         )
 
-    cls, config = _encoding_config(encoding, params)
-    geometry = adapter.geometry(target.config)
-    config = config.resolve(geometry)
-    module = cls(config, geometry)
+    built = _build(target, adapter, encoding, params, backend)
+    module, runtime = built.module, built.runtime
     dtype, device = _model_dtype_device(target)
     module.to(device=device, dtype=dtype)
     if initialise:
         module.initialise_from_model(target, adapter)
 
     base = adapter.base_model(target)
-    runtime = PatchRuntime(module, adapter, base, backend, token=uuid.uuid4().hex)
     undo: list[Undo] = []
     try:
         _own_config(target)
@@ -268,18 +358,22 @@ def apply_patch(
         handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)
         undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
-        if "embed" in runtime.stages:
+        if "embed" in runtime.stages:  # never in a hybrid (refused there)
             undo.append(runtime.hook_embedding(target.get_input_embeddings()))
         undo.extend(adapter.neutralize_native_positions(target))
         for layer_idx, attention in enumerate(adapter.attention_modules(target)):
-            undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))
-        if (cls.stateful or "score_bias" in cls.stages()) and hasattr(
+            layer_runtime, encoding_layer = built.layers[layer_idx]
+            patched_forward = PatchedAttentionForward(attention, layer_idx, layer_runtime, encoding_layer)
+            undo.append(replace_forward(attention, patched_forward))
+        if any(cls.stateful or "score_bias" in cls.stages() for cls in built.classes) and hasattr(
             type(target), "_valid_auto_compile_criteria"
         ):
             # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
             # failing under transformers' compiled decoding on an H100): generate() stays eager
             undo.append(NoAutoCompile.install(target))
-        if cls.takes_coordinates and hasattr(type(target), "_validate_model_kwargs"):
+        if any(cls.takes_coordinates for cls in built.classes) and hasattr(
+            type(target), "_validate_model_kwargs"
+        ):
             undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
         # The patched forwards read sdpa's boolean and eager's additive masks alike, so the
         # user's choice stays visible (config._attn_implementation, output_attentions rules);
@@ -290,23 +384,14 @@ def apply_patch(
             register_attention_implementation()
             undo.append(RestoreAttnImplementation(target, previous_impl))
             set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
-        setattr(
-            target.config,
-            CONFIG_KEY,
-            {
-                "encoding": cls.name,
-                "params": config.to_dict(),
-                "format_version": FORMAT_VERSION,
-                "hf_posenc_version": __version__,
-            },
-        )
+        setattr(target.config, CONFIG_KEY, built.entry)
         undo.append(RemoveConfigEntry(target, CONFIG_KEY))
         undo.append(runtime.reset)
     except BaseException:
         for action in reversed(undo):
             action()
         raise
-    setattr(target, PATCH_ATTRIBUTE, PatchRecord(module, config, runtime, undo))
+    setattr(target, PATCH_ATTRIBUTE, PatchRecord(module, built.config, runtime, undo, built.parts))
     return model
 
 
@@ -323,9 +408,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def patched(
-    model: nn.Module, encoding: str | EncodingConfig | Mapping[str, Any], /, **params: Any
-) -> Iterator[nn.Module]:
+def patched(model: nn.Module, encoding: EncodingRequest, /, **params: Any) -> Iterator[nn.Module]:
     """Context manager: the model is patched inside the block and restored after it."""
     patch_model(model, encoding, **params)
     try:
@@ -335,8 +418,18 @@ def patched(
 
 
 def patch_info(model: nn.Module) -> dict[str, Any] | None:
-    """``{'encoding': name, 'params': {...}}`` of a patched model, or None."""
-    record: PatchRecord | None = getattr(transformers_model(model), PATCH_ATTRIBUTE, None)
+    """``{'encoding': name, 'params': {...}}`` of a patched model, or None.
+
+    A hybrid gives ``{'encoding': 'hybrid', 'pattern': 'rope*3+nope+...', 'params': {'parts':
+    [{'encoding': ..., 'params': ...}, ...], 'layers': [part index per layer]}}``."""
+    target = transformers_model(model)
+    record: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if record is None:
         return None
+    if isinstance(record.encoding, HybridEncoding):
+        return {
+            "encoding": HYBRID,
+            "pattern": record.encoding.describe(),
+            "params": copy.deepcopy(getattr(target.config, CONFIG_KEY)["params"]),
+        }
     return {"encoding": canonical_name(record.config.encoding), "params": record.config.to_dict()}
