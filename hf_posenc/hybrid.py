@@ -290,3 +290,44 @@ class HybridEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layers={self.describe()!r}"
+
+
+# -- the text form in the recipes (``--encoding rope*3+nope``, lm-eval ``encoding=rope*3+nope``) --------
+def canonical_request(text: str) -> str:
+    """An encoding name or pattern text with aliases resolved: ``"RoPE*3+NoPE"`` -> ``"rope*3+nope"``."""
+    from .registry import canonical_name
+
+    if not is_pattern_text(text):
+        return canonical_name(text)
+    return pattern_text([canonical_name(name) for name in parse_pattern_text(text)])
+
+
+def check_request(text: str, params: Mapping[str, Any] | None = None) -> None:
+    """Validate a recipe's ``--encoding`` (name or pattern text) and its parameters without a model."""
+    from .registry import get_encoding
+
+    if not is_pattern_text(text):
+        get_encoding(text).config_class.from_params(dict(params or {}))
+        return
+    names = parse_pattern_text(text)
+    plan_hybrid(names, len(names), params)
+
+
+def saved_description(saved: Mapping[str, Any]) -> str:
+    """A saved ``config.posenc``'s encoding as a recipe names it: the name, or the per-layer text."""
+    if saved.get("encoding") != HYBRID:
+        return str(saved.get("encoding"))
+    params = saved.get("params") or {}
+    parts = [part.get("encoding") for part in params.get("parts") or []]
+    return pattern_text([str(parts[i]) for i in params.get("layers") or []])
+
+
+def matches_saved(text: str, saved: Mapping[str, Any]) -> bool:
+    """Whether a recipe's ``--encoding`` names the encoding a checkpoint was saved with (a pattern
+    matches a hybrid whose layers repeat it)."""
+    requested = canonical_request(text)
+    if saved.get("encoding") != HYBRID:
+        return requested == saved.get("encoding")
+    layers = parse_pattern_text(saved_description(saved))
+    names = parse_pattern_text(requested)
+    return [names[i % len(names)] for i in range(len(layers))] == layers
