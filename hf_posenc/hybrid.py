@@ -74,11 +74,10 @@ def _is_pair(value: Any) -> bool:
 
 
 def is_hybrid_request(encoding: Any) -> bool:
-    """Whether ``patch_model``'s ``encoding`` asks for a per-layer hybrid (any form above)."""
-    if is_pattern_text(encoding) or isinstance(encoding, list):
-        return True
-    if isinstance(encoding, tuple):
-        return not _is_pair(encoding)
+    """Whether ``patch_model``'s ``encoding`` takes the per-layer route (any form above, or one
+    ``(name, params)`` pair); a plan whose layers all run one encoding becomes the plain patch."""
+    if is_pattern_text(encoding) or isinstance(encoding, (list, tuple)):
+        return True  # a (name, params) pair is one entry: every layer, i.e. the plain patch
     if isinstance(encoding, Mapping):
         if encoding.get("encoding") == HYBRID:
             return True
@@ -150,6 +149,8 @@ def entry_config(entry: Any) -> tuple[type[Encoding], EncodingConfig]:
 def _per_layer_entries(encoding: Any, num_layers: int) -> list[Any]:
     if is_pattern_text(encoding):
         encoding = parse_pattern_text(encoding)
+    if _is_pair(encoding):
+        return [encoding] * num_layers
     if isinstance(encoding, (list, tuple)):
         if not encoding:
             raise InvalidParameterError("an encoding pattern needs at least one entry; got an empty list")
@@ -234,6 +235,11 @@ def plan_hybrid(encoding: Any, num_layers: int, params: Mapping[str, Any] | None
         for cls, _ in parts:
             check_mixable(cls)
     return HybridPlan(parts, layers)
+
+
+def mixable(cls: type[Encoding]) -> bool:
+    """Whether ``cls`` may run in some layers only (no embed stage, no stream across layers)."""
+    return "embed" not in cls.stages() and not cls.carries_layer_stream
 
 
 def check_mixable(cls: type[Encoding]) -> None:

@@ -19,7 +19,8 @@ from torch import nn
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
 from .errors import InvalidParameterError
 from .hybrid import HYBRID, entry_config, matches_saved, plan_hybrid, saved_description
-from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, check_format_version, patch_model
+from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, patch_model
+from .patch_plan import check_format_version
 from .reconfiguration import reconfigure
 from .registry import get_encoding
 

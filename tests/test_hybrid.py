@@ -199,6 +199,7 @@ def test_a_part_holds_tensors_for_its_own_layers_only():
         ("t5*2", "t5"),
         ([("rope", {"theta": 500.0}), "rope"], None),
         ({"default": "sinusoidal"}, "sinusoidal"),
+        (("rope", {"theta": 500.0}), None),
     ],
 )
 def test_a_pattern_of_one_encoding_is_the_plain_patch(request_form, plain):
