@@ -5,6 +5,10 @@ the encoding module attached as ``model.posenc``, the forward pre-hook on the de
 stack, the per-instance attention forwards, the neutralised native positions, the
 attention implementation name, and ``config.posenc``. ``unpatch_model`` runs them in
 reverse, leaving the model exactly as it was.
+
+A per-layer hybrid (:mod:`hf_posenc.hybrid`) is installed the same way: ``model.posenc`` holds
+its parts, one pair of hooks serves them all, and each attention forward runs its layer's part.
+What a request builds is worked out first, in :mod:`hf_posenc.patch_plan`.
 """
 
 from __future__ import annotations

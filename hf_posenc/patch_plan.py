@@ -145,8 +145,8 @@ def build_patch(
 ) -> BuiltPatch:
     """The encoding module(s), runtime and ``config.posenc`` entry of ``encoding`` for ``target``."""
     if is_hybrid_request(encoding):
-        if isinstance(encoding, Mapping) and "format_version" in encoding:
-            check_format_version(encoding["format_version"])
+        if isinstance(encoding, Mapping) and encoding.get("encoding") == HYBRID:
+            _check_mapping(encoding)  # the serialised form: keys, params, format version
         plan = plan_hybrid(encoding, adapter.geometry(target.config).num_layers, params)
         if len(plan.parts) == 1:  # every layer runs the same encoding: the plain patch
             cls, config = plan.parts[0]

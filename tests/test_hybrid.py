@@ -229,6 +229,18 @@ def test_a_pattern_of_one_encoding_is_the_plain_patch(request_form, plain):
         ([], "at least one entry"),
         (["rope", 3], "hybrid entry 3 is not allowed"),
         (["rope", ("nope", {"theta": 1.0})], "has no parameter 'theta'"),
+        (
+            {"encoding": "hybrid", "params": {"parts": [{"encoding": "rope"}], "layers": [0, 0, 0]}},
+            "'layers' must give one part index \\(0 .. 0\\) per layer of the model \\(4\\)",
+        ),
+        (
+            {
+                "encoding": "hybrid",
+                "params": {"parts": [{"encoding": "rope"}], "layers": [0] * 4},
+                "format_version": 3,
+            },
+            "format_version=3 is not supported",
+        ),
     ],
 )
 def test_bad_patterns_are_refused_before_anything_changes(request_form, message):
@@ -336,12 +348,12 @@ def test_every_backend_equals_eager(name):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     outputs = {}
-    for backend in ("eager", "sdpa", "chunked"):
+    for backend in ("eager", "sdpa", "chunked", "flex", "auto"):
         model = four_layer_model()
         hf_posenc.patch_model(model, MIXED[name][0], backend=backend)
         randomize(model.posenc)
         outputs[backend] = no_grad_logits(model, ids, attention_mask=mask)
-    for backend in ("sdpa", "chunked"):
+    for backend in ("sdpa", "chunked", "flex", "auto"):
         torch.testing.assert_close(outputs[backend][0], outputs["eager"][0], atol=ATOL, rtol=0)
         torch.testing.assert_close(outputs[backend][1, 3:], outputs["eager"][1, 3:], atol=ATOL, rtol=0)
 
@@ -413,3 +425,37 @@ def test_lm_eval_and_perplexity_load_a_pattern(tmp_path):
         ValueError, match="saved with encoding 'rope\\*3\\+nope'; cannot load it as 'rope\\+nope'"
     ):
         load_model(str(tmp_path / "hybrid"), "rope+nope")
+
+
+def test_perplexity_cli_patches_a_plain_checkpoint_with_a_pattern(tmp_path, capsys):
+    """`hf-posenc perplexity --encoding 'rope*3+nope' --encoding-param theta=500` evaluates the
+    hybrid (the label names the pattern; theta reaches the rope part); a pattern with an embedding
+    encoding is refused before any model loads."""
+    import itertools
+    import json
+
+    from hf_posenc.cli import main
+    from hf_posenc.data import stdlib_documents
+    from hf_posenc.tiny import tiny_model
+    from hf_posenc.tokenizer import train_bpe_tokenizer
+
+    texts = [doc[:3000] for doc in itertools.islice(stdlib_documents(), 2)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    tiny_model("llama", vocab_size=len(tokenizer), max_positions=64, num_layers=LAYERS).save_pretrained(
+        tmp_path / "m"
+    )
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "valid.txt").write_text(texts[0][:1500])
+    argv = ["perplexity", "--model", str(tmp_path / "m"), "--data", str(tmp_path / "valid.txt")]
+    argv += ["--train-length", "16", "--multiples", "1", "2", "--batch-size", "4", "--no-progress"]
+    out = tmp_path / "report"
+    assert (
+        main([*argv, "--encoding", "rope*3+nope", "--encoding-param", "theta=500", "--output", str(out)]) == 0
+    )
+    document = json.loads((out / "results.json").read_text())
+    (label,) = document["results"]
+    assert "rope*3+nope" in label
+    capsys.readouterr()
+    assert main([*argv, "--encoding", "learned+rope", "--output", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "'learned' is not allowed in a per-layer pattern" in err and "Traceback" not in err
