@@ -37,7 +37,7 @@ from .encodings.base import Encoding
 from .errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError, UnsupportedModelError
 from .hybrid import HYBRID, HybridEncoding
 from .models.base import RestoreAttribute, Undo, replace_forward
-from .patch_plan import EncodingRequest, build_patch
+from .patch_plan import MAPPING_KEYS, EncodingRequest, build_patch, check_format_version  # noqa: F401  (re-exported)
 from .registry import adapter_for, canonical_name
 from .runtime import HybridRuntime, PatchRuntime
 
