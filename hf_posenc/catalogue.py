@@ -52,6 +52,7 @@ def build_catalogue() -> dict[str, Any]:
             "parameters": json.loads(json.dumps(info.parameters, default=str)),
             "summary": info.summary,
             "paper": info.paper,
+            "per_layer": info.per_layer,
         }
         for info in list_encodings()
     ]

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 from .errors import InvalidParameterError
 
 FORMAT_VERSION = 1
+#: ``config.posenc`` format of a per-layer hybrid patch (:mod:`hf_posenc.hybrid`); plain patches keep 1
+HYBRID_FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass

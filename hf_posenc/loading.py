@@ -17,9 +17,11 @@ import torch
 
 from .compat import ignore_unexpected_keys, resolve_checkpoint_file
 from .errors import InvalidParameterError
-from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, check_format_version, patch_model
+from .hybrid import HYBRID, entry_config, matches_saved, plan_hybrid, saved_description
+from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, patch_model
+from .patch_plan import check_format_version
 from .reconfiguration import reconfigure
-from .registry import canonical_name, get_encoding
+from .registry import get_encoding
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -82,8 +84,12 @@ def check_overrides(
             f"encoding_overrides={overrides!r} is not allowed; allowed: a dict of encoding parameters"
         )
     try:
-        cls = get_encoding(str(saved.get("encoding")))
-        cls.config_class.from_params({**dict(saved.get("params") or {}), **dict(overrides)})
+        if saved.get("encoding") == HYBRID:
+            parts = [entry_config(part) for part in (saved.get("params") or {}).get("parts") or []]
+            plan_hybrid([config for _, config in parts], len(parts), overrides)
+        else:
+            cls = get_encoding(str(saved.get("encoding")))
+            cls.config_class.from_params({**dict(saved.get("params") or {}), **dict(overrides)})
     except InvalidParameterError as error:
         prefix = f"{where}: " if where else ""
         raise InvalidParameterError(f"{prefix}overriding the saved encoding parameters: {error}") from None
@@ -153,9 +159,9 @@ def load_model(
     hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     saved = getattr(AutoConfig.from_pretrained(path, **hub_kwargs), CONFIG_KEY, None)
     if saved:
-        if encoding is not None and canonical_name(encoding) != saved.get("encoding"):
+        if encoding is not None and not matches_saved(encoding, saved):
             raise ValueError(
-                f"{path!r} was saved with encoding {saved.get('encoding')!r}; cannot load it as {encoding!r} "
+                f"{path!r} was saved with encoding {saved_description(saved)!r}; cannot load it as {encoding!r} "
                 "(load the original checkpoint to switch encodings)"
             )
         return from_pretrained(path, encoding_overrides=encoding_params, **kwargs)

@@ -5,6 +5,10 @@ the encoding module attached as ``model.posenc``, the forward pre-hook on the de
 stack, the per-instance attention forwards, the neutralised native positions, the
 attention implementation name, and ``config.posenc``. ``unpatch_model`` runs them in
 reverse, leaving the model exactly as it was.
+
+A per-layer hybrid (:mod:`hf_posenc.hybrid`) is installed the same way: ``model.posenc`` holds
+its parts, one pair of hooks serves them all, and each attention forward runs its layer's part.
+What a request builds is worked out first, in :mod:`hf_posenc.patch_plan`.
 """
 
 from __future__ import annotations
@@ -12,13 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import uuid
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from . import __version__
 from .attention import BACKENDS
 from .attention.forward import PatchedAttentionForward
 from .compat import (
@@ -30,12 +32,14 @@ from .compat import (
     register_attention_implementation,
     set_attn_implementation,
 )
-from .config import FORMAT_VERSION, EncodingConfig
+from .config import EncodingConfig
 from .encodings.base import Encoding
 from .errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError, UnsupportedModelError
+from .hybrid import HYBRID, HybridEncoding
 from .models.base import RestoreAttribute, Undo, replace_forward
-from .registry import adapter_for, canonical_name, get_encoding
-from .runtime import PatchRuntime
+from .patch_plan import MAPPING_KEYS, EncodingRequest, build_patch, check_format_version  # noqa: F401  (re-exported)
+from .registry import adapter_for, canonical_name
+from .runtime import HybridRuntime, PatchRuntime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -43,8 +47,6 @@ if TYPE_CHECKING:
 PATCH_ATTRIBUTE = "_hf_posenc_patch"
 MODULE_NAME = "posenc"
 CONFIG_KEY = "posenc"
-#: keys of the mapping form (what ``config.posenc`` holds)
-MAPPING_KEYS = ("encoding", "params", "format_version", "hf_posenc_version")
 
 
 @dataclasses.dataclass
@@ -55,10 +57,19 @@ class PatchRecord:
     model's own modules (no closures), so ``copy.deepcopy``/pickling a patched model gives
     an independent patched model whose record points at the copy."""
 
-    encoding: Encoding
+    encoding: Encoding | HybridEncoding
+    #: the resolved config (a hybrid's: that of its first part; see ``parts``)
     config: EncodingConfig
-    runtime: PatchRuntime
+    runtime: PatchRuntime | HybridRuntime
     undo: list[Undo]
+    #: a hybrid patch's resolved part configs (None for a plain patch)
+    parts: list[EncodingConfig] | None = None
+
+    def describe(self) -> str:
+        """The encoding's name, or a hybrid's per-layer text form (``rope*3+nope``)."""
+        if isinstance(self.encoding, HybridEncoding):
+            return f"hybrid {self.encoding.describe()}"
+        return canonical_name(self.config.encoding)
 
 
 class PopModule:
@@ -142,66 +153,14 @@ def _own_config(model: nn.Module) -> None:
             module.config = private
 
 
-def _check_mapping(encoding: Mapping[str, Any]) -> None:
-    unknown = sorted(set(encoding) - set(MAPPING_KEYS))
-    if unknown:
-        raise InvalidParameterError(
-            f"the encoding mapping has unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"allowed keys: {', '.join(map(repr, MAPPING_KEYS))}"
-        )
-    name = encoding.get("encoding")
-    if not isinstance(name, str):
-        raise InvalidParameterError(
-            f"the encoding mapping needs 'encoding': an encoding name (str), got {name!r}"
-        )
-    params = encoding.get("params", {})
-    if params is None or not isinstance(params, Mapping):
-        raise InvalidParameterError(
-            f"the encoding mapping's 'params' must be a mapping of parameter names to values, got {params!r}"
-        )
-    if "format_version" in encoding:
-        check_format_version(encoding["format_version"])
-
-
-def check_format_version(version: Any) -> None:
-    """Raise for a ``config.posenc`` written in a format this version cannot read."""
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
-        raise InvalidParameterError(
-            f"config.posenc format_version={version!r} is not supported; allowed: "
-            f"{', '.join(str(v) for v in range(1, FORMAT_VERSION + 1))} (written by hf_posenc <= {__version__}; "
-            "a newer hf_posenc may be needed)"
-        )
-
-
-def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Encoding], EncodingConfig]:
-    if isinstance(encoding, EncodingConfig):
-        if params:
-            raise InvalidParameterError(
-                f"pass parameters inside the config object or as keywords, not both (got {sorted(params)})"
-            )
-        return get_encoding(encoding.encoding), encoding
-    if isinstance(encoding, Mapping):  # the serialised form stored in config.posenc
-        if params:
-            raise InvalidParameterError("pass parameters inside the mapping or as keywords, not both")
-        _check_mapping(encoding)
-        cls = get_encoding(encoding["encoding"])
-        return cls, cls.config_class.from_params(encoding.get("params", {}))
-    if not isinstance(encoding, str):
-        raise InvalidParameterError(
-            f"encoding must be a name, an EncodingConfig or a mapping, got {type(encoding).__name__}"
-        )
-    cls = get_encoding(encoding)
-    return cls, cls.config_class.from_params(params)
-
-
-def _model_dtype_device(model: PreTrainedModel):
+def _model_dtype_device(model: nn.Module):
     embeddings = model.get_input_embeddings()
     return embeddings.weight.dtype, embeddings.weight.device
 
 
 def patch_model(
     model: nn.Module,
-    encoding: str | EncodingConfig | Mapping[str, Any],
+    encoding: EncodingRequest,
     /,
     *,
     backend: str = "auto",
@@ -218,6 +177,11 @@ def patch_model(
     encodings whose bias comes in blocks, ``"sdpa"`` for the rest), ``"sdpa"`` (the whole
     bias as one float mask), ``"chunked"``, ``"flex"``, or ``"eager"`` (explicit scores; the
     reference). See ``hf_posenc/attention/core.py``.
+
+    Per-layer hybrids (:mod:`hf_posenc.hybrid`): a list is a pattern repeated over the depth
+    (``["rope", "rope", "rope", "nope"]``, or the text ``"rope*3+nope"``); a mapping of layer
+    indices gives each layer its encoding (``{"default": "rope", 3: "nope"}``). Entries are
+    names, config objects or ``(name, params)`` pairs; ``params`` go to every entry that has them.
     """
     apply_patch(model, encoding, backend=backend, params=params, initialise=True)
     return model
@@ -225,7 +189,7 @@ def patch_model(
 
 def apply_patch(
     model: nn.Module,
-    encoding: str | EncodingConfig | Mapping[str, Any],
+    encoding: EncodingRequest,
     *,
     backend: str,
     params: Mapping[str, Any],
@@ -240,7 +204,7 @@ def apply_patch(
     existing: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if existing is not None:
         raise AlreadyPatchedError(
-            f"this model is already patched with {existing.config.encoding!r}; "
+            f"this model is already patched with {existing.describe()!r}; "
             "call hf_posenc.unpatch_model(model) first"
         )
     if backend not in BACKENDS:
@@ -250,17 +214,14 @@ def apply_patch(
             f"the model already has an attribute {MODULE_NAME!r}; cannot attach the encoding"
         )
 
-    cls, config = _encoding_config(encoding, params)
-    geometry = adapter.geometry(target.config)
-    config = config.resolve(geometry)
-    module = cls(config, geometry)
+    built = build_patch(target, adapter, encoding, params, backend)
+    module, runtime = built.module, built.runtime
     dtype, device = _model_dtype_device(target)
     module.to(device=device, dtype=dtype)
     if initialise:
         module.initialise_from_model(target, adapter)
 
     base = adapter.base_model(target)
-    runtime = PatchRuntime(module, adapter, base, backend, token=uuid.uuid4().hex)
     undo: list[Undo] = []
     try:
         _own_config(target)
@@ -272,18 +233,22 @@ def apply_patch(
         handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)
         undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
-        if "embed" in runtime.stages:
+        if "embed" in runtime.stages:  # never in a hybrid (refused there)
             undo.append(runtime.hook_embedding(target.get_input_embeddings()))
         undo.extend(adapter.neutralize_native_positions(target))
         for layer_idx, attention in enumerate(adapter.attention_modules(target)):
-            undo.append(replace_forward(attention, PatchedAttentionForward(attention, layer_idx, runtime)))
-        if (cls.stateful or "score_bias" in cls.stages()) and hasattr(
+            layer_runtime, encoding_layer = built.layers[layer_idx]
+            patched_forward = PatchedAttentionForward(attention, layer_idx, layer_runtime, encoding_layer)
+            undo.append(replace_forward(attention, patched_forward))
+        if any(cls.stateful or "score_bias" in cls.stages() for cls in built.classes) and hasattr(
             type(target), "_valid_auto_compile_criteria"
         ):
             # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
             # failing under transformers' compiled decoding on an H100): generate() stays eager
             undo.append(NoAutoCompile.install(target))
-        if cls.takes_coordinates and hasattr(type(target), "_validate_model_kwargs"):
+        if any(cls.takes_coordinates for cls in built.classes) and hasattr(
+            type(target), "_validate_model_kwargs"
+        ):
             undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
         # The patched forwards read sdpa's boolean and eager's additive masks alike, so the
         # user's choice stays visible (config._attn_implementation, output_attentions rules);
@@ -294,23 +259,14 @@ def apply_patch(
             register_attention_implementation()
             undo.append(RestoreAttnImplementation(target, previous_impl))
             set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
-        setattr(
-            target.config,
-            CONFIG_KEY,
-            {
-                "encoding": cls.name,
-                "params": config.to_dict(),
-                "format_version": FORMAT_VERSION,
-                "hf_posenc_version": __version__,
-            },
-        )
+        setattr(target.config, CONFIG_KEY, built.entry)
         undo.append(RemoveConfigEntry(target, CONFIG_KEY))
         undo.append(runtime.reset)
     except BaseException:
         for action in reversed(undo):
             action()
         raise
-    setattr(target, PATCH_ATTRIBUTE, PatchRecord(module, config, runtime, undo))
+    setattr(target, PATCH_ATTRIBUTE, PatchRecord(module, built.config, runtime, undo, built.parts))
     return model
 
 
@@ -327,9 +283,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def patched(
-    model: nn.Module, encoding: str | EncodingConfig | Mapping[str, Any], /, **params: Any
-) -> Iterator[nn.Module]:
+def patched(model: nn.Module, encoding: EncodingRequest, /, **params: Any) -> Iterator[nn.Module]:
     """Context manager: the model is patched inside the block and restored after it."""
     patch_model(model, encoding, **params)
     try:
@@ -339,8 +293,18 @@ def patched(
 
 
 def patch_info(model: nn.Module) -> dict[str, Any] | None:
-    """``{'encoding': name, 'params': {...}}`` of a patched model, or None."""
-    record: PatchRecord | None = getattr(transformers_model(model), PATCH_ATTRIBUTE, None)
+    """``{'encoding': name, 'params': {...}}`` of a patched model, or None.
+
+    A hybrid gives ``{'encoding': 'hybrid', 'pattern': 'rope*3+nope+...', 'params': {'parts':
+    [{'encoding': ..., 'params': ...}, ...], 'layers': [part index per layer]}}``."""
+    target = transformers_model(model)
+    record: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if record is None:
         return None
+    if isinstance(record.encoding, HybridEncoding):
+        return {
+            "encoding": HYBRID,
+            "pattern": record.encoding.describe(),
+            "params": copy.deepcopy(getattr(target.config, CONFIG_KEY)["params"]),
+        }
     return {"encoding": canonical_name(record.config.encoding), "params": record.config.to_dict()}

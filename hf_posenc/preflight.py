@@ -71,14 +71,14 @@ def check_encoding(
     """Validate an encoding request (name and parameters) against the registry and, for a checkpoint
     saved from a patched model, against the encoding it carries (``params`` then override its saved
     parameters). Returns the canonical name."""
-    from .registry import canonical_name, get_encoding
+    from .hybrid import canonical_request, check_request, matches_saved, saved_description
 
     prefix = f"{where}: " if where else ""
     saved = (saved_config or {}).get("posenc") or None
     if saved:
-        if encoding is not None and canonical_name(encoding) != saved.get("encoding"):
+        if encoding is not None and not matches_saved(encoding, saved):
             raise InvalidParameterError(
-                f"{prefix}the checkpoint was saved with encoding {saved.get('encoding')!r}; cannot use it as "
+                f"{prefix}the checkpoint was saved with encoding {saved_description(saved)!r}; cannot use it as "
                 f"{encoding!r} (start from the original checkpoint to switch encodings, or drop --encoding)"
             )
         if params:  # overrides of inference-time parameters (hf_posenc.reconfigure checks the rest)
@@ -90,6 +90,5 @@ def check_encoding(
         if params:
             raise InvalidParameterError(f"{prefix}encoding parameters {sorted(params)} need --encoding NAME")
         return None
-    name = canonical_name(encoding)
-    get_encoding(name).config_class.from_params(dict(params or {}))
-    return name
+    check_request(encoding, params)  # a name or a per-layer pattern text (rope*3+nope)
+    return canonical_request(encoding)

@@ -18,6 +18,7 @@ Refused, with the model left exactly as it was:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -109,6 +110,69 @@ def _derived_state(live: Encoding, fresh: Encoding) -> list[tuple[Any, str, Any,
     return changes
 
 
+class _PartRecord:
+    """What :func:`new_configuration` reads, for one part of a hybrid patch."""
+
+    def __init__(self, encoding: Encoding, config: EncodingConfig) -> None:
+        self.encoding, self.config = encoding, config
+
+
+def _hybrid_changes(record: Any, params: dict[str, Any]) -> list[tuple[int, EncodingConfig]]:
+    """(part index, new config) for every part of a hybrid that has one of ``params``."""
+    parts = list(record.encoding.parts)
+    known = {name for part in parts for name in type(part).config_class.parameter_names()}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        names = "+".join(type(part).name for part in parts)
+        raise InvalidParameterError(
+            f"reconfigure: no encoding of the hybrid {names} has parameter(s) {', '.join(map(repr, unknown))}; "
+            "allowed: parameters of its encodings (each goes to every part that has it)"
+        )
+    out = []
+    for index, (part, config) in enumerate(zip(parts, record.parts, strict=True)):
+        own = {k: v for k, v in params.items() if k in type(part).config_class.parameter_names()}
+        if own:
+            out.append((index, new_configuration(_PartRecord(part, config), own)))
+    return out
+
+
+def _reconfigure_hybrid(target: nn.Module, record: Any, params: dict[str, Any], config_key: str) -> None:
+    """:func:`reconfigure` of a hybrid patch: each parameter goes to every part that has it."""
+    new = _hybrid_changes(record, params)
+    parts = list(record.encoding.parts)
+    changes = [
+        change
+        for index, config in new
+        for change in _derived_state(parts[index], _fresh(type(parts[index]), config, parts[index].geometry))
+    ]
+    old_entry, old_parts = getattr(target.config, config_key), list(record.parts)
+    old_stages = [runtime.stages for runtime in record.runtime.parts]
+    entry = copy.deepcopy(old_entry)
+    configs = list(record.parts)
+    for index, config in new:
+        configs[index] = config
+        entry["params"]["parts"][index]["params"] = config.to_dict()
+    entry["hf_posenc_version"] = __version__
+    try:
+        for container, key, _, value in changes:
+            container[key] = value
+        record.parts, record.config = configs, configs[0]
+        setattr(target.config, config_key, entry)
+        for index, _ in new:
+            record.runtime.parts[index].refresh_stages()
+    except BaseException:
+        for container, key, old, _ in reversed(changes):
+            container[key] = old
+        record.parts, record.config = old_parts, old_parts[0]
+        for runtime, stages in zip(record.runtime.parts, old_stages, strict=True):
+            runtime.stages = stages
+        setattr(target.config, config_key, old_entry)
+        raise
+    for index, _ in new:
+        clear_module_caches(parts[index])
+    record.runtime.reset()
+
+
 def reconfigure(model: nn.Module, /, **params: Any) -> nn.Module:
     """Change inference-time parameters of a patched ``model`` in place and return it.
 
@@ -118,7 +182,8 @@ def reconfigure(model: nn.Module, /, **params: Any) -> nn.Module:
     ``model.config.posenc`` show the new values, and ``save_pretrained`` saves them. Parameters
     that would change the learned tensors' names or shapes, or that only choose their initial
     values, raise :class:`InvalidParameterError` and leave the model as it was. A KV cache
-    filled before the call holds keys of the old parameters: start a new one.
+    filled before the call holds keys of the old parameters: start a new one. On a per-layer hybrid,
+    each parameter goes to every part whose encoding has it (one no part has is refused).
     """
     from .patch import CONFIG_KEY, PATCH_ATTRIBUTE, transformers_model
 
@@ -129,6 +194,9 @@ def reconfigure(model: nn.Module, /, **params: Any) -> nn.Module:
             f"{type(model).__name__} is not patched by hf_posenc; reconfigure changes a patched model "
             "(call hf_posenc.patch_model first)"
         )
+    if record.parts is not None:
+        _reconfigure_hybrid(target, record, params, CONFIG_KEY)
+        return model
     config = new_configuration(record, params)
     encoding: Encoding = record.encoding
     changes = _derived_state(encoding, _fresh(type(encoding), config, encoding.geometry))

@@ -72,10 +72,14 @@ class EncodingInfo:
     parameters: dict[str, Any]
     summary: str
     paper: str
+    #: whether it may run in some layers only (a per-layer hybrid, :mod:`hf_posenc.hybrid`)
+    per_layer: bool = True
 
 
 def list_encodings() -> list[EncodingInfo]:
     """Every registered encoding: name, aliases, stages, parameters with defaults, paper."""
+    from .hybrid import mixable
+
     _ensure_registered()
     return [
         EncodingInfo(
@@ -85,6 +89,7 @@ def list_encodings() -> list[EncodingInfo]:
             parameters=cls.config_class.parameter_defaults(),
             summary=cls.summary,
             paper=cls.paper,
+            per_layer=mixable(cls),
         )
         for _, cls in sorted(_ENCODINGS.items())
     ]

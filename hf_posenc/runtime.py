@@ -83,57 +83,18 @@ class PatchRuntime:
 
     def before_base_forward(self, base: PreTrainedModel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
-        # N-D token coordinates for encodings that take them; transformers never sees the keyword
-        coordinates = kwargs.pop("position_coordinates", None)
-        if coordinates is not None and not self.encoding.takes_coordinates:
-            raise InvalidParameterError(
-                f"position_coordinates is not allowed with encoding {self.encoding.name!r}; allowed only with "
-                "encodings that take N-D coordinates (e.g. rope2d, comrope)"
-            )
-        check_attn_implementation(base)
-        if self.encoding.carries_layer_stream and reentrant_checkpointing(base):
-            raise UnsupportedModelError(
-                f"{self.encoding.name} passes a positional stream from layer to layer, which reentrant gradient "
-                "checkpointing cannot differentiate; enable it with "
-                'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
-            )
-        call = bind_arguments(self.base_names, args, kwargs)
-        input_ids = call.get("input_ids")
-        inputs_embeds = call.get("inputs_embeds")
-        if input_ids is not None:
-            # GPT2DoubleHeadsModel passes (batch, choices, T): the stack flattens leading dims
-            batch, length = int(input_ids.numel() // max(input_ids.shape[-1], 1)), input_ids.shape[-1]
-            device = input_ids.device
-        elif inputs_embeds is not None:
-            batch, length = (
-                int(inputs_embeds[..., 0].numel() // inputs_embeds.shape[-2]),
-                inputs_embeds.shape[-2],
-            )
-            device = inputs_embeds.device
-        else:
-            return args, kwargs  # let the model raise its own error
-        cache = call.get("past_key_values")
-        attention_mask = call.get("attention_mask")
-        position_ids = call.get("position_ids")
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 3:
-            attention_mask = attention_mask.reshape(batch, -1)
-        if isinstance(position_ids, torch.Tensor) and position_ids.ndim > 2:
-            position_ids = position_ids.reshape(-1, position_ids.shape[-1])
-        if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 1:
-            position_ids = position_ids[None]
-        context = compute_context(
-            batch=batch,
-            length=length,
-            device=device,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
+        prepared = prepare_forward(
+            self.base_names,
+            base,
+            args,
+            kwargs,
+            encodings=[self.encoding],
             want_key_positions="logits" in self.stages,
         )
-        if coordinates is not None:
-            context.coordinates = select_coordinates(
-                coordinates, batch=batch, length=length, device=device, past_key_values=cache
-            )
+        if prepared is None:
+            return args, kwargs  # let the model raise its own error
+        call, context, batch, length = prepared
+        inputs_embeds, input_ids = call.get("inputs_embeds"), call.get("input_ids")
         call["position_ids"] = context.positions
         self.context = context
         self.memo.start(context.positions)
@@ -209,3 +170,113 @@ class PatchRuntime:
     def reset(self) -> None:
         self.context = None
         self.memo.clear()
+
+
+class HybridRuntime:
+    """The runtimes of a hybrid patch's parts (one :class:`PatchRuntime` each: own memo, stages,
+    decoding-state token and failed backends) behind one pair of hooks on the decoder stack:
+    the positions are computed once per forward and handed to every part."""
+
+    def __init__(self, parts: list[PatchRuntime], base: nn.Module) -> None:
+        self.parts = parts
+        self.base_names = positional_names(inspect.signature(type(base).forward))[1:]
+
+    @property
+    def stages(self) -> frozenset[str]:
+        """Every stage some part runs."""
+        return frozenset().union(*(part.stages for part in self.parts))
+
+    def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
+        prepared = prepare_forward(
+            self.base_names,
+            base,
+            args,
+            kwargs,
+            encodings=[part.encoding for part in self.parts],
+            want_key_positions="logits" in self.stages,
+        )
+        if prepared is None:
+            return args, kwargs  # let the model raise its own error
+        call, context, _, _ = prepared
+        call["position_ids"] = context.positions
+        for part in self.parts:
+            part.context = context
+            part.memo.start(context.positions)
+        return (), call
+
+    def after_base_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        for part in self.parts:
+            part.after_base_forward(module, args, output)
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+
+def prepare_forward(
+    base_names: tuple[str, ...],
+    base: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    encodings: list[Encoding],
+    want_key_positions: bool,
+) -> tuple[dict[str, Any], ForwardContext, int, int] | None:
+    """The decoder stack's call bound by name, with this forward's positions computed once:
+    ``(call, context, batch, length)``; None when the call has neither ids nor embeddings.
+    ``encodings`` are the patch's encodings (one, or a hybrid's parts)."""
+    # N-D token coordinates for encodings that take them; transformers never sees the keyword
+    coordinates = kwargs.pop("position_coordinates", None)
+    if coordinates is not None and not any(encoding.takes_coordinates for encoding in encodings):
+        names = "+".join(encoding.name for encoding in encodings)
+        raise InvalidParameterError(
+            f"position_coordinates is not allowed with encoding {names!r}; allowed only with "
+            "encodings that take N-D coordinates (e.g. rope2d, comrope)"
+        )
+    check_attn_implementation(base)
+    streaming = [encoding.name for encoding in encodings if encoding.carries_layer_stream]
+    if streaming and reentrant_checkpointing(base):
+        raise UnsupportedModelError(
+            f"{streaming[0]} passes a positional stream from layer to layer, which reentrant gradient "
+            "checkpointing cannot differentiate; enable it with "
+            'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
+        )
+    call = bind_arguments(base_names, args, kwargs)
+    input_ids = call.get("input_ids")
+    inputs_embeds = call.get("inputs_embeds")
+    if input_ids is not None:
+        # GPT2DoubleHeadsModel passes (batch, choices, T): the stack flattens leading dims
+        batch, length = int(input_ids.numel() // max(input_ids.shape[-1], 1)), input_ids.shape[-1]
+        device = input_ids.device
+    elif inputs_embeds is not None:
+        batch, length = (
+            int(inputs_embeds[..., 0].numel() // inputs_embeds.shape[-2]),
+            inputs_embeds.shape[-2],
+        )
+        device = inputs_embeds.device
+    else:
+        return None
+    cache = call.get("past_key_values")
+    attention_mask = call.get("attention_mask")
+    position_ids = call.get("position_ids")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 3:
+        attention_mask = attention_mask.reshape(batch, -1)
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim > 2:
+        position_ids = position_ids.reshape(-1, position_ids.shape[-1])
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 1:
+        position_ids = position_ids[None]
+    context = compute_context(
+        batch=batch,
+        length=length,
+        device=device,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        want_key_positions=want_key_positions,
+    )
+    if coordinates is not None:
+        context.coordinates = select_coordinates(
+            coordinates, batch=batch, length=length, device=device, past_key_values=cache
+        )
+    return call, context, batch, length

@@ -103,9 +103,9 @@ def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise InvalidParameterError(
                 f"study: encoding {spec!r}: parameters must be a JSON object, e.g. 't5{{\"num_buckets\": 16}}'"
             )
-    from .registry import canonical_name
+    from .hybrid import canonical_request
 
-    return canonical_name(name.strip()), params
+    return canonical_request(name.strip()), params
 
 
 def load_study_config(path: str) -> dict[str, Any]:
@@ -305,7 +305,11 @@ def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = F
         out,
         config.train_length,
         title,
-        metadata={"study": dataclasses.asdict(config), "provenance": provenance(), "eval_only_rows": eval_only},
+        metadata={
+            "study": dataclasses.asdict(config),
+            "provenance": provenance(),
+            "eval_only_rows": eval_only,
+        },
         dashed=eval_only,
     )
     print(format_table(results))

@@ -32,9 +32,14 @@ if TYPE_CHECKING:
 class PatchedAttentionForward:
     """Callable used as ``module.forward`` while a model is patched."""
 
-    def __init__(self, module: nn.Module, layer_idx: int, runtime: PatchRuntime) -> None:
+    def __init__(
+        self, module: nn.Module, layer_idx: int, runtime: PatchRuntime, encoding_layer_idx: int | None = None
+    ) -> None:
         self.module = module
+        #: the model's layer index (the KV cache's)
         self.layer_idx = layer_idx
+        #: the layer as the encoding numbers it: a hybrid's part counts only the layers it owns
+        self.encoding_layer_idx = layer_idx if encoding_layer_idx is None else encoding_layer_idx
         self.runtime = runtime
         # positional parameter names without ``self``: calls bind as they arrive at the bound method
         self.names = positional_names(inspect.signature(type(module).forward))[1:]
@@ -59,9 +64,9 @@ class PatchedAttentionForward:
             positions=context.positions,  # (B, T)
             memo=memo,
             coordinates=context.coordinates,
-            layer_idx=self.layer_idx,
+            layer_idx=self.encoding_layer_idx,
             hidden=hidden,
-            state=runtime.layer_state(cache, self.layer_idx) if runtime.stateful else None,
+            state=runtime.layer_state(cache, self.encoding_layer_idx) if runtime.stateful else None,
         )
 
         x_qk = x_v = hidden

@@ -25,7 +25,13 @@ def parse_encoding_params(items: list[str] | None) -> dict[str, Any]:
 
 
 def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--encoding", default=None, help="encoding to patch in (see `hf-posenc list`)")
+    parser.add_argument(
+        "--encoding",
+        default=None,
+        help="encoding to patch in (see `hf-posenc list`), or a per-layer pattern repeated over the layers: "
+        "names joined by '+', NAME*N for N layers in a row, e.g. 'rope*3+nope' (NoPE every 4th layer); "
+        "--encoding-param values go to every encoding of the pattern that has that parameter",
+    )
     parser.add_argument(
         "--encoding-param",
         action="append",

@@ -34,6 +34,12 @@ def command_list(args: argparse.Namespace) -> int:
         )
         print(f"{'':<11} parameters: {_format_parameters(info['parameters'])}")
         print(f"{'':<11} paper: {info['paper']}")
+    fixed = [info["name"] for info in listing["encodings"] if not info.get("per_layer", True)]
+    print(
+        "per-layer hybrids: a pattern repeated over the layers, e.g. --encoding 'rope*3+nope' "
+        "(NoPE every 4th layer, as SmolLM3) or patch_model(model, ['rope', 'rope', 'rope', 'nope']); "
+        f"not allowed in a pattern (embedding or cross-layer encodings): {', '.join(fixed) or '-'}"
+    )
     print(f"model families: {', '.join(listing['families'])}")
     return 0
 

@@ -174,9 +174,9 @@ def check_passthrough_model(argv: Sequence[str]) -> None:
         )
         encoding = args.get("encoding")
         if encoding and not (saved or {}).get("posenc"):
-            from ..registry import canonical_name
+            from ..hybrid import canonical_request
 
-            canonical_name(str(encoding))
+            canonical_request(str(encoding))
 
 
 def run_lm_eval_cli(argv: Sequence[str]) -> int:

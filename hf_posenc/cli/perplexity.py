@@ -79,15 +79,16 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit."""
     from transformers import AutoConfig
 
+    from ..hybrid import canonical_request, matches_saved, saved_description
     from ..loading import check_overrides
-    from ..registry import adapter_for_config, canonical_name
+    from ..registry import adapter_for_config
 
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
     overrides: dict[str, Any] | None = None
     if saved:
-        name = saved.get("encoding")
-        if encoding is not None and canonical_name(encoding) != name:
+        name = saved_description(saved)
+        if encoding is not None and not matches_saved(encoding, saved):
             raise EvaluationError(
                 f"{directory!r} was saved with encoding {name!r}; cannot evaluate it as {encoding!r} "
                 "(point --model at the original checkpoint to switch encodings, or drop --encoding)"
@@ -102,7 +103,7 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
             "model), so there is no encoding to override; add --encoding NAME to patch it"
         )
     else:
-        name, resolved = (canonical_name(encoding) if encoding else None), params
+        name, resolved = (canonical_request(encoding) if encoding else None), params
     if name == "learned":
         rows = resolved.get("max_positions") or config.max_position_embeddings
         limit = _learned_limit(rows, resolved)
@@ -197,9 +198,9 @@ def command_perplexity(args: argparse.Namespace) -> int:
         write_json,
         write_report,
     )
+    from ..hybrid import check_request
     from ..loading import load_model
     from ..provenance import provenance
-    from ..registry import get_encoding
 
     hf_logging.set_verbosity_error()
     # -- everything is checked before the first model is loaded --------------------------
@@ -217,7 +218,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
             raise EvaluationError(f"{name} {value} is not allowed; allowed: >= 1")
     params = parse_encoding_params(args.encoding_param)
     if args.encoding is not None:
-        get_encoding(args.encoding).config_class.from_params(params)  # unknown name / bad value
+        check_request(args.encoding, params)  # unknown name / bad value / a pattern refusing an entry
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
@@ -320,7 +321,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         nargs="+",
         default=[],
         metavar="K=V",
-        help="encoding parameter, VALUE in JSON (e.g. scaling='{\"type\":\"linear\",\"factor\":2}'): with "
+        help='encoding parameter, VALUE in JSON (e.g. scaling=\'{"type":"linear","factor":2}\'): with '
         "--encoding, patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time "
         "parameters for this evaluation (position interpolation)",
     )

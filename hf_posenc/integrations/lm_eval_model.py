@@ -33,9 +33,9 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
 from ..errors import InvalidParameterError, UnsupportedModelError
+from ..hybrid import check_request, matches_saved, saved_description
 from ..loading import check_overrides, load_model
 from ..patch import CONFIG_KEY, patch_info
-from ..registry import canonical_name, get_encoding
 
 #: keyword arguments of ``from_pretrained`` accepted in model_args (not encoding parameters)
 HF_LOAD_KWARGS = frozenset(
@@ -132,16 +132,16 @@ def check_model_args(args: ModelArgs) -> None:
             raise UnsupportedModelError(f"model_args {option}= is not supported by the hf-posenc model")
     saved = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.pretrained)), CONFIG_KEY, None)
     if saved:
-        if args.encoding is not None and canonical_name(args.encoding) != saved.get("encoding"):
+        if args.encoding is not None and not matches_saved(args.encoding, saved):
             raise InvalidParameterError(
-                f"{args.pretrained!r} was saved with encoding {saved.get('encoding')!r}; cannot evaluate it as "
+                f"{args.pretrained!r} was saved with encoding {saved_description(saved)!r}; cannot evaluate it as "
                 f"{args.encoding!r} (give the original checkpoint to switch encodings)"
             )
         # overrides of inference-time parameters (e.g. scaling.type=linear,scaling.factor=2: position
         # interpolation at evaluation); hf_posenc.reconfigure checks them against the learned tensors
         check_overrides(saved, args.encoding_params, where=f"model_args of {args.pretrained!r}")
     elif args.encoding is not None:
-        get_encoding(args.encoding).config_class.from_params(args.encoding_params)
+        check_request(args.encoding, args.encoding_params)
     elif args.encoding_params:
         allowed = ", ".join(
             sorted((_hflm_parameters() | HF_LOAD_KWARGS) - {"pretrained", *UNSUPPORTED_OPTIONS})

@@ -72,11 +72,11 @@ def check_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, is_main
 
 
 def _canonical(config: dict[str, Any]) -> dict[str, Any]:
-    from ..registry import canonical_name
+    from ..hybrid import canonical_request
 
     values = dict(config)
     if values.get("encoding"):
-        values["encoding"] = canonical_name(values["encoding"])
+        values["encoding"] = canonical_request(values["encoding"])
     return values
 
 
