@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, ROTARY_FAMILIES, attention_modules, make_model, native_window, patch, token_ids
+from conftest import (
+    FAMILIES,
+    ONE_ROTATION_FAMILIES,
+    ROTARY_FAMILIES,
+    attention_modules,
+    make_model,
+    native_window,
+    patch,
+    token_ids,
+)
 
 import hf_posenc
 from hf_posenc import UnsupportedModelError
@@ -128,11 +137,13 @@ def test_check_supported_refuses_each_unsupported_feature_by_name(family, overri
             model(ids)
 
 
-@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in ROTARY_FAMILIES if f in ONE_ROTATION_FAMILIES])
 def test_rope_with_the_models_own_settings_reproduces_the_native_model(family):
     """``patch_model(m, "rope")`` on a family whose native model uses RoPE gives its native
     logits (fp32, atol 1e-5), with and without left padding: the projection (biases, q/k norms),
-    the rotation and the attention are the family's own."""
+    the rotation and the attention are the family's own. (Families whose layers rotate differently,
+    Gemma 3's two thetas and SmolLM3's NoPE layers, are checked against their native models with
+    their own per-layer settings in test_families_gemma3_phi3_smollm3.py.)"""
     model = make_model(family, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     ids = token_ids(2, 14)
     mask = torch.ones_like(ids)
