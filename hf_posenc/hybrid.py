@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -276,23 +276,28 @@ class HybridEncoding(nn.Module):
         #: part index of every layer
         self.layers = list(layers)
 
+    def encodings(self) -> list[Encoding]:
+        """The parts as encodings (``nn.ModuleList`` iterates as plain modules for the type checker)."""
+        return [cast(Encoding, part) for part in self.parts]
+
     def owned(self, part: int) -> list[int]:
         return [layer for layer, owner in enumerate(self.layers) if owner == part]
 
     def initialise_from_model(self, model: nn.Module, adapter: Any) -> None:
-        for part in self.parts:
+        for part in self.encodings():
             part.initialise_from_model(model, adapter)
 
     @torch.no_grad()
     def reset_parameters(self, keep_loaded: bool = False) -> list[str]:
         reset: list[str] = []
-        for index, part in enumerate(self.parts):
+        for index, part in enumerate(self.encodings()):
             reset.extend(f"parts.{index}.{name}" for name in part.reset_parameters(keep_loaded=keep_loaded))
         return reset
 
     def describe(self) -> str:
         """The per-layer text form (``rope*3+nope+rope*3+nope``)."""
-        return pattern_text([self.parts[owner].name for owner in self.layers])
+        names = [part.name for part in self.encodings()]
+        return pattern_text([names[owner] for owner in self.layers])
 
     def extra_repr(self) -> str:
         return f"layers={self.describe()!r}"

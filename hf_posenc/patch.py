@@ -109,7 +109,9 @@ class InitWeights:
     tensors generic Linear/Embedding inits; the encoding gets its own designed init instead
     (and, when patching rather than reloading, what ``initialise_from_model`` copies)."""
 
-    def __init__(self, model: PreTrainedModel, encoding: Encoding, adapter: Any, initialise: bool) -> None:
+    def __init__(
+        self, model: PreTrainedModel, encoding: Encoding | HybridEncoding, adapter: Any, initialise: bool
+    ) -> None:
         self.model, self.encoding, self.adapter, self.initialise = model, encoding, adapter, initialise
 
     def __call__(self, module: nn.Module) -> None:
@@ -153,7 +155,7 @@ def _own_config(model: nn.Module) -> None:
             module.config = private
 
 
-def _model_dtype_device(model: nn.Module):
+def _model_dtype_device(model: PreTrainedModel) -> tuple[Any, Any]:
     embeddings = model.get_input_embeddings()
     return embeddings.weight.dtype, embeddings.weight.device
 
@@ -233,7 +235,7 @@ def apply_patch(
         handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)
         undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
-        if "embed" in runtime.stages:  # never in a hybrid (refused there)
+        if isinstance(runtime, PatchRuntime) and "embed" in runtime.stages:  # never in a hybrid (refused there)
             undo.append(runtime.hook_embedding(target.get_input_embeddings()))
         undo.extend(adapter.neutralize_native_positions(target))
         for layer_idx, attention in enumerate(adapter.attention_modules(target)):

@@ -86,6 +86,7 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
     overrides: dict[str, Any] | None = None
+    name: str | None
     if saved:
         name = saved_description(saved)
         if encoding is not None and not matches_saved(encoding, saved):

@@ -58,7 +58,15 @@ def _no_rotary(hidden_states: torch.Tensor, position_ids: torch.Tensor | None = 
 class LlamaAdapter(FamilyAdapter):
     family = "llama"
     model_types = ("llama",)
-    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: ClassVar[tuple[str, ...]] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     #: classes whose attention ``forward`` this adapter reproduces
     attention_classes: ClassVar[tuple[str, ...]] = ("LlamaAttention",)
     #: the transformers config class of ``tiny_config``
