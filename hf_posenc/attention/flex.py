@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import cast
 
 import torch
 
@@ -45,7 +44,7 @@ def _flex_function(compiled: bool) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     if compiled:
-        return cast(Callable, torch.compile(flex_attention, dynamic=False))
+        return torch.compile(flex_attention, dynamic=False)
     return flex_attention
 
 
