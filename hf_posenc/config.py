@@ -11,13 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from .errors import InvalidParameterError
 
 FORMAT_VERSION = 1
 #: ``config.posenc`` format of a per-layer hybrid patch (:mod:`hf_posenc.hybrid`); plain patches keep 1
 HYBRID_FORMAT_VERSION = 2
+
+ValueT = TypeVar("ValueT")
 
 
 @dataclasses.dataclass
@@ -75,6 +77,19 @@ class EncodingConfig:
                 f"allowed parameters (with defaults): {shown}"
             )
         return cls(**dict(params))
+
+
+def resolved(value: ValueT | None, encoding: str, name: str) -> ValueT:
+    """The value of parameter ``name``, one that :meth:`EncodingConfig.resolve` fills in (None before).
+
+    Encodings are built from resolved configs only, so None here is a config used unresolved:
+    a bug, reported as such instead of as a ``TypeError`` deep inside tensor code."""
+    if value is None:
+        raise RuntimeError(
+            f"{encoding}: parameter {name} is None: the encoding was given a config that was not resolved "
+            "(EncodingConfig.resolve fills in the model-dependent defaults)"
+        )
+    return value
 
 
 def _plain(value: Any) -> Any:

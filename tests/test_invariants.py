@@ -13,7 +13,15 @@ import logging
 import pytest
 import torch
 from conftest import ENCODING_FILE_FAMILIES, ENCODINGS, FAMILIES, make_model, patch, token_ids
-from encoding_cases import ALL_CASES, LAYER_REFERENCES, PARAMETER_FREE, Case, case_id, has_explicit_scores
+from encoding_cases import (
+    ALL_CASES,
+    CASES_BY_ENCODING,
+    LAYER_REFERENCES,
+    PARAMETER_FREE,
+    Case,
+    case_id,
+    has_explicit_scores,
+)
 from test_reference import LENGTH, run_and_capture
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
@@ -263,6 +271,18 @@ def test_optimizer_step_trains_the_encoding(family, case):
 def test_which_classical_encodings_have_parameters(name, has_parameters):
     model = patch(make_model("llama"), name)
     assert bool(list(model.posenc.parameters())) == has_parameters
+
+
+@pytest.mark.parametrize("case", [cases[0] for cases in CASES_BY_ENCODING.values()], ids=case_id)
+def test_module_apply_visits_every_submodule(case):
+    """``model.apply(fn)`` (what weight-initialisation helpers run) calls ``fn`` on every submodule
+    of a patched model, the encoding module and its children included: no encoding shadows
+    ``nn.Module.apply`` with a method of its own. Reference: torch's ``model.modules()``."""
+    name, params = case
+    model = patch(make_model("llama"), name, params)
+    visited: list[torch.nn.Module] = []
+    model.apply(visited.append)
+    assert {id(m) for m in visited} == {id(m) for m in model.modules()}
 
 
 @EVERY_FAMILY_AND_CASE

@@ -38,7 +38,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_choice, check_number
+from ..config import EncodingConfig, check_choice, check_number, resolved
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
@@ -77,7 +77,11 @@ class ComRoPEConfig(PositionInterpolation, EncodingConfig):
     def resolve(self, geometry) -> ComRoPEConfig:
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
-        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        dim = rotary_dim(
+            self.encoding,
+            geometry.head_dim,
+            resolved(out.partial_rotary_factor, self.encoding, "partial_rotary_factor"),
+        )
         if dim % (out.block_size * out.axes):
             raise InvalidParameterError(
                 f"{self.encoding}: block_size={out.block_size} with axes={out.axes} is not allowed for a "
@@ -106,14 +110,17 @@ class ComRoPE(Encoding[ComRoPEConfig]):
     paper = "Yu et al. 2025, arXiv:2506.03737"
     summary = "trainable commuting rotary generators exp(sum_a x_a A_a) (variants ap, ld); N-D coordinates"
     takes_coordinates = True
+    axis_mask: torch.Tensor  # (N, m) buffer of variant "ap": block j rotates with axis j mod N
 
     def __init__(self, config: ComRoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
-        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        fraction = resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
+        self.dim = rotary_dim(self.name, geometry.head_dim, fraction)
         b, n = config.block_size, config.axes
         self.blocks = self.dim // b  # m
         layers, kv_heads = geometry.num_layers, geometry.num_kv_heads
-        start = initial_generators(self.dim, b, n, config.theta)  # (m, b, b) = P - P^T
+        theta = resolved(config.theta, self.name, "theta")
+        start = initial_generators(self.dim, b, n, theta)  # (m, b, b) = P - P^T
         # P_j per layer and KV head (q heads share their KV head's rotation); P - P^T = start
         self.generator = nn.Parameter(start.div(2).expand(layers, kv_heads, -1, -1, -1).clone())
         one_hot = (torch.arange(self.blocks) % n == torch.arange(n)[:, None]).float()  # (N, m)

@@ -38,7 +38,7 @@ class ExPEConfig(ExactPositionConfig):
         check_number(self.encoding, "theta", self.theta, low=0.0, low_inclusive=False)
 
     def largest_code(self, position: int) -> float:
-        return abs(self.S) + self.theta * (position + self.l) / self.factor
+        return abs(self.S) + self.theta * (position + self.code_length()) / self.factor
 
 
 def expe_values(positions: torch.Tensor, l: int, S: float, theta: float, factor: float) -> torch.Tensor:  # noqa: E741, N803
@@ -60,6 +60,6 @@ class ExPE(Encoding[ExPEConfig]):
         if call.layer_idx == 0:
             warn_if_indistinguishable(self, positions, hidden.dtype)
         values = call.memo.get(
-            ("expe",), lambda: expe_values(positions, cfg.l, cfg.S, cfg.theta, cfg.factor)
+            ("expe",), lambda: expe_values(positions, cfg.code_length(), cfg.S, cfg.theta, cfg.factor)
         )  # (B, T, l)
         return override_leading(hidden, values, cfg.override_value)

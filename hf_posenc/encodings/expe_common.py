@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import TypeVar
 
 import torch
-from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number
+from ..config import EncodingConfig, check_bool, check_number, resolved
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation
-from .base import module_cache
+from .base import Encoding, module_cache
 from .expe_precision import first_collision
 
 #: codes up to this magnitude keep q.k of two overridden inputs (about code^2 * l * |W|^2)
@@ -60,9 +60,16 @@ class ExactPositionConfig(PositionInterpolation, EncodingConfig):
         """The largest |code| written into the q/k input up to ``position``."""
         raise NotImplementedError
 
+    def code_length(self) -> int:
+        """``l``, the number of leading dimensions overridden, once :meth:`resolve` filled it in."""
+        return resolved(self.l, self.encoding, "l")
+
     def code_parameters(self) -> str:
         names = ("S", "theta", "theta1", "theta2", "scaling")
         return ", ".join(f"{n}={getattr(self, n)!r}" for n in names if hasattr(self, n))
+
+
+ExactConfigT = TypeVar("ExactConfigT", bound=ExactPositionConfig)
 
 
 def override_leading(
@@ -74,7 +81,9 @@ def override_leading(
     return overridden, overridden if override_value else hidden
 
 
-def warn_if_indistinguishable(encoding: nn.Module, positions: torch.Tensor, dtype: torch.dtype) -> None:
+def warn_if_indistinguishable(
+    encoding: Encoding[ExactConfigT], positions: torch.Tensor, dtype: torch.dtype
+) -> None:
     """Warn once (per module and dtype) when ``positions`` (B,T) go past the first position whose
     code equals the next one's in ``dtype`` (:func:`~.expe_precision.first_collision`)."""
     if torch.compiler.is_compiling() or not positions.numel():

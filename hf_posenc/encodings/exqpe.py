@@ -43,7 +43,8 @@ class ExQPEConfig(ExactPositionConfig):
         check_number(self.encoding, "theta2", self.theta2, low=0.0, low_inclusive=False)
 
     def largest_code(self, position: int) -> float:
-        return abs(self.S) + (self.l * self.theta1 + self.theta2 * (position // self.l + 1)) / self.factor
+        l = self.code_length()  # noqa: E741
+        return abs(self.S) + (l * self.theta1 + self.theta2 * (position // l + 1)) / self.factor
 
 
 def exqpe_values(
@@ -74,6 +75,7 @@ class ExQPE(Encoding[ExQPEConfig]):
         if call.layer_idx == 0:
             warn_if_indistinguishable(self, positions, hidden.dtype)
         values = call.memo.get(
-            ("exqpe",), lambda: exqpe_values(positions, cfg.l, cfg.S, cfg.theta1, cfg.theta2, cfg.factor)
+            ("exqpe",),
+            lambda: exqpe_values(positions, cfg.code_length(), cfg.S, cfg.theta1, cfg.theta2, cfg.factor),
         )  # (B, T, l)
         return override_leading(hidden, values, cfg.override_value)

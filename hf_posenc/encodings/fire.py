@@ -27,6 +27,7 @@ divided by s before FIRE sees them, f_theta( psi((i - j) / s) / psi(max(L, i / s
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -189,7 +190,8 @@ class FIRE(Encoding[FIREConfig]):
         )
 
     def function(self, layer_idx: int) -> FIREFunction:
-        return self.functions[0 if self.config.shared_across_layers else layer_idx]
+        # __init__ fills self.functions with FIREFunction modules only
+        return cast(FIREFunction, self.functions[0 if self.config.shared_across_layers else layer_idx])
 
     def score_bias(self, call: ScoreCall) -> RowBias:
         q_len, k_len, device = call.q_len, call.k_len, call.device

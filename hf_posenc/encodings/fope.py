@@ -34,7 +34,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number
+from ..config import EncodingConfig, check_bool, check_number, resolved
 from ..interpolation import PositionInterpolation, interpolate
 from ..layout import expand_kv_heads
 from ..memo import ForwardMemo
@@ -76,7 +76,11 @@ class FoPEConfig(PositionInterpolation, EncodingConfig):
         if out.train_length is None:
             out.train_length = int(geometry.max_position_embeddings)
         fill_rotary_defaults(out, geometry)
-        rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        rotary_dim(
+            self.encoding,
+            geometry.head_dim,
+            resolved(out.partial_rotary_factor, self.encoding, "partial_rotary_factor"),
+        )
         return out
 
 
@@ -93,13 +97,17 @@ class FoPE(Encoding[FoPEConfig]):
     config_class = FoPEConfig
     paper = "Hua et al. 2024, arXiv:2412.17739"
     summary = "each rotary pair is a learned Fourier series over frequencies; under-trained ones clipped to 0"
+    frequencies: torch.Tensor  # (n_in,) buffer: the Fourier frequency grid, clipped ones 0
+    pair_clipped: torch.Tensor  # (pairs,) bool buffer: the pair's own frequency is clipped
 
     def __init__(self, config: FoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
-        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        fraction = resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
+        self.dim = rotary_dim(self.name, geometry.head_dim, fraction)
         k, pairs = config.frequencies_per_dim, self.dim // 2
-        floor = 2 * math.pi / config.train_length if config.clip else 0.0
-        freqs = fourier_frequencies(self.dim, k, config.theta, floor)  # (n_in,)
+        train_length = resolved(config.train_length, self.name, "train_length")
+        floor = 2 * math.pi / train_length if config.clip else 0.0
+        freqs = fourier_frequencies(self.dim, k, resolved(config.theta, self.name, "theta"), floor)  # (n_in,)
         self.register_buffer("frequencies", freqs, persistent=False)
         self.register_buffer("pair_clipped", freqs[::k] == 0, persistent=False)  # (pairs,) own freq clipped
         layers = 1 if config.shared_across_layers else geometry.num_layers
@@ -132,7 +140,7 @@ class FoPE(Encoding[FoPEConfig]):
         sin = torch.where(self.pair_clipped, 0.0, sin)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (B, H, T, d_rot)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply_rotation(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B,H,T,D): first d_rot dims -> x*cos + rotate_half(x)*sin in fp32; the rest passes."""
         rotated, passed = x[..., : self.dim].float(), x[..., self.dim :]
         out = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
@@ -140,8 +148,8 @@ class FoPE(Encoding[FoPEConfig]):
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, d_rot)
-        k_out = self.apply(k, cos, sin)
+        k_out = self.apply_rotation(k, cos, sin)
         if cos.shape[1] > 1:  # query head h uses the coefficients of its KV head
             group = q.shape[1] // cos.shape[1]
             cos, sin = expand_kv_heads(cos, group), expand_kv_heads(sin, group)
-        return self.apply(q, cos, sin), k_out
+        return self.apply_rotation(q, cos, sin), k_out

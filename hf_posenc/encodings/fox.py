@@ -22,7 +22,11 @@ tokens between them, which are real, and padded keys are masked.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, cast
 
+from torch import nn
+
+from ..config import EncodingConfig
 from ..registry import register_encoding
 from .base import Encoding
 from .block_bias import CumulativeBias, SeparableBias
@@ -39,8 +43,9 @@ class FoXConfig(ForgetGateConfig):
 @register_encoding
 class FoX(Encoding[ForgetGateConfig]):
     name = "fox"
-    aliases = ("forgetting_transformer", "forgetting_attention")
-    config_class = FoXConfig
+    # typed as the base declares them, so FoX (Pro) may set its own
+    aliases: ClassVar[tuple[str, ...]] = ("forgetting_transformer", "forgetting_attention")
+    config_class: ClassVar[type[EncodingConfig]] = FoXConfig
     paper = "Lin et al. 2025, arXiv:2503.02130"
     summary = "data-dependent forget gate: logits + sum of log forget gates between key and query"
     stateful = True
@@ -50,8 +55,13 @@ class FoX(Encoding[ForgetGateConfig]):
         super().__init__(config, geometry)
         self.forget = forget_gates(config, geometry)  # [layer]: Linear(hidden -> Hq)
 
+    def forget_gate(self, layer_idx: int) -> nn.Linear:
+        """The forget gate of layer ``layer_idx``, Linear(hidden -> Hq)."""
+        # forget_gates builds self.forget from nn.Linear modules only
+        return cast(nn.Linear, self.forget[layer_idx])
+
     def score_bias(self, call: ScoreCall) -> SeparableBias:
-        log_f = log_forget(self.forget[call.layer_idx], call.hidden)  # (B, Hq, Tq)
+        log_f = log_forget(self.forget_gate(call.layer_idx), call.hidden)  # (B, Hq, Tq)
         c = cumulative_log_forget(log_f, call.k_len, call.state)  # (B, Hq, Tk)
         if call.q_len == call.k_len:  # no cached keys: c is the running sum of exactly these log f
             return CumulativeBias(log_f, c)

@@ -55,15 +55,13 @@ def decay_bias_init(num_heads: int, decay_time_min: float, decay_time_max: float
 def forget_gates(config: ForgetGateConfig, geometry) -> nn.ModuleList:
     """One Linear(hidden -> Hq) per layer: zero weights (the gate starts data-independent) and
     per-head decay-time biases, so gates start near 1 and the bias is ALiBi-like, -(i-j)/T_h."""
-    gates = nn.ModuleList(
-        nn.Linear(geometry.hidden_size, geometry.num_heads) for _ in range(geometry.num_layers)
-    )
+    gates = [nn.Linear(geometry.hidden_size, geometry.num_heads) for _ in range(geometry.num_layers)]
     bias = decay_bias_init(geometry.num_heads, config.decay_time_min, config.decay_time_max)
     with torch.no_grad():
         for gate in gates:
             gate.weight.zero_()
             gate.bias.copy_(bias)
-    return gates
+    return nn.ModuleList(gates)
 
 
 def log_forget(gate: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:

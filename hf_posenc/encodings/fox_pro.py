@@ -74,12 +74,12 @@ def _logit(p: float) -> float:
 
 def _gate_linears(count: int, d_in: int, d_out: int, probability: float) -> nn.ModuleList:
     """``count`` Linear(d_in -> d_out) with zero weights and bias logit(p): a constant gate p."""
-    linears = nn.ModuleList(nn.Linear(d_in, d_out) for _ in range(count))
+    linears = [nn.Linear(d_in, d_out) for _ in range(count)]
     with torch.no_grad():
         for linear in linears:
             linear.weight.zero_()
             linear.bias.fill_(_logit(probability))
-    return linears
+    return nn.ModuleList(linears)
 
 
 def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,7 +155,7 @@ class FoXPro(FoX):
             k = self._shift(self.k_shift[layer_idx], "fox_pro_k_previous", hidden, k, state, first)
         if self.v_shift is not None:
             v = self._shift(self.v_shift[layer_idx], "fox_pro_v_previous", hidden, v, state, first)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
             q = rms_norm(q, self.q_norm[layer_idx][:, None], QK_NORM_EPS)  # gains (Hq, 1, D)
             k = rms_norm(k, self.k_norm[layer_idx][:, None], QK_NORM_EPS)  # gains (Hkv, 1, D)
         return q, k, v

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_choice, check_number
+from ..config import EncodingConfig, check_choice, check_number, resolved
 from ..errors import InvalidParameterError, PositionRangeError
 from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
@@ -69,9 +69,10 @@ class Learned(Encoding[LearnedConfig]):
 
     def __init__(self, config: LearnedConfig, geometry) -> None:
         super().__init__(config, geometry)
-        table = torch.zeros(config.max_positions, geometry.hidden_size)  # (max_positions, hidden)
+        max_positions = resolved(config.max_positions, self.name, "max_positions")
+        table = torch.zeros(max_positions, geometry.hidden_size)  # (max_positions, hidden)
         if config.init == "sinusoidal":
-            table = sinusoidal_table(torch.arange(config.max_positions), geometry.hidden_size, 10000.0)
+            table = sinusoidal_table(torch.arange(max_positions), geometry.hidden_size, 10000.0)
         self.table = nn.Parameter(table)
 
     def initialise_from_model(self, model: nn.Module, adapter) -> None:

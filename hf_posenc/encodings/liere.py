@@ -38,7 +38,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number
+from ..config import EncodingConfig, check_bool, check_number, resolved
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
 from ..layout import expand_kv_heads
@@ -76,7 +76,11 @@ class LieREConfig(PositionInterpolation, EncodingConfig):
     def resolve(self, geometry) -> LieREConfig:
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
-        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        dim = rotary_dim(
+            self.encoding,
+            geometry.head_dim,
+            resolved(out.partial_rotary_factor, self.encoding, "partial_rotary_factor"),
+        )
         if out.block_size is None:
             out.block_size = math.gcd(8, dim)
         if dim % out.block_size:
@@ -111,13 +115,19 @@ class LieRE(Encoding[LieREConfig]):
     config_class = LieREConfig
     paper = "Ostmeier et al. 2024, arXiv:2406.10322"
     summary = "rotates q/k by exp(p A) with learned skew-symmetric block generators A (RoPE at init)"
+    perm: torch.Tensor  # (d_rot,) buffer: the order putting rotary pairs next to each other
+    inverse_perm: torch.Tensor  # (d_rot,) buffer: back to Llama's pair layout
 
     def __init__(self, config: LieREConfig, geometry) -> None:
         super().__init__(config, geometry)
-        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        fraction = resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
+        self.dim = rotary_dim(self.name, geometry.head_dim, fraction)
+        #: b, the size of the generator blocks
+        self.block_size = resolved(config.block_size, self.name, "block_size")
         layers = 1 if config.shared_across_layers else geometry.num_layers
         heads = 1 if config.shared_across_heads else geometry.num_kv_heads
-        init = rope_generators(self.dim, config.block_size, config.theta)  # (nb, b, b)
+        theta = resolved(config.theta, self.name, "theta")
+        init = rope_generators(self.dim, self.block_size, theta)  # (nb, b, b)
         # raw generators (layers, kv heads, axes, blocks, b, b); only the strict upper triangle is used
         self.generators = nn.Parameter(init.expand(layers, heads, config.axes, *init.shape).clone())
         perm = pair_permutation(self.dim)
@@ -153,9 +163,9 @@ class LieRE(Encoding[LieREConfig]):
         key = 0 if self.config.shared_across_layers else layer_idx
         return memo.get(("liere-rotation", key), compute)
 
-    def apply(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    def apply_rotation(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         """x (B,H,T,D) rotated by R (B,H|1,T,nb,b,b) on its first d_rot dims; computed in fp32."""
-        b = self.config.block_size
+        b = self.block_size
         rotated, passed = x[..., : self.dim], x[..., self.dim :]
         blocks = rotated.float()[..., self.perm].unflatten(-1, (self.dim // b, b))  # (B, H, T, nb, b)
         out = torch.einsum("bhtnij,bhtnj->bhtni", rotation, blocks).flatten(-2)  # (B, H, T, d_rot)
@@ -164,7 +174,7 @@ class LieRE(Encoding[LieREConfig]):
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rotation = self.rotations(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, nb, b, b)
-        k_rot = self.apply(k, rotation)
+        k_rot = self.apply_rotation(k, rotation)
         if rotation.shape[1] > 1:  # query head h uses the generators of its KV head h // group
             rotation = expand_kv_heads(rotation, q.shape[1] // rotation.shape[1])
-        return self.apply(q, rotation), k_rot
+        return self.apply_rotation(q, rotation), k_rot

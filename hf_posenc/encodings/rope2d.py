@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from ..config import EncodingConfig, check_number
+from ..config import EncodingConfig, check_number, resolved
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
 from ..registry import register_encoding
@@ -84,7 +84,11 @@ class RoPE2DConfig(PositionInterpolation, EncodingConfig):
     def resolve(self, geometry) -> RoPE2DConfig:
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
-        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+        dim = rotary_dim(
+            self.encoding,
+            geometry.head_dim,
+            resolved(out.partial_rotary_factor, self.encoding, "partial_rotary_factor"),
+        )
         if dim % (2 * out.axes):
             raise InvalidParameterError(
                 f"{self.encoding}: parameter axes={out.axes} is not allowed for a rotary dimension of {dim}; "
@@ -104,15 +108,17 @@ class RoPE2D(Encoding[RoPE2DConfig]):
 
     def __init__(self, config: RoPE2DConfig, geometry) -> None:
         super().__init__(config, geometry)
-        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        fraction = resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
+        self.dim = rotary_dim(self.name, geometry.head_dim, fraction)
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
+        theta = resolved(cfg.theta, self.name, "theta")
 
         def rotation() -> tuple[torch.Tensor, torch.Tensor]:
             coords = token_coordinates(self.name, call.coordinates, call.positions, cfg.axes)  # (B, T, N)
             coords = interpolate(coords, cfg.factor).float()  # x / f
-            omega, axis = axial_frequencies(self.dim, cfg.axes, cfg.theta, device=q.device)  # (d_rot/2,)
+            omega, axis = axial_frequencies(self.dim, cfg.axes, theta, device=q.device)  # (d_rot/2,)
             angles = coords[..., axis] * omega  # (B, T, d_rot/2)
             angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d_rot)
             return angles.cos().to(q.dtype), angles.sin().to(q.dtype)

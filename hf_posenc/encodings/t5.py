@@ -78,11 +78,10 @@ class T5Bias(Encoding[T5Config]):
         super().__init__(config, geometry)
         tables = 1 if config.shared_across_layers else geometry.num_layers
         # tables[layer]: (num_buckets, Hq) scalars, zero-initialised
-        self.tables = nn.ModuleList(
-            nn.Embedding(config.num_buckets, geometry.num_heads) for _ in range(tables)
-        )
-        for table in self.tables:
+        embeddings = [nn.Embedding(config.num_buckets, geometry.num_heads) for _ in range(tables)]
+        for table in embeddings:
             nn.init.zeros_(table.weight)
+        self.tables = nn.ModuleList(embeddings)
 
     def score_bias(self, call: ScoreCall) -> DistanceBias:
         cfg = self.config

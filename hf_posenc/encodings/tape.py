@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import EncodingConfig, check_number
+from ..config import EncodingConfig, check_number, resolved
 from ..errors import InvalidParameterError
 from ..interpolation import PositionInterpolation, interpolate
 from ..layout import expand_kv_heads
@@ -114,7 +114,8 @@ class TAPE(Encoding[TAPEConfig]):
 
     def __init__(self, config: TAPEConfig, geometry) -> None:
         super().__init__(config, geometry)
-        heads, size, hidden = geometry.num_kv_heads, config.position_size, geometry.hidden_size
+        size = resolved(config.position_size, self.name, "position_size")  # P
+        heads, hidden = geometry.num_kv_heads, geometry.hidden_size
         steps = max(geometry.num_layers - 1, 0)  # transitions l -> l+1 that reach an attention
         self.groups = geometry.num_heads // heads
         self.gamma = nn.Parameter(torch.zeros(steps, heads))  # (3), per layer and stream head
@@ -136,11 +137,10 @@ class TAPE(Encoding[TAPEConfig]):
         """E^l of this layer's new tokens, (B, Hkv, T, D)."""
         if layer_idx == 0:
             dim, heads = self.geometry.head_dim, self.geometry.num_kv_heads
+            theta = resolved(self.config.theta, self.name, "theta")
             return memo.get(
                 ("tape", dtype),
-                lambda: initial_stream(
-                    interpolate(positions, self.config.factor), self.config.theta, dim, heads, dtype
-                ),
+                lambda: initial_stream(interpolate(positions, self.config.factor), theta, dim, heads, dtype),
             )
         half = memo.carry.get(("tape", layer_idx - 1))
         if half is None:
