@@ -33,7 +33,7 @@ import dataclasses
 
 import torch
 
-from ..config import EncodingConfig, check_number
+from ..config import EncodingConfig, check_number, resolved
 from ..errors import InvalidParameterError
 from ..registry import register_encoding
 from .base import Encoding
@@ -78,16 +78,24 @@ class RoPEConfig(EncodingConfig):
             if not per_layer:
                 out.scaling = resolve_scaling(geometry.rope_scaling, geometry.max_position_embeddings)
         else:
-            out.scaling = resolve_scaling(out.scaling, geometry.max_position_embeddings)
-        dim = rotary_dim(self.encoding, geometry.head_dim, out.partial_rotary_factor)
+            out.scaling = resolve_scaling(explicit_scaling(out.scaling), geometry.max_position_embeddings)
+        partial = resolved(out.partial_rotary_factor, self.encoding, "partial_rotary_factor")
+        dim = rotary_dim(self.encoding, geometry.head_dim, partial)
         if out.scaling == "model":
             for layer in layers:
                 check_frequency_count(
                     self.encoding, resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings), dim
                 )
         else:
-            check_frequency_count(self.encoding, out.scaling, dim)
+            check_frequency_count(self.encoding, explicit_scaling(out.scaling), dim)
         return out
+
+
+def explicit_scaling(scaling: dict | str | None) -> dict | None:
+    """A scaling other than ``"model"`` (validated: None or a dict), typed as such."""
+    if isinstance(scaling, str):
+        raise RuntimeError(f"rope: scaling {scaling!r} should have been resolved from the model's layers")
+    return scaling
 
 
 def model_layers(geometry) -> list:
@@ -172,16 +180,19 @@ class RoPE(Encoding[RoPEConfig]):
 
     def __init__(self, config: RoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
-        self.dim = rotary_dim(self.name, geometry.head_dim, config.partial_rotary_factor)
+        self.dim = rotary_dim(
+            self.name, geometry.head_dim, resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
+        )
         layers = model_layers(geometry)
         any_native = any(layer.native_rotary for layer in layers)
         #: per layer: (theta, resolved scaling) of its rotation, or None where it does not rotate
         self.layer_rotations: list[tuple[float, dict | None] | None] = []
         for layer in layers:
             theta = config.theta if config.theta is not None else layer.rope_theta
-            scaling = config.scaling
-            if scaling == "model":
+            if config.scaling == "model":
                 scaling = resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings)
+            else:
+                scaling = explicit_scaling(config.scaling)
             rotates = layer.native_rotary or not any_native
             self.layer_rotations.append((float(theta), scaling) if rotates else None)
         #: a length-dependent schedule on some layer: q.k is computed per query (``logits``)
@@ -193,9 +204,16 @@ class RoPE(Encoding[RoPEConfig]):
     def active_stages(self) -> list[str]:
         return ["logits"] if self.per_query else ["rotate"]
 
+    def _rotation(self, layer_idx: int) -> tuple[float, dict | None]:
+        """(theta, scaling) of a layer that rotates (callers skip the NoPE layers)."""
+        rotation = self.layer_rotations[layer_idx]
+        if rotation is None:
+            raise RuntimeError(f"rope: layer {layer_idx} does not rotate (a native NoPE layer)")
+        return rotation
+
     def _cos_sin(self, call: LayerCall, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, 1, T, d_rot) of this layer's rotation (shared by layers with the same one)."""
-        theta, scaling = self.layer_rotations[call.layer_idx]
+        theta, scaling = self._rotation(call.layer_idx)
 
         def rotation() -> tuple[torch.Tensor, torch.Tensor]:
             inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=like.device)
@@ -211,11 +229,11 @@ class RoPE(Encoding[RoPEConfig]):
 
     def logits(self, call: ScoreCall) -> torch.Tensor:
         rotation = self.layer_rotations[call.layer_idx]
-        kind = None if rotation is None or rotation[1] is None else rotation[1]["type"]
-        if kind not in LENGTH_DEPENDENT:
+        scaling = None if rotation is None else rotation[1]
+        if rotation is None or scaling is None or scaling["type"] not in LENGTH_DEPENDENT:
             # a layer without a length-dependent schedule in a model that has one
             return self._plain_logits(call, None if rotation is None else self._rotate_cached(call))
-        theta, scaling = rotation
+        theta, kind = rotation[0], scaling["type"]
         if call.key_positions is None:
             raise ValueError(f"rope ({kind}): the logits stage needs the key positions")
         if kind == "longrope":
@@ -252,7 +270,7 @@ class RoPE(Encoding[RoPEConfig]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q at ``call.positions`` and the raw cached k at ``call.key_positions``, rotated with
         this layer's frequencies for a sequence of ``seq_len`` tokens (None: the base ones)."""
-        theta, scaling = self.layer_rotations[call.layer_idx]
+        theta, scaling = self._rotation(call.layer_idx)
         key_positions = call.positions if call.key_positions is None else call.key_positions
         inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, seq_len, device=call.q.device)
         q_cos, q_sin = cos_sin(call.positions, inv_freq, factor, call.q.dtype)

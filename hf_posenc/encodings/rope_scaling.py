@@ -26,7 +26,7 @@ L0 is ``original_max_position_embeddings`` (default: the model's max_position_em
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,7 +69,8 @@ def validate_scaling(encoding: str, scaling: Any) -> None:
         raise fail(encoding, "scaling", scaling, "None or a dict such as {'type': 'linear', 'factor': 4.0}")
     kind = scaling.get("type")
     check_choice(encoding, "scaling['type']", kind, SCALING_KEYS)
-    check_keys(encoding, f"scaling (type {kind!r})", scaling, ("type", *SCALING_KEYS[kind]))
+    allowed = SCALING_KEYS[cast(str, kind)]  # check_choice accepted it: one of the keys
+    check_keys(encoding, f"scaling (type {kind!r})", scaling, ("type", *allowed))
     if kind == "longrope":
         _validate_longrope(encoding, scaling)
     elif "factor" not in scaling:
