@@ -83,7 +83,13 @@ def test_the_invariants_run_on_every_registered_case_and_family():
 
 
 def test_every_supported_family_is_a_family_fixture_value():
-    assert set(conftest.FAMILIES) == set(hf_posenc.supported_families())
+    """Every registered family is a value of the tests' ``family``, and every model_type that
+    ``supported_families()`` lists is served by one of them."""
+    from hf_posenc.registry import families
+
+    assert set(conftest.FAMILIES) == set(families())
+    served = {model_type for adapter in families().values() for model_type in adapter.model_types}
+    assert served == set(hf_posenc.supported_families())
 
 
 def test_every_backend_is_compared_with_eager_by_a_named_module():
