@@ -235,7 +235,9 @@ def apply_patch(
         handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
         undo.append(handle.remove)
         undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
-        if isinstance(runtime, PatchRuntime) and "embed" in runtime.stages:  # never in a hybrid (refused there)
+        if (
+            isinstance(runtime, PatchRuntime) and "embed" in runtime.stages
+        ):  # never in a hybrid (refused there)
             undo.append(runtime.hook_embedding(target.get_input_embeddings()))
         undo.extend(adapter.neutralize_native_positions(target))
         for layer_idx, attention in enumerate(adapter.attention_modules(target)):

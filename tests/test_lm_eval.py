@@ -206,7 +206,10 @@ def test_model_args_override_a_patched_checkpoints_scaling(checkpoints, tmp_path
     assert code == 0, err
     assert "[1/1] alibi (alibi, x0.5 at eval):" in out
     results = results_files(output)["alibi"]
-    assert results["config"]["posenc"] == {"encoding": "alibi", "params": {"scaling": {"type": "linear", "factor": 2.0}}}
+    assert results["config"]["posenc"] == {
+        "encoding": "alibi",
+        "params": {"scaling": {"type": "linear", "factor": 2.0}},
+    }
     assert_accuracies(results, ["arc_easy"])
 
 

@@ -314,7 +314,9 @@ def workspace(tmp_path_factory):
         "learned32": hf_posenc.patch_model(
             tiny_model("llama", vocab_size=len(tokenizer)), "learned", max_positions=32
         ),
-        "expe": hf_posenc.patch_model(tiny_model("llama", vocab_size=len(tokenizer), seed=2), "expe", theta=0.25),
+        "expe": hf_posenc.patch_model(
+            tiny_model("llama", vocab_size=len(tokenizer), seed=2), "expe", theta=0.25
+        ),
     }
     for name, model in models.items():
         model.save_pretrained(root / name)
@@ -405,10 +407,16 @@ def test_cli_encoding_params_are_json(workspace, tmp_path, capsys):
         ("unknown param", r"encoding 'rope' has no parameter 'thetta'"),
         ("labels", r"--labels gives 2 label\(s\) for 1 model\(s\)"),
         ("conflicting encoding", r"was saved with encoding 'alibi'; cannot evaluate it as 'rope'"),
-        ("override unknown", r"overriding the saved encoding parameters: encoding 'expe' has no parameter 'thetta'"),
+        (
+            "override unknown",
+            r"overriding the saved encoding parameters: encoding 'expe' has no parameter 'thetta'",
+        ),
         ("override bad factor", r"overriding the saved encoding parameters: .*factor"),
         ("override on plain", r"'.*llama' is a plain checkpoint .* add --encoding NAME"),
-        ("override learned short", r"longer than the learned position table \(max_positions=32\) covers \(63"),
+        (
+            "override learned short",
+            r"longer than the learned position table \(max_positions=32\) covers \(63",
+        ),
     ],
 )
 def test_cli_bad_inputs_fail_with_a_clear_message_before_loading(
@@ -469,7 +477,9 @@ def test_cli_overrides_a_saved_checkpoints_scaling_for_the_evaluation_only(works
     hf_posenc.reconfigure(model, scaling={"type": "linear", "factor": 2.0})
     texts = [(root / "valid.txt").read_text()]
     texts += [json.loads(line)["text"] for line in (root / "valid.jsonl").read_text().splitlines()]
-    tokens = torch.tensor([i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]])
+    tokens = torch.tensor(
+        [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    )
     budget = len(tokens) // 32 * 32
     for row, unscaled_row in zip(scaled["results"][label], unscaled["results"]["expe (expe)"], strict=True):
         expected, count = manual_loss(model, tokens, row["length"], budget)
@@ -483,7 +493,15 @@ def test_cli_learned_table_reaches_factor_times_its_rows_under_interpolation(wor
     """A learned table of 32 rows covers positions 0..31; interpolated by 4 it covers 4 * 31 + 1 = 125
     positions, so a 64-token evaluation that is refused unscaled runs."""
     root, _ = workspace
-    argv = ["--model", str(root / "learned32"), "--encoding-param", SCALING.format(4), "--multiples", "1", "4"]
+    argv = [
+        "--model",
+        str(root / "learned32"),
+        "--encoding-param",
+        SCALING.format(4),
+        "--multiples",
+        "1",
+        "4",
+    ]
     assert run_cli(root, *argv, "--output", str(tmp_path)) == 0
     (label,) = json.loads((tmp_path / "results.json").read_text())["results"]
     assert label == "learned32 (learned, x0.25 at eval)"

@@ -66,7 +66,11 @@ def test_eval_only_rows_evaluate_trained_runs_at_other_parameters(tmp_path, caps
     from hf_posenc.data import read_documents, tokenize_documents
     from hf_posenc.evaluation import evaluate_lengths, token_budget
 
-    mini = {**MINI, "encodings": ["alibi"], "eval_only": ['alibi@{"scaling": {"type": "linear", "factor": 2}}']}
+    mini = {
+        **MINI,
+        "encodings": ["alibi"],
+        "eval_only": ['alibi@{"scaling": {"type": "linear", "factor": 2}}'],
+    }
     report = json.loads(run_study(StudyConfig(output_dir=str(tmp_path), **mini))["json"].read_text())
     row = report["results"]["alibi (x0.5 at eval)"]
     assert report["metadata"]["eval_only_rows"] == ["alibi (x0.5 at eval)"]
@@ -181,10 +185,16 @@ def test_encoding_specs_parse_names_aliases_and_json():
         (["--base-model", "./my-llama"], "'./my-llama' does not exist"),
         (["--encodings", 't5{"num_buckets": -1}'], "num_buckets"),
         (["--steps", "0"], "steps=0"),
-        (["--encodings", "alibi", "--eval-only", "t5@interpolate"], "TRAINED is one of the study's encodings: alibi"),
+        (
+            ["--encodings", "alibi", "--eval-only", "t5@interpolate"],
+            "TRAINED is one of the study's encodings: alibi",
+        ),
         (["--encodings", "nope", "--eval-only", "nope@interpolate"], "nope"),
         (["--encodings", "alibi", "--eval-only", "alibi@{oops"], "is neither JSON nor 'interpolate'"),
-        (["--encodings", "alibi", "--eval-only", 'alibi@{"max_distance": 3}'], "has no parameter 'max_distance'"),
+        (
+            ["--encodings", "alibi", "--eval-only", 'alibi@{"max_distance": 3}'],
+            "has no parameter 'max_distance'",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_any_training(tmp_path, capsys, argv, message):

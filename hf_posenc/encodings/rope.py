@@ -181,7 +181,9 @@ class RoPE(Encoding[RoPEConfig]):
     def __init__(self, config: RoPEConfig, geometry) -> None:
         super().__init__(config, geometry)
         self.dim = rotary_dim(
-            self.name, geometry.head_dim, resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
+            self.name,
+            geometry.head_dim,
+            resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor"),
         )
         layers = model_layers(geometry)
         any_native = any(layer.native_rotary for layer in layers)

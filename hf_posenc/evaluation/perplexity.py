@@ -124,7 +124,9 @@ def _nll_sum(model: nn.Module, ids: torch.Tensor) -> float:
     # chunks, so a long window never materialises (L, vocab) fp32 logits at once
     adapter = adapter_for_config(getattr(model, "config", None))
     head = None
-    if isinstance(model, PreTrainedModel) and adapter is not None and adapter.plain_lm_head:  # not a PeftModel
+    if (
+        isinstance(model, PreTrainedModel) and adapter is not None and adapter.plain_lm_head
+    ):  # not a PeftModel
         head = model.get_output_embeddings()
     if head is None or not isinstance(model, PreTrainedModel):
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
