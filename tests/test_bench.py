@@ -49,6 +49,7 @@ def test_bench_reports_ratios_to_native_for_each_encoding_mode_and_length(tmp_pa
     assert "time / native" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_bench_plots_only_the_modes_that_ran_and_records_provenance(tmp_path):
     import torch
 

@@ -168,6 +168,7 @@ def test_lm_eval_passthrough_checks_the_model_before_lm_eval_starts(
     assert err.count("\n") == 0 and message in err, err
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_list_reads_a_cached_catalogue_without_importing_torch(tmp_path):
     """`hf-posenc list` builds its catalogue once (importing the registry) and afterwards prints it
     from the cache without importing torch; the printed catalogue is the registry's own listing;

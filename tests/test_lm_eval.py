@@ -111,6 +111,7 @@ def test_paper_preset_on_local_data_compares_checkpoints(checkpoints, tmp_path, 
     assert (output / "comparison.md").read_text().startswith("| task")
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_leaderboard_preset_runs_each_task_with_its_own_shots(checkpoints, tmp_path, capsys):
     """The leaderboard preset gives HellaSwag 10, ARC 25 and MMLU 5 shots, drawn from the train
     (dev for MMLU) files; the fixtures' few-shot files are padded to enough rows here."""
@@ -194,6 +195,7 @@ def test_hub_task_configs_keep_the_packaged_datasets(tmp_path):
     assert read_task_yaml(tmp_path / "_mmlu.yaml")["task"] == ["mmlu_stem", "mmlu_humanities"]
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_model_args_override_a_patched_checkpoints_scaling(checkpoints, tmp_path, capsys):
     """``scaling.type=linear,scaling.factor=2`` on a saved ALiBi checkpoint evaluates it with
     interpolated distances (Al-Khateeb et al. 2023): the recipe runs, labels the row as an

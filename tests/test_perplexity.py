@@ -489,6 +489,7 @@ def test_cli_overrides_a_saved_checkpoints_scaling_for_the_evaluation_only(works
     assert json.loads((root / "expe" / "config.json").read_text())["posenc"] == on_disk
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_cli_learned_table_reaches_factor_times_its_rows_under_interpolation(workspace, tmp_path):
     """A learned table of 32 rows covers positions 0..31; interpolated by 4 it covers 4 * 31 + 1 = 125
     positions, so a 64-token evaluation that is refused unscaled runs."""

@@ -29,6 +29,7 @@ MINI = dict(
 )
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     """Embedded default (stdlib corpus, BPE tokenizer, RoPE-pretrained tiny Llama): one row per
     encoding plus the base, one column per evaluation length, table/CSV/JSON/PNG on disk."""
@@ -57,6 +58,7 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     assert "evaluation only, no training" in out
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_eval_only_rows_evaluate_trained_runs_at_other_parameters(tmp_path, capsys):
     """An explicit evaluation-only row (alibi trained unscaled, evaluated at factor 2) trains
     nothing new and equals the trained alibi weights patched with ALiBi at factor 2 from the start
@@ -115,6 +117,7 @@ def test_runs_are_reused_only_when_their_settings_match(tmp_path, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["metadata"]["study"]["steps"] == 3
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_continues(tmp_path, monkeypatch, capsys):
     """A real SIGINT during a run's step 2 of 4: the step finishes, a checkpoint is saved, the
     command exits with code 130; the same command resumes from that checkpoint and finishes."""

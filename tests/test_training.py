@@ -88,6 +88,7 @@ def test_resume_after_interruption_reaches_the_same_weights(workspace):
         assert torch.equal(expected[key], got[key]), key
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_a_save_killed_midway_resumes_from_the_previous_checkpoint(workspace):
     """Leftovers of an interrupted save (a .tmp directory, a directory without its state file)
     are never resumed from: the run continues from the last complete checkpoint."""
@@ -102,6 +103,7 @@ def test_a_save_killed_midway_resumes_from_the_previous_checkpoint(workspace):
     assert not list(run.glob("*.tmp"))
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_lora_trains_adapters_and_the_encoding_and_the_result_reloads(workspace):
     """--lora: base weights move only through the adapters, the t5 bias trains fully, and the
     merged result reloads with hf_posenc.from_pretrained to the same logits."""
@@ -292,6 +294,7 @@ def test_a_stopped_rank_makes_the_other_fail_after_the_ddp_timeout(workspace):
     assert not (output / "final").exists()
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_continuing_a_trained_checkpoint_at_a_new_scaling_keeps_its_tensors(workspace):
     """Position-interpolation fine-tuning: ``train`` from a saved t5 run with only
     ``encoding_params={"scaling": ...}`` (no encoding name) starts from that run's bucket table
