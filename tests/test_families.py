@@ -165,6 +165,7 @@ def test_rope_with_the_models_own_settings_reproduces_the_native_model(family):
 BACKEND_ENCODINGS = ("rope", "alibi", "t5", "expe", "fox")
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 @pytest.mark.parametrize("name", BACKEND_ENCODINGS)
 def test_every_backend_equals_eager_on_every_family(family, name):
     """The sdpa, chunked, flex and auto backends give the eager reference's logits (atol 1e-5)

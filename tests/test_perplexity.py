@@ -454,6 +454,7 @@ def test_cli_bad_inputs_fail_with_a_clear_message_before_loading(
     assert loads == []
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_cli_overrides_a_saved_checkpoints_scaling_for_the_evaluation_only(workspace, tmp_path, capsys):
     """--encoding-param on a saved patched checkpoint (no --encoding) evaluates it with the parameter
     changed (ExPE trained unscaled, evaluated at factor 2 = the paper's "scaled by 0.5"): the row is

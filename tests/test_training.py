@@ -70,6 +70,7 @@ def interrupt_at(step_to_fail: int):
     return callback
 
 
+@pytest.mark.slow  # multi-second; CI runs it
 def test_resume_after_interruption_reaches_the_same_weights(workspace):
     """A run killed after step 5 and resumed (from its step-4 checkpoint) ends with exactly the
     weights and loss history of an uninterrupted run: same data order, optimizer, scheduler."""
