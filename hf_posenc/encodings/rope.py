@@ -35,6 +35,7 @@ import torch
 
 from ..config import EncodingConfig, check_number, resolved
 from ..errors import InvalidParameterError
+from ..layout import expand_kv_heads
 from ..registry import register_encoding
 from .base import Encoding
 from .call import LayerCall, ScoreCall
@@ -263,7 +264,7 @@ class RoPE(Encoding[RoPEConfig]):
         """q.k^T (B, Hq, Tq, Tk) fp32 of ``rotated`` (q, k), or of the call's own q, k when None."""
         q, k = (call.q, call.k) if rotated is None else rotated
         groups = q.shape[1] // k.shape[1]
-        k = k[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)  # (B, Hq, Tk, D)
+        k = expand_kv_heads(k, groups)  # (B, Hq, Tk, D)
         dtype = torch.promote_types(q.dtype, torch.float32)
         return torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2))
 

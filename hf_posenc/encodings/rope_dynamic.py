@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import expand_kv_heads
 from .rope_scaling import base_inv_freq
 
 QUERY_CHUNK = 16
@@ -59,7 +60,7 @@ def causal_dynamic_logits(
     groups = q.shape[1] // k.shape[1]
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k = q.to(dtype), k.to(dtype)
-    k = k[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2)  # (B, Hq, Tk, D)
+    k = expand_kv_heads(k, groups)  # (B, Hq, Tk, D)
 
     inv_freq = base_inv_freq(dim, theta, q.device).to(dtype)  # (dim/2,)
     q_plain = _rotate_pairs(q, q_positions[:, None, :, None].to(dtype) * inv_freq)

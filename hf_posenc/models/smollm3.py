@@ -43,18 +43,9 @@ class SmolLM3Adapter(LlamaAdapter):
             rope_scaling=native_rope_scaling(config),
         )
 
-    def tiny_config(
-        self, *, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, max_positions, **special_tokens
-    ):
+    def tiny_config(self, **sizes):
         """Every other layer is NoPE (the checkpoints: every 4th), so two layers hold one of each."""
-        config = super().tiny_config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            max_positions=max_positions,
-            **special_tokens,
-        )
+        config = super().tiny_config(**sizes)
+        num_layers = config.num_hidden_layers
         config.no_rope_layers = [int(i % 2 == 0) for i in range(num_layers)]
         return config
