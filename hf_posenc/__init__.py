@@ -10,10 +10,10 @@ hf_posenc.list_encodings()                   # names, aliases, parameters
 model = hf_posenc.from_pretrained(directory) # reload a saved patched model
 """
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
+from . import _moved
+from ._version import __version__
 from .errors import (  # light: no torch
     AlreadyPatchedError,
     InvalidParameterError,
@@ -27,17 +27,17 @@ from .errors import (  # light: no torch
 #: public name -> the submodule that defines it. Imported on first use (PEP 562), so
 #: ``import hf_posenc`` (and ``hf-posenc --help``) does not pay for torch and transformers.
 _EXPORTS = {
-    "patch_model": "patch",
-    "unpatch_model": "patch",
-    "patched": "patch",
-    "patch_info": "patch",
-    "reconfigure": "reconfiguration",
-    "from_pretrained": "loading",
-    "load_model": "loading",
-    "list_encodings": "registry",
-    "supported_families": "registry",
-    "EncodingInfo": "registry",
-    "EncodingConfig": "config",
+    "patch_model": "core.patch",
+    "unpatch_model": "core.patch",
+    "patched": "core.patch",
+    "patch_info": "core.patch",
+    "reconfigure": "core.reconfiguration",
+    "from_pretrained": "core.loading",
+    "load_model": "core.loading",
+    "list_encodings": "core.registry",
+    "supported_families": "core.registry",
+    "EncodingInfo": "core.registry",
+    "EncodingConfig": "core.config",
     "ALiBiConfig": "encodings.alibi",
     "CAPEConfig": "encodings.cape",
     "ComRoPEConfig": "encodings.comrope",
@@ -62,9 +62,15 @@ _EXPORTS = {
 }
 
 
+_moved.install()  # old import paths (hf_posenc.patch, hf_posenc.study, ...) for one release
+
+
 def __getattr__(name: str):
     module_name = _EXPORTS.get(name)
     if module_name is None:
+        moved = _moved.moved_attribute(name)
+        if moved is not None:
+            return moved
         raise AttributeError(f"module 'hf_posenc' has no attribute {name!r}")
     import importlib
 
@@ -79,7 +85,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
-    from .config import EncodingConfig
+    from .core.config import EncodingConfig
+    from .core.loading import from_pretrained, load_model
+    from .core.patch import patch_info, patch_model, patched, unpatch_model
+    from .core.reconfiguration import reconfigure
+    from .core.registry import EncodingInfo, list_encodings, supported_families
     from .encodings.alibi import ALiBiConfig
     from .encodings.cape import CAPEConfig
     from .encodings.comrope import ComRoPEConfig
@@ -101,10 +111,6 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .encodings.sinusoidal import SinusoidalConfig
     from .encodings.t5 import T5Config
     from .encodings.tape import TAPEConfig
-    from .loading import from_pretrained, load_model
-    from .patch import patch_info, patch_model, patched, unpatch_model
-    from .reconfiguration import reconfigure
-    from .registry import EncodingInfo, list_encodings, supported_families
 
 __all__ = [
     "__version__",

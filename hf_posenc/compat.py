@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from transformers import AttentionInterface, PreTrainedModel
@@ -144,3 +144,32 @@ def resolve_checkpoint_file(path: str, filename: str, **hub_kwargs: Any) -> str 
         _raise_exceptions_for_connection_errors=False,
         **hub_kwargs,
     )
+
+
+#: the keyword that carries the KV cache into a model, a decoder layer and an attention module:
+#: transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old keyword is accepted,
+#: deprecated, until 5.40); earlier 5.x releases pass ``past_key_values``
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def cache_argument(call: Mapping[str, Any]) -> Any:
+    """The KV cache among a forward call's bound arguments, whichever keyword carried it (or None)."""
+    for keyword in CACHE_KEYWORDS:
+        value = call.get(keyword)
+        if value is not None:
+            return value
+    return None
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword this model's forward takes its KV cache by (``cache`` from transformers 5.24)."""
+    import inspect
+
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a forward returned (``output.cache`` from transformers 5.24)."""
+    fields = output.keys() if hasattr(output, "keys") else ()
+    return output["cache"] if "cache" in fields else output.past_key_values

@@ -10,8 +10,8 @@ from encoding_cases import case_id, cases_of
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
-from hf_posenc.registry import adapter_for, families
-from hf_posenc.tiny import tiny_model
+from hf_posenc.core.registry import adapter_for, families
+from hf_posenc.recipes.tiny import tiny_model
 
 hf_logging.set_verbosity_error()
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine under load

@@ -138,14 +138,14 @@ def attention_layer(
     module,
     hidden: torch.Tensor,
     *,
-    scaling: float,
+    softmax_scale: float,
     window: int | None = None,
     x_override=None,
     override_value: bool = False,
     rotation=None,
     bias=None,
 ) -> torch.Tensor:
-    """softmax_j(q_i . k_j * scaling + bias(h, i, j)) v_j over allowed j, then the output projection.
+    """softmax_j(q_i . k_j * softmax_scale + bias(h, i, j)) v_j over allowed j, then the output projection.
 
     ``x_override(t) -> list`` replaces the leading dims of the q/k input of token t;
     ``rotation(t, i) -> (D, D)`` rotates q_t and k_t for query i (frequencies may depend on
@@ -173,7 +173,7 @@ def attention_layer(
                 scores = []
                 for j in keys:
                     kj = rotation(j, i) @ k[b, j, g] if rotation else k[b, j, g]
-                    scores.append(float(qi @ kj) * scaling + (bias(h, i, j) if bias else 0.0))
+                    scores.append(float(qi @ kj) * softmax_scale + (bias(h, i, j) if bias else 0.0))
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
     return output_projection(module, out.reshape(batch, length, -1))

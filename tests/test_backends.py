@@ -22,6 +22,7 @@ import hf_posenc.attention.chunked as chunked
 from hf_posenc.attention.chunked import attend_chunked
 from hf_posenc.attention.flex import attend_flex
 from hf_posenc.attention.kernels import attend_flash_alibi
+from hf_posenc.core.registry import get_encoding
 from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.block_bias import (
     CumulativeBias,
@@ -30,7 +31,6 @@ from hf_posenc.encodings.block_bias import (
     RowBias,
     SeparableBias,
 )
-from hf_posenc.registry import get_encoding
 
 ATOL = 1e-5
 #: encodings with a score bias, with parameters that exercise their variants
@@ -194,12 +194,12 @@ def test_the_structured_forms_are_the_biases_they_name():
             torch.testing.assert_close(cumulative[..., i, j].double(), expected, atol=1e-5, rtol=0)
 
 
-def _reference(q, k, v, bias, allowed, scaling):
-    """fp64 softmax(q k^T * scaling + bias, masked) v with explicit scores: (B, Tq, H, D)."""
+def _reference(q, k, v, bias, allowed, softmax_scale):
+    """fp64 softmax(q k^T * softmax_scale + bias, masked) v with explicit scores: (B, Tq, H, D)."""
     groups = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(groups, dim=1)
     v = v.double().repeat_interleave(groups, dim=1)
-    scores = q.double() @ k.transpose(-1, -2) * scaling + bias.double()
+    scores = q.double() @ k.transpose(-1, -2) * softmax_scale + bias.double()
     scores = scores.masked_fill(~allowed, -math.inf)
     return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
 
@@ -242,7 +242,7 @@ def test_attend_chunked_equals_an_fp64_softmax(q_len, extra_keys, block, heads, 
     allowed[1, :, :, k_len - q_len :] |= torch.eye(q_len, dtype=torch.bool)  # padded queries see themselves
     mask = allowed if padding else None
     expected = _reference(q, k, v, dense, allowed, 0.3)
-    out = attend_chunked(q, k, v, bias=bias, mask=mask, scaling=0.3, block=block)
+    out = attend_chunked(q, k, v, bias=bias, mask=mask, softmax_scale=0.3, block=block)
     torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
 
 
@@ -255,7 +255,7 @@ def test_chunked_bf16_stays_within_transformers_sdpa_vs_eager_tolerance():
     causal = torch.ones(64, 64, dtype=torch.bool).tril()[None, None]
     expected = _reference(q, k, v, bias.full(), causal, 0.25).float()
     out = attend_chunked(
-        q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias, mask=None, scaling=0.25, block=16
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias, mask=None, softmax_scale=0.25, block=16
     )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -281,11 +281,11 @@ def test_flex_serves_by_distance_and_separable_but_not_rows():
     that cannot say its bias per score, and off CUDA whenever gradients are recorded."""
     q = k = v = torch.randn(1, 2, 6, 8)
     rows = RowBias(6, 6, lambda s, e, end: torch.zeros(1, 2, e - s, end))
-    assert attend_flex(q, k, v, bias=rows, mask=None, scaling=1.0) is None
+    assert attend_flex(q, k, v, bias=rows, mask=None, softmax_scale=1.0) is None
     table = DistanceBias(6, 6, torch.randn(2, 6))
     with torch.no_grad():
-        assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0).shape == (1, 6, 2, 8)
-    assert attend_flex(q, k, v, bias=table, mask=None, scaling=1.0) is None  # no CPU backward: chunked
+        assert attend_flex(q, k, v, bias=table, mask=None, softmax_scale=1.0).shape == (1, 6, 2, 8)
+    assert attend_flex(q, k, v, bias=table, mask=None, softmax_scale=1.0) is None  # no CPU backward: chunked
 
 
 def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():
@@ -308,8 +308,10 @@ def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():
     k, v = (torch.randn(1, 4, 9, 8, generator=generator) for _ in range(2))
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     bias = LinearDistanceBias(5, 9, slopes)
-    out = attend_flash_alibi(q, k, v, bias=bias, mask=None, scaling=0.35, flash_function=flash_reference)
-    expected = attend_chunked(q, k, v, bias=bias, mask=None, scaling=0.35)
+    out = attend_flash_alibi(
+        q, k, v, bias=bias, mask=None, softmax_scale=0.35, flash_function=flash_reference
+    )
+    expected = attend_chunked(q, k, v, bias=bias, mask=None, softmax_scale=0.35)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     assert calls[0][0] is True
     assert (
@@ -319,7 +321,7 @@ def test_flash_alibi_path_passes_bthd_layout_causal_and_the_slopes():
             v,
             bias=bias,
             mask=torch.ones(1, 1, 5, 9, dtype=torch.bool),
-            scaling=0.35,
+            softmax_scale=0.35,
             flash_function=flash_reference,
         )
         is None
@@ -451,20 +453,20 @@ def test_fla_forgetting_path_passes_bthd_layout_and_log_gates():
     log_f = torch.nn.functional.logsigmoid(torch.randn(2, 4, 11, generator=generator) + 2)
     c = log_f.double().cumsum(-1).float()
     bias = CumulativeBias(log_f, c)
-    out = attend_fla_forgetting(q, k, v, bias=bias, mask=None, scaling=0.3, kernel=forgetting_reference)
+    out = attend_fla_forgetting(q, k, v, bias=bias, mask=None, softmax_scale=0.3, kernel=forgetting_reference)
     torch.testing.assert_close(
-        out, attend_chunked(q, k, v, bias=bias, mask=None, scaling=0.3), atol=ATOL, rtol=0
+        out, attend_chunked(q, k, v, bias=bias, mask=None, softmax_scale=0.3), atol=ATOL, rtol=0
     )
     cached = SeparableBias(3, 11, c[..., -3:], c)
     assert (
         attend_fla_forgetting(
-            q[:, :, -3:], k, v, bias=cached, mask=None, scaling=0.3, kernel=forgetting_reference
+            q[:, :, -3:], k, v, bias=cached, mask=None, softmax_scale=0.3, kernel=forgetting_reference
         )
         is None
     )
     padded = torch.ones(2, 1, 11, 11, dtype=torch.bool)
     assert (
-        attend_fla_forgetting(q, k, v, bias=bias, mask=padded, scaling=0.3, kernel=forgetting_reference)
+        attend_fla_forgetting(q, k, v, bias=bias, mask=padded, softmax_scale=0.3, kernel=forgetting_reference)
         is None
     )
 
@@ -505,7 +507,7 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
             k,
             v,
             mask=None,
-            scaling=0.4,
+            softmax_scale=0.4,
             kernel=stickbreaking_reference,
             attend_current=sba.config.attend_current,
             remainder=sba.config.remainder,
@@ -516,7 +518,7 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
             v,
             mask=None,
             bias=None,
-            scaling=0.4,
+            softmax_scale=0.4,
             backend="eager",
             normalize=lambda scores, allowed: sba.normalize(ctx.with_allowed(allowed), scores),
         )
@@ -527,7 +529,7 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
             k,
             v,
             mask=None,
-            scaling=0.4,
+            softmax_scale=0.4,
             kernel=stickbreaking_reference,
             attend_current=False,
             remainder="drop",
@@ -593,7 +595,7 @@ def test_a_backend_failure_is_remembered_per_model_not_per_process(monkeypatch):
     """A backend that fails (as FlexAttention does when a kernel cannot compile: it adds itself to
     the call's ``failures``) is not asked again by that model, and still is by another model."""
     from hf_posenc.attention import backend as registry
-    from hf_posenc.patch import PATCH_ATTRIBUTE
+    from hf_posenc.core.patch import PATCH_ATTRIBUTE
 
     asked = []
 

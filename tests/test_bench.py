@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hf_posenc.cli import main
+from hf_posenc.recipes.cli import main
 
 
 @pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
@@ -53,8 +53,8 @@ def test_bench_reports_ratios_to_native_for_each_encoding_mode_and_length(tmp_pa
 def test_bench_plots_only_the_modes_that_ran_and_records_provenance(tmp_path):
     import torch
 
-    from hf_posenc.benchmark import BenchConfig, run_suite, write_results
-    from hf_posenc.benchmark.suite import _panels
+    from hf_posenc.recipes.benchmark import BenchConfig, run_suite, write_results
+    from hf_posenc.recipes.benchmark.suite import _panels
 
     config = BenchConfig(
         encodings=["alibi"],

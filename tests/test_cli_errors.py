@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import hf_posenc
-from hf_posenc.cli import build_parser, main
-from hf_posenc.data import stdlib_documents
-from hf_posenc.tiny import tiny_model
-from hf_posenc.tokenizer import train_bpe_tokenizer
+from hf_posenc.recipes.cli import build_parser, main
+from hf_posenc.recipes.data import stdlib_documents
+from hf_posenc.recipes.tiny import tiny_model
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_the_command_line_imports_no_heavy_module_of_its_own():
     """Importing the CLI adds no torch-, accelerate-, datasets-, matplotlib- or lm-eval-dependent
     module of hf_posenc to what `import hf_posenc` already loads (--help does not wait for them)."""
     code = (
-        "import sys, hf_posenc; before = set(sys.modules); import hf_posenc.cli; "
+        "import sys, hf_posenc; before = set(sys.modules); import hf_posenc.recipes.cli; "
         "print(sorted(set(sys.modules) - before))"
     )
     added = eval(
@@ -142,8 +142,8 @@ def test_the_command_line_imports_no_heavy_module_of_its_own():
         "datasets",
         "matplotlib",
         "lm_eval",
-        "hf_posenc.training.loop",
-        "hf_posenc.benchmark.suite",
+        "hf_posenc.recipes.training.loop",
+        "hf_posenc.recipes.benchmark.suite",
     )
     assert not [m for m in added if m.startswith(heavy)], added
 
@@ -159,7 +159,7 @@ def test_the_command_line_imports_no_heavy_module_of_its_own():
 def test_lm_eval_passthrough_checks_the_model_before_lm_eval_starts(
     model_dir, model_args, message, capsys, monkeypatch
 ):
-    import hf_posenc.cli.lm_eval as command
+    import hf_posenc.recipes.cli.lm_eval as command
 
     monkeypatch.setattr(command, "run_lm_eval_cli", lambda argv: pytest.fail("lm-eval started"))
     argv = ["lm-eval", "--model", "hf-posenc", "--model_args", model_args.format(root=model_dir)]
@@ -175,7 +175,7 @@ def test_list_reads_a_cached_catalogue_without_importing_torch(tmp_path):
     a damaged cache file is rebuilt."""
     env = {**os.environ, "HF_POSENC_CACHE": str(tmp_path)}
     code = (
-        "import sys; from hf_posenc.cli import main; main(['list', '--json']); "
+        "import sys; from hf_posenc.recipes.cli import main; main(['list', '--json']); "
         "print('TORCH', 'torch' in sys.modules)"
     )
 
@@ -193,10 +193,10 @@ def test_list_reads_a_cached_catalogue_without_importing_torch(tmp_path):
     assert first == second
     names = [info.name for info in hf_posenc.list_encodings()]
     assert [row["name"] for row in second["encodings"]] == names
-    assert second["families"] == hf_posenc.registry.supported_families()
+    assert second["families"] == hf_posenc.core.registry.supported_families()
     params = {row["name"]: row["parameters"] for row in second["encodings"]}
     assert params["t5"] == json.loads(
-        json.dumps(hf_posenc.registry.get_encoding("t5").config_class.parameter_defaults())
+        json.dumps(hf_posenc.core.registry.get_encoding("t5").config_class.parameter_defaults())
     )
     cached.write_text("{not json")
     third, third_imported_torch = run()

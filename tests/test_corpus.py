@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_posenc.data import pack_blocks, read_documents, stdlib_documents, tokenize_documents
-from hf_posenc.tokenizer import train_bpe_tokenizer
-from hf_posenc.training.corpus import BATCH_DOCUMENTS, TokenBlocks, training_blocks
+from hf_posenc.recipes.data import pack_blocks, read_documents, stdlib_documents, tokenize_documents
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+from hf_posenc.recipes.training.corpus import BATCH_DOCUMENTS, TokenBlocks, training_blocks
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import hf_posenc
-from hf_posenc.cli import main
+from hf_posenc.recipes.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

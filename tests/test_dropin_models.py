@@ -16,7 +16,7 @@ from conftest import FAMILIES, VOCAB, make_model, patch, token_ids
 from conftest import no_grad_logits as logits
 
 import hf_posenc
-from hf_posenc.registry import adapter_for
+from hf_posenc.core.registry import adapter_for
 
 
 # -- model classes -------------------------------------------------------------------------------

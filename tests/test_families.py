@@ -23,7 +23,7 @@ from conftest import (
 
 import hf_posenc
 from hf_posenc import UnsupportedModelError
-from hf_posenc.registry import families
+from hf_posenc.core.registry import families
 
 PACKAGE = Path(hf_posenc.__file__).parent
 MODELS = PACKAGE / "models"

@@ -15,8 +15,8 @@ from conftest import make_model, no_grad_logits, token_ids
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, SmolLM3Config, SmolLM3ForCausalLM
 
 import hf_posenc
+from hf_posenc.core.hybrid import canonical_request, check_request, matches_saved, parse_pattern_text
 from hf_posenc.errors import AlreadyPatchedError, InvalidParameterError
-from hf_posenc.hybrid import canonical_request, check_request, matches_saved, parse_pattern_text
 
 ATOL = 1e-5
 LAYERS = 4
@@ -412,7 +412,7 @@ def test_recipe_text_form():
 def test_lm_eval_and_perplexity_load_a_pattern(tmp_path):
     """The recipes' loader patches a plain checkpoint with the text form and reloads a saved hybrid;
     a different pattern for a saved hybrid is refused."""
-    from hf_posenc.loading import load_model
+    from hf_posenc.core.loading import load_model
 
     model = four_layer_model()
     model.save_pretrained(tmp_path / "plain")
@@ -434,10 +434,10 @@ def test_perplexity_cli_patches_a_plain_checkpoint_with_a_pattern(tmp_path, caps
     import itertools
     import json
 
-    from hf_posenc.cli import main
-    from hf_posenc.data import stdlib_documents
-    from hf_posenc.tiny import tiny_model
-    from hf_posenc.tokenizer import train_bpe_tokenizer
+    from hf_posenc.recipes.cli import main
+    from hf_posenc.recipes.data import stdlib_documents
+    from hf_posenc.recipes.tiny import tiny_model
+    from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 
     texts = [doc[:3000] for doc in itertools.islice(stdlib_documents(), 2)]
     tokenizer = train_bpe_tokenizer(texts, vocab_size=300)

@@ -20,9 +20,9 @@ from test_reference import LENGTH, run_and_capture
 from test_relative_bias_encodings import fire_reference, kerple_reference, sandwich_reference
 
 import hf_posenc
+from hf_posenc.core.memo import ForwardMemo
 from hf_posenc.encodings.call import ForwardCall
 from hf_posenc.errors import InvalidParameterError, PositionRangeError
-from hf_posenc.memo import ForwardMemo
 
 F = 2.5  # a factor that is not an integer: floor and fractional positions both matter
 
@@ -73,7 +73,7 @@ def test_score_bias_at_a_factor_equals_the_formula_at_interpolated_positions(nam
         hidden, output = records[layer_idx]
         heads = module.config.num_attention_heads
         bias = bias_reference(name, params, model, layer_idx, heads, F)
-        expected = ref.attention_layer(module, hidden, scaling=module.scaling, bias=bias)
+        expected = ref.attention_layer(module, hidden, softmax_scale=module.scaling, bias=bias)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -147,7 +147,7 @@ def test_rotary_encodings_at_a_factor_rotate_by_n_over_f(name, params):
         inv_freq = axial_inv_freq(module.head_dim, theta, params.get("axes", 1))
         matrices = [ref.rotation_matrix(t / F, inv_freq, module.head_dim) for t in range(LENGTH)]
         expected = ref.attention_layer(
-            module, hidden, scaling=module.scaling, rotation=lambda t, i, m=matrices: m[t]
+            module, hidden, softmax_scale=module.scaling, rotation=lambda t, i, m=matrices: m[t]
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
+from hf_posenc.core.memo import ForwardMemo
 from hf_posenc.encodings.base import probe_layer_call
-from hf_posenc.memo import ForwardMemo
 
 CASES = cases_of("liere", "fope")
 SETTINGS = settings(max_examples=15, deadline=None)
@@ -141,7 +141,7 @@ def test_fope_without_clipping_and_noise_equals_the_rope_formula(family):
         expected = ref.attention_layer(
             module,
             hidden,
-            scaling=module.scaling,
+            softmax_scale=module.scaling,
             window=native_window(model, layer_idx),
             rotation=lambda t, i, f=inv_freq, d=d: ref.rotation_matrix(t, f, d),
         )

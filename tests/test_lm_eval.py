@@ -15,17 +15,17 @@ import torch
 pytest.importorskip("lm_eval")
 
 import hf_posenc  # noqa: E402
-from hf_posenc.cli import main  # noqa: E402
-from hf_posenc.data import stdlib_documents  # noqa: E402
-from hf_posenc.integrations.lm_eval_tasks import (  # noqa: E402
+from hf_posenc.recipes.cli import main  # noqa: E402
+from hf_posenc.recipes.data import stdlib_documents  # noqa: E402
+from hf_posenc.recipes.integrations.lm_eval_tasks import (  # noqa: E402
     PRESETS,
     plan_tasks,
     read_task_yaml,
     select_tasks,
     write_task_configs,
 )
-from hf_posenc.tiny import tiny_model  # noqa: E402
-from hf_posenc.tokenizer import train_bpe_tokenizer  # noqa: E402
+from hf_posenc.recipes.tiny import tiny_model  # noqa: E402
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
 SUBJECTS = ["abstract_algebra", "philosophy"]
@@ -155,7 +155,7 @@ def test_passthrough_runs_lm_eval_own_cli_with_the_registered_model(checkpoints,
 def test_passthrough_defaults_the_model_to_hf_posenc():
     """A passthrough evaluation that names no model gets ``--model hf-posenc`` (lm-eval's default
     ``hf`` would drop the encoding); an explicit model, a config file, help and ``ls`` stay as given."""
-    from hf_posenc.cli.lm_eval import _with_default_model
+    from hf_posenc.recipes.cli.lm_eval import _with_default_model
 
     assert _with_default_model(["--tasks", "x"]) == ["--model", "hf-posenc", "--tasks", "x"]
     assert _with_default_model(["run", "--tasks", "x"]) == ["run", "--model", "hf-posenc", "--tasks", "x"]
@@ -219,7 +219,7 @@ def test_lm_eval_model_with_scaling_keys_equals_the_model_patched_at_that_scalin
     """The hf-posenc lm-eval model built from a saved ALiBi checkpoint plus dotted scaling keys
     (reconfigured after loading) gives the logits of the plain checkpoint patched with ALiBi at
     that scaling from the start, and not those of the unscaled checkpoint."""
-    from hf_posenc.integrations.lm_eval_model import PosencLM
+    from hf_posenc.recipes.integrations.lm_eval_model import PosencLM
 
     scaling = {"scaling.type": "linear", "scaling.factor": 2}
     lm = PosencLM(pretrained=str(checkpoints["alibi"]), device="cpu", **scaling)

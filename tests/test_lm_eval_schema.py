@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_posenc.cli import main
-from hf_posenc.integrations.lm_eval_schema import SchemaError, check_rows
-from hf_posenc.integrations.lm_eval_tasks import plan_tasks
+from hf_posenc.recipes.cli import main
+from hf_posenc.recipes.integrations.lm_eval_schema import SchemaError, check_rows
+from hf_posenc.recipes.integrations.lm_eval_tasks import plan_tasks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
 

@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import hf_posenc
-from hf_posenc.cli import main
-from hf_posenc.cli.perplexity import parse_encoding_params
-from hf_posenc.data import stdlib_documents
-from hf_posenc.evaluation import (
+from hf_posenc.recipes.cli import main
+from hf_posenc.recipes.cli.perplexity import parse_encoding_params
+from hf_posenc.recipes.data import stdlib_documents
+from hf_posenc.recipes.evaluation import (
     EvaluationError,
     LengthResult,
     check_output_dir,
@@ -32,9 +32,9 @@ from hf_posenc.evaluation import (
     format_table,
     write_report,
 )
-from hf_posenc.evaluation import perplexity as perplexity_module
-from hf_posenc.tiny import tiny_model
-from hf_posenc.tokenizer import train_bpe_tokenizer
+from hf_posenc.recipes.evaluation import perplexity as perplexity_module
+from hf_posenc.recipes.tiny import tiny_model
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -288,7 +288,7 @@ def test_unwritable_output_dir_is_refused(tmp_path):
 
 def test_output_dir_where_files_cannot_be_created_is_refused(tmp_path, monkeypatch):
     """(Simulated, for root) a failing test write becomes a PermissionError naming the directory."""
-    import hf_posenc.evaluation.report as report
+    import hf_posenc.recipes.evaluation.report as report
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
@@ -424,7 +424,7 @@ def test_cli_bad_inputs_fail_with_a_clear_message_before_loading(
 ):
     root, _ = workspace
     loads = []
-    monkeypatch.setattr(hf_posenc.loading, "load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(hf_posenc.core.loading, "load_model", lambda *a, **k: loads.append(a))
     out = ["--output", str(tmp_path / "out")]
     llama = ["--model", str(root / "llama")]
     argv = {

@@ -84,7 +84,7 @@ def native_rope(model, layer_idx: int) -> tuple[float, bool]:
 def layer_reference(name, params, module, hidden, model, layer_idx):
     geometry_d = hidden.shape[-1]
     heads = num_query_heads(model)
-    kwargs = dict(scaling=module.scaling, window=native_window(model, layer_idx))
+    kwargs = dict(softmax_scale=module.scaling, window=native_window(model, layer_idx))
     theta, rotates = native_rope(model, layer_idx)
     if name == "rope" and "theta" not in params:
         params = {**params, "theta": theta}

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
+from hf_posenc.core.memo import ForwardMemo
 from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.call import ScoreCall
-from hf_posenc.memo import ForwardMemo
 
 CASES = cases_of("kerple", "sandwich", "fire")
 REFERENCE_CASES = [*CASES, ("sandwich", {"dim": 16}), ("kerple", {"variant": "power"})]
@@ -86,7 +86,7 @@ def layer_reference(name, params, module, hidden, model, layer_idx):
     else:
         bias = fire_reference(params, model.posenc, layer_idx)
     window = native_window(model, layer_idx)
-    return ref.attention_layer(module, hidden, scaling=module.scaling, window=window, bias=bias)
+    return ref.attention_layer(module, hidden, softmax_scale=module.scaling, window=window, bias=bias)
 
 
 @pytest.mark.parametrize("ref_case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])

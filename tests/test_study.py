@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import hf_posenc
-from hf_posenc.cli import main
-from hf_posenc.study import StudyConfig, parse_encoding_spec, run_study
+from hf_posenc.recipes.cli import main
+from hf_posenc.recipes.study import StudyConfig, parse_encoding_spec, run_study
 
 MINI = dict(
     encodings=["rope", "alibi", 'expe{"scaling": {"type": "linear", "factor": 2}}'],
@@ -65,8 +65,8 @@ def test_eval_only_rows_evaluate_trained_runs_at_other_parameters(tmp_path, caps
     (slopes / 2, Al-Khateeb et al. 2023), evaluated on the same tokens."""
     from transformers import AutoTokenizer
 
-    from hf_posenc.data import read_documents, tokenize_documents
-    from hf_posenc.evaluation import evaluate_lengths, token_budget
+    from hf_posenc.recipes.data import read_documents, tokenize_documents
+    from hf_posenc.recipes.evaluation import evaluate_lengths, token_budget
 
     mini = {
         **MINI,
@@ -121,7 +121,7 @@ def test_runs_are_reused_only_when_their_settings_match(tmp_path, capsys):
 def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_continues(tmp_path, monkeypatch, capsys):
     """A real SIGINT during a run's step 2 of 4: the step finishes, a checkpoint is saved, the
     command exits with code 130; the same command resumes from that checkpoint and finishes."""
-    from hf_posenc.training import loop
+    from hf_posenc.recipes.training import loop
 
     original = loop.check_finite_loss
     fired = []
@@ -167,7 +167,7 @@ def test_config_file_is_fed_back_and_dry_run_loads_nothing(tmp_path, capsys):
 
 
 def test_plot_labels_are_readable():
-    from hf_posenc.study import display_label
+    from hf_posenc.recipes.study import display_label
 
     assert display_label('expe{"scaling": {"type": "linear", "factor": 2}}') == "expe (scaling linear x2)"
     assert display_label('t5{"num_buckets": 16}') == "t5 (num_buckets=16)"

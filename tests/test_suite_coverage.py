@@ -25,7 +25,7 @@ from encoding_cases import (
 
 import hf_posenc
 from hf_posenc.attention.backend import backend_choices
-from hf_posenc.registry import canonical_name
+from hf_posenc.core.registry import canonical_name
 
 TESTS = Path(__file__).parent
 
@@ -91,7 +91,7 @@ def test_the_invariants_run_on_every_registered_case_and_family():
 def test_every_supported_family_is_a_family_fixture_value():
     """Every registered family is a value of the tests' ``family``, and every model_type that
     ``supported_families()`` lists is served by one of them."""
-    from hf_posenc.registry import families
+    from hf_posenc.core.registry import families
 
     assert set(conftest.FAMILIES) == set(families())
     served = {model_type for adapter in families().values() for model_type in adapter.model_types}

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import hf_posenc
-from hf_posenc.cli import main
-from hf_posenc.data import stdlib_documents
-from hf_posenc.tiny import tiny_model
-from hf_posenc.tokenizer import train_bpe_tokenizer
-from hf_posenc.training import TrainConfig, train
+from hf_posenc.recipes.cli import main
+from hf_posenc.recipes.data import stdlib_documents
+from hf_posenc.recipes.tiny import tiny_model
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+from hf_posenc.recipes.training import TrainConfig, train
 
 
 @pytest.fixture(scope="module")

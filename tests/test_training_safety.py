@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import hf_posenc
-from hf_posenc.cli import main
-from hf_posenc.data import DataError, read_documents, stdlib_documents
-from hf_posenc.tiny import tiny_model
-from hf_posenc.tokenizer import train_bpe_tokenizer
-from hf_posenc.training import TrainConfig, train
-from hf_posenc.training.checkpoints import STATE_FILE
+from hf_posenc.recipes.cli import main
+from hf_posenc.recipes.data import DataError, read_documents, stdlib_documents
+from hf_posenc.recipes.tiny import tiny_model
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+from hf_posenc.recipes.training import TrainConfig, train
+from hf_posenc.recipes.training.checkpoints import STATE_FILE
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_a_launch_whose_processes_do_not_join_stops_before_writing_anything(work
 
 
 def test_ddp_timeout_reaches_the_process_group_settings(workspace):
-    from hf_posenc.training.loop import _accelerator
+    from hf_posenc.recipes.training.loop import _accelerator
 
     accelerator = _accelerator(settings(workspace, "timeout", ddp_timeout=42), workspace / "timeout")
     assert accelerator.init_handler.timeout.total_seconds() == 42

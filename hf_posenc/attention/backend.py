@@ -36,7 +36,7 @@ class AttentionCall:
     score: ScoreCall
     v: torch.Tensor  # (B, Hkv, Tk, D)
     mask: torch.Tensor | None  # (B|1, 1, Tq, Tk) bool, True = may attend; None: causal
-    scaling: float
+    softmax_scale: float
     dropout_p: float
     #: the ``backend=`` the model was patched with
     requested: str
@@ -67,14 +67,14 @@ class AttentionCall:
         return self.q.device.type == "cuda"
 
     def bias_arguments(self) -> dict[str, Any]:
-        """q, k, v and the keywords every bias backend's function takes (``bias``, ``mask``, ``scaling``)."""
+        """q, k, v and the keywords every bias backend's function takes (``bias``, ``mask``, ``softmax_scale``)."""
         return {
             "q": self.q,
             "k": self.k,
             "v": self.v,
             "bias": self.bias,
             "mask": self.mask,
-            "scaling": self.scaling,
+            "softmax_scale": self.softmax_scale,
         }
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.layout import causal_keys, causal_mask, expand_kv_heads, fold_mask
 from ..encodings.block_bias import BlockBias, DistanceBias
-from ..layout import causal_keys, causal_mask, expand_kv_heads, fold_mask
 from .backend import AUTO, AttentionCall, Backend, register_backend
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
@@ -70,7 +70,7 @@ def attend_chunked(
     *,
     bias: BlockBias,
     mask: torch.Tensor | None,
-    scaling: float,
+    softmax_scale: float,
     dropout_p: float = 0.0,
     block: int | None = None,
 ) -> torch.Tensor:
@@ -102,7 +102,7 @@ def attend_chunked(
                     v_rev[:, :, first:],
                     attn_mask=view,
                     dropout_p=dropout_p,
-                    scale=scaling,
+                    scale=softmax_scale,
                 )
             )
         return torch.cat(outputs, dim=2).transpose(1, 2)
@@ -114,7 +114,12 @@ def attend_chunked(
         allowed = causal_mask(rows, k_end, q.device) if mask is None else mask[..., start:stop, :k_end]
         folded = fold_mask(values, allowed)
         return F.scaled_dot_product_attention(
-            q_block, k[:, :, :k_end], v[:, :, :k_end], attn_mask=folded, dropout_p=dropout_p, scale=scaling
+            q_block,
+            k[:, :, :k_end],
+            v[:, :, :k_end],
+            attn_mask=folded,
+            dropout_p=dropout_p,
+            scale=softmax_scale,
         )
 
     recompute = torch.is_grad_enabled() and len(spans) > 1

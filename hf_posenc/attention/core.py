@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..core.layout import causal_mask, expand_kv_heads, fold_mask
 from ..encodings.call import ScoreCall
-from ..layout import causal_mask, expand_kv_heads, fold_mask
 from .backend import AUTO, AttentionCall, Backend, register_backend
 
 
@@ -31,7 +31,7 @@ def attend(
     *,
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
-    scaling: float,
+    softmax_scale: float,
     logits: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "sdpa",
@@ -51,19 +51,23 @@ def attend(
     k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)  # (B, Hq, Tk, D)
     q_len, k_len = q.shape[-2], k.shape[-2]
     if folded is not None:  # bias and mask already combined by float_mask (sdpa only)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=folded, dropout_p=dropout_p, scale=scaling)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=folded, dropout_p=dropout_p, scale=softmax_scale
+        )
         return out.transpose(1, 2), None
     explicit = backend == "eager" or logits is not None or transform is not None or normalize is not None
     if mask is None and (q_len > 1 or normalize is not None):
         if bias is None and not explicit and q_len == k_len:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scaling)
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=softmax_scale
+            )
             return out.transpose(1, 2), None
         mask = causal_mask(q_len, k_len, q.device)
 
     if explicit:
         if logits is None:
             logits = torch.matmul(q, k.transpose(-1, -2)).float()
-        scores = logits * scaling  # (B, Hq, Tq, Tk)
+        scores = logits * softmax_scale  # (B, Hq, Tq, Tk)
         if bias is not None:
             scores = scores + bias
         if transform is not None:
@@ -76,7 +80,9 @@ def attend(
         return torch.matmul(weights, v).transpose(1, 2), weights
 
     attn_mask = mask if bias is None else fold_mask(bias.to(q.dtype), mask)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=softmax_scale
+    )
     return out.transpose(1, 2), None
 
 
@@ -114,7 +120,7 @@ def attend_explicit(
         mask=mask,
         bias=bias,
         logits=logits,
-        scaling=call.scaling,
+        softmax_scale=call.softmax_scale,
         dropout_p=call.dropout_p,
         backend=backend,
         transform=transform if "transform_scores" in stages else None,
@@ -173,7 +179,7 @@ class SdpaBackend(Backend):
             call.v,
             mask=mask,
             bias=bias,
-            scaling=call.scaling,
+            softmax_scale=call.softmax_scale,
             dropout_p=call.dropout_p,
             backend="sdpa",
             folded=folded,

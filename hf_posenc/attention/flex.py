@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias
-from ..memo import ForwardMemo
 from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
 
 _BLOCK_MASKS: dict[tuple, object] = {}
@@ -93,7 +93,7 @@ def attend_flex(
     *,
     bias: BlockBias,
     mask: torch.Tensor | None,
-    scaling: float,
+    softmax_scale: float,
     memo: ForwardMemo | None = None,
     failures: set[str] | None = None,
 ) -> torch.Tensor | None:
@@ -122,7 +122,7 @@ def attend_flex(
             # uncompiled FlexAttention warns that it is slow: off CUDA it is the tested reference path
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             out = _flex_function(compiled)(
-                q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=gqa
+                q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale, enable_gqa=gqa
             )
     except Exception as error:  # a kernel this build of torch cannot compile: say so once, fall back
         if not compiled:

@@ -8,7 +8,7 @@ itself is one :class:`~.backend.AttentionCall` that :func:`~.backend.dispatch` h
 first registered backend that serves it.
 
 One instance per attention module; it holds the module, its layer index, the family
-adapter and the shared :class:`~hf_posenc.runtime.PatchRuntime`.
+adapter and the shared :class:`~hf_posenc.core.runtime.PatchRuntime`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..compat import attention_weights_requested
+from ..compat import attention_weights_requested, cache_argument
+from ..core.positions import bind_arguments, positional_names
 from ..encodings.call import LayerCall
 from ..errors import InvalidParameterError
-from ..positions import bind_arguments, positional_names
 from .backend import AttentionCall, dispatch
 
 if TYPE_CHECKING:
-    from ..runtime import PatchRuntime
+    from ..core.runtime import PatchRuntime
 
 
 class PatchedAttentionForward:
@@ -56,7 +56,7 @@ class PatchedAttentionForward:
         call = self._arguments(args, kwargs)
         hidden: torch.Tensor = call["hidden_states"]  # (B, T, hidden)
         mask = call.get("attention_mask")
-        cache = call.get("past_key_values")
+        cache = cache_argument(call)
         runtime, module = self.runtime, self.module
         encoding, adapter, memo, stages = runtime.encoding, runtime.adapter, runtime.memo, runtime.stages
         context = runtime.context_for(call.get("position_ids"), hidden)
@@ -102,7 +102,7 @@ class PatchedAttentionForward:
             score=score,
             v=v,
             mask=mask,
-            scaling=float(module.scaling),  # type: ignore[arg-type]  # a float on every attention module
+            softmax_scale=float(module.scaling),  # type: ignore[arg-type]  # a float on every attention module
             dropout_p=adapter.dropout_p(module),
             requested=runtime.backend,
             want_weights=attention_weights_requested(),

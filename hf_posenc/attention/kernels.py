@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.layout import expand_kv_heads
 from ..encodings.block_bias import BlockBias, CumulativeBias, LinearDistanceBias
 from ..encodings.sba import SBAConfig, StickBreaking
-from ..layout import expand_kv_heads
 from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
 
 
@@ -40,7 +40,7 @@ def attend_flash_alibi(
     *,
     bias: BlockBias,
     mask: torch.Tensor | None,
-    scaling: float,
+    softmax_scale: float,
     dropout_p: float = 0.0,
     flash_function: Callable | None = None,
 ) -> torch.Tensor | None:
@@ -61,7 +61,7 @@ def attend_flash_alibi(
         k.transpose(1, 2),
         v.transpose(1, 2),
         dropout_p=dropout_p,
-        softmax_scale=scaling,
+        softmax_scale=softmax_scale,
         causal=True,
         alibi_slopes=bias.slopes.float(),
     )
@@ -75,7 +75,7 @@ def attend_fla_forgetting(
     *,
     bias: BlockBias,
     mask: torch.Tensor | None,
-    scaling: float,
+    softmax_scale: float,
     kernel: Callable | None = None,
 ) -> torch.Tensor | None:
     """FoX through flash-linear-attention's forgetting-attention kernel -> (B,Tq,Hq,D), or None.
@@ -96,7 +96,7 @@ def attend_fla_forgetting(
         k.transpose(1, 2),
         v.transpose(1, 2),
         bias.increments.transpose(1, 2),  # (B, T, Hq) fp32
-        scale=scaling,
+        scale=softmax_scale,
     )
     return out  # (B, Tq, Hq, D)
 
@@ -107,7 +107,7 @@ def attend_fla_stickbreaking(
     v: torch.Tensor,
     *,
     mask: torch.Tensor | None,
-    scaling: float,
+    softmax_scale: float,
     attend_current: bool,
     remainder: str,
     kernel: Callable | None = None,
@@ -130,7 +130,7 @@ def attend_fla_stickbreaking(
     groups = q.shape[1] // k.shape[1]
     values = v.transpose(1, 2)  # (B, T, Hkv, D)
     out, rem = kernel(
-        q.transpose(1, 2), k.transpose(1, 2), values, scale=scaling, attend_current=attend_current
+        q.transpose(1, 2), k.transpose(1, 2), values, scale=softmax_scale, attend_current=attend_current
     )
     if remainder == "current":
         own = expand_kv_heads(values, groups, dim=2)  # (B, T, Hq, D)
@@ -189,7 +189,7 @@ class FlaStickBreakingBackend(Backend):
             call.k,
             call.v,
             mask=call.mask,
-            scaling=call.scaling,
+            softmax_scale=call.softmax_scale,
             attend_current=config.attend_current,
             remainder=config.remainder,
         )

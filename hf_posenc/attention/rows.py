@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..layout import causal_keys
+from ..core.layout import causal_keys
 from . import chunked
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .core import attend_explicit

@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from ..config import EncodingConfig
-from ..interpolation import PositionInterpolation
-from ..registry import register_encoding
+from ..core.config import EncodingConfig
+from ..core.interpolation import PositionInterpolation
+from ..core.registry import register_encoding
 from .base import Encoding
 from .block_bias import LinearDistanceBias
 from .call import ScoreCall

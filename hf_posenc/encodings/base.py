@@ -30,9 +30,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import nn
 
-from ..config import FORMAT_VERSION, EncodingConfig
-from ..layout import query_key_indices
-from ..memo import ForwardMemo
+from ..core.config import FORMAT_VERSION, EncodingConfig
+from ..core.layout import query_key_indices
+from ..core.memo import ForwardMemo
 from ..models.base import ModelGeometry
 from .block_bias import BlockBias
 from .call import ForwardCall, LayerCall, ScoreCall

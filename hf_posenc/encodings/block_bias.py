@@ -16,7 +16,7 @@ what the bias *is*, never which kernel should serve it.
 ``RowBias``             a function ``(start, stop, k_end) -> (B|1, Hq, stop-start, k_end)`` (FIRE),
                         optionally with the bias of one score ``(b, h, q_idx, kv_idx) -> bias``.
 
-Queries are bottom-right aligned (:mod:`hf_posenc.layout`). Every form gives the bias of the
+Queries are bottom-right aligned (:mod:`hf_posenc.core.layout`). Every form gives the bias of the
 keys a causal query may attend; future keys, masked by every backend, get the bias of distance 0.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..layout import query_key_indices
+from ..core.layout import query_key_indices
 
 RowsFunction = Callable[[int, int, int], torch.Tensor]
 #: the bias of scores at index tensors (b, h, q_idx, kv_idx) -> bias (FlexAttention's score_mod layout)

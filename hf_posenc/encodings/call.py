@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..layout import causal_keys
-from ..memo import ForwardMemo
+from ..core.layout import causal_keys
+from ..core.memo import ForwardMemo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

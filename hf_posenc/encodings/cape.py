@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import EncodingConfig, check_number, fail
+from ..core.config import EncodingConfig, check_number, fail
+from ..core.registry import encoding_names, get_encoding, register_encoding
 from ..errors import InvalidParameterError
-from ..registry import encoding_names, get_encoding, register_encoding
 from .base import Encoding
 from .call import ScoreCall
 

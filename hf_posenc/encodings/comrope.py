@@ -38,10 +38,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_choice, check_number, resolved
+from ..core.config import EncodingConfig, check_choice, check_number, resolved
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
-from ..interpolation import PositionInterpolation, interpolate
-from ..registry import register_encoding
 from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim

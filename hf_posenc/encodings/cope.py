@@ -26,8 +26,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_bool, check_number
+from ..core.registry import register_encoding
 from .base import Encoding
 from .call import ScoreCall
 

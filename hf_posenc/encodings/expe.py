@@ -20,8 +20,8 @@ import dataclasses
 
 import torch
 
-from ..config import check_number
-from ..registry import register_encoding
+from ..core.config import check_number
+from ..core.registry import register_encoding
 from .base import Encoding
 from .call import LayerCall
 from .expe_common import ExactPositionConfig, override_leading, warn_if_indistinguishable

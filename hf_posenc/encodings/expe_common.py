@@ -8,9 +8,9 @@ from typing import TypeVar
 
 import torch
 
-from ..config import EncodingConfig, check_bool, check_number, resolved
+from ..core.config import EncodingConfig, check_bool, check_number, resolved
+from ..core.interpolation import PositionInterpolation
 from ..errors import InvalidParameterError
-from ..interpolation import PositionInterpolation
 from .base import Encoding, module_cache
 from .expe_precision import first_collision
 

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number
-from ..interpolation import PositionInterpolation, interpolate
-from ..layout import query_key_distance
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_bool, check_number
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.layout import query_key_distance
+from ..core.registry import register_encoding
 from .base import Encoding, module_cache
 from .block_bias import ElementwiseBias, RowBias
 from .call import ScoreCall

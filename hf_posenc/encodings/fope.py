@@ -34,11 +34,11 @@ import math
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number, resolved
-from ..interpolation import PositionInterpolation, interpolate
-from ..layout import expand_kv_heads
-from ..memo import ForwardMemo
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_bool, check_number, resolved
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.layout import expand_kv_heads
+from ..core.memo import ForwardMemo
+from ..core.registry import register_encoding
 from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim, rotate_half

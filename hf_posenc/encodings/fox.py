@@ -26,8 +26,8 @@ from typing import ClassVar, cast
 
 from torch import nn
 
-from ..config import EncodingConfig
-from ..registry import register_encoding
+from ..core.config import EncodingConfig
+from ..core.registry import register_encoding
 from .base import Encoding
 from .block_bias import CumulativeBias, SeparableBias
 from .call import ScoreCall

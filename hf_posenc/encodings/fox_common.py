@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import EncodingConfig, check_number
+from ..core.config import EncodingConfig, check_number
 from ..errors import InvalidParameterError, UnsupportedModelError
 
 STATE_KEY = "fox_cumulative_log_forget"  # (B, Hq, Tk) c_t of the keys the cache holds (fp64)

@@ -30,8 +30,8 @@ import math
 import torch
 from torch import nn
 
-from ..config import check_bool, check_number
-from ..registry import register_encoding
+from ..core.config import check_bool, check_number
+from ..core.registry import register_encoding
 from .call import LayerCall
 from .fox import FoX
 from .fox_common import STATE_KEY, ForgetGateConfig

@@ -32,9 +32,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_choice
-from ..interpolation import PositionInterpolation, interpolate
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_bool, check_choice
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.registry import register_encoding
 from .base import Encoding
 from .block_bias import DistanceBias
 from .call import ScoreCall

@@ -23,10 +23,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_choice, check_number, resolved
+from ..core.config import EncodingConfig, check_choice, check_number, resolved
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.registry import register_encoding
 from ..errors import InvalidParameterError, PositionRangeError
-from ..interpolation import PositionInterpolation, interpolate
-from ..registry import register_encoding
 from .base import Encoding
 from .call import ForwardCall
 from .sinusoidal import sinusoidal_table

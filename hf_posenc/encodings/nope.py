@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import EncodingConfig
-from ..registry import register_encoding
+from ..core.config import EncodingConfig
+from ..core.registry import register_encoding
 from .base import Encoding
 
 

@@ -33,10 +33,10 @@ import dataclasses
 
 import torch
 
-from ..config import EncodingConfig, check_number, resolved
+from ..core.config import EncodingConfig, check_number, resolved
+from ..core.layout import expand_kv_heads
+from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
-from ..layout import expand_kv_heads
-from ..registry import register_encoding
 from .base import Encoding
 from .call import LayerCall, ScoreCall
 from .rope_dynamic import causal_dynamic_logits

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import expand_kv_heads
+from ..core.layout import expand_kv_heads
 from .rope_scaling import base_inv_freq
 
 QUERY_CHUNK = 16

@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import torch
 
-from ..config import check_bool, check_choice, check_keys, check_number, fail
+from ..core.config import check_bool, check_choice, check_keys, check_number, fail
 
 SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),

@@ -22,9 +22,9 @@ import dataclasses
 
 import torch
 
-from ..config import EncodingConfig, check_number, fail
-from ..interpolation import PositionInterpolation, interpolate
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_number, fail
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.registry import register_encoding
 from .base import Encoding, module_cache
 from .block_bias import DistanceBias
 from .call import ScoreCall

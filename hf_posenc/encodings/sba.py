@@ -26,9 +26,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..config import EncodingConfig, check_bool, check_choice
-from ..layout import own_key
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_bool, check_choice
+from ..core.layout import own_key
+from ..core.registry import register_encoding
 from .base import Encoding
 from .call import ScoreCall
 

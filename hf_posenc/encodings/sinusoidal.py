@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from ..config import EncodingConfig, check_number
-from ..interpolation import PositionInterpolation, interpolate
-from ..registry import register_encoding
+from ..core.config import EncodingConfig, check_number
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.registry import register_encoding
 from .base import Encoding
 from .call import ForwardCall
 

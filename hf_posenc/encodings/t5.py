@@ -27,10 +27,10 @@ import math
 import torch
 from torch import nn
 
-from ..config import EncodingConfig, check_bool, check_number
+from ..core.config import EncodingConfig, check_bool, check_number
+from ..core.interpolation import PositionInterpolation, interpolate_floor
+from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
-from ..interpolation import PositionInterpolation, interpolate_floor
-from ..registry import register_encoding
 from .base import Encoding
 from .block_bias import DistanceBias
 from .call import ScoreCall

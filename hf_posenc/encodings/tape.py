@@ -51,12 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import EncodingConfig, check_number, resolved
+from ..core.config import EncodingConfig, check_number, resolved
+from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.layout import expand_kv_heads
+from ..core.memo import ForwardMemo
+from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
-from ..interpolation import PositionInterpolation, interpolate
-from ..layout import expand_kv_heads
-from ..memo import ForwardMemo
-from ..registry import register_encoding
 from .base import Encoding
 from .call import LayerCall
 from .rope import rotate_half

@@ -29,7 +29,7 @@ native positions          ``neutralize_native_positions(model)`` (reversible),
 LoRA                      ``lora_targets``, ``lora_fan_in_fan_out``
 head                      ``plain_lm_head``: logits are ``lm_head(base_model(...))`` with
                           nothing in between (perplexity computes them in chunks)
-a tiny model              ``tiny_config(...)`` (``hf_posenc.tiny``, ``hf-posenc check``,
+a tiny model              ``tiny_config(...)`` (``hf_posenc.recipes.tiny``, ``hf-posenc check``,
                           the tests), ``test_config_overrides`` (what the test suite adds)
 ========================  ============================================================
 

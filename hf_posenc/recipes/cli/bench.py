@@ -1,0 +1,95 @@
+"""``hf-posenc bench``: each encoding's time and memory as ratios to the native model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ...errors import InvalidParameterError
+from ...models import family_names
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    from ..benchmark.config import BenchConfig
+
+    defaults = BenchConfig(encodings=[])
+    parser = commands.add_parser(
+        "bench",
+        help="time and memory of each encoding as ratios to the native model, measured in one run",
+        description="Medians after warm-up; forward, forward+backward and per-token decode latency; writes "
+        "bench.md, bench.json and bench.png.",
+    )
+    parser.add_argument(
+        "--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding"
+    )
+    parser.add_argument("--lengths", nargs="+", type=int, default=defaults.lengths)
+    parser.add_argument("--modes", nargs="+", default=defaults.modes, choices=["forward", "train", "decode"])
+    parser.add_argument("--family", default=defaults.family, choices=family_names())
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--decode-prompt", type=int, default=defaults.decode_prompt)
+    parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--backend", default=defaults.backend, help="attention backend (default: auto)")
+    parser.add_argument("--output-dir", "--output", dest="output_dir", default="posenc-bench")
+    parser.set_defaults(run=command_bench)
+
+
+def check_bench_args(args: argparse.Namespace) -> None:
+    """One-line errors for values the suite cannot measure, before any model is built."""
+    for flag in ("lengths",):
+        bad = [n for n in getattr(args, flag) if n < 2]
+        if bad:
+            raise InvalidParameterError(f"--{flag} {bad[0]} is not allowed; allowed: integers >= 2")
+    for flag in ("repeats", "decode_prompt", "decode_tokens", "batch_size", "num_layers", "num_heads"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise InvalidParameterError(f"--{flag.replace('_', '-')} {value} is not allowed; allowed: >= 1")
+    if args.warmup < 0:
+        raise InvalidParameterError(f"--warmup {args.warmup} is not allowed; allowed: >= 0")
+    import torch
+
+    from ...attention import BACKENDS
+
+    if args.backend not in BACKENDS:
+        raise InvalidParameterError(
+            f"--backend {args.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}"
+        )
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise InvalidParameterError(
+            f"--device {args.device!r} is not a device; allowed: cpu, cuda, cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError(
+            f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__}); "
+            "use --device cpu"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidParameterError(
+            f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    from ...core.registry import canonical_name, list_encodings
+    from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
+
+    check_bench_args(args)
+    names = (
+        [canonical_name(n) for n in args.encodings] if args.encodings else [i.name for i in list_encodings()]
+    )
+    fields = set(BenchConfig.__dataclass_fields__) - {"encodings"}
+    config = BenchConfig(encodings=names, **{k: v for k, v in vars(args).items() if k in fields})
+    results = run_suite(config)
+    paths = write_results(results, config, Path(args.output_dir))
+    print(ratio_table(results))
+    print(f"[bench] wrote {', '.join(str(p) for p in paths.values())}")
+    return 0

@@ -1,0 +1,385 @@
+"""``hf-posenc lm-eval``: lm-eval with the ``hf-posenc`` model registered, plus benchmark recipes.
+
+Two modes:
+
+- **passthrough** — ``hf-posenc lm-eval --model hf-posenc --model_args pretrained=DIR --tasks ...``
+  (or ``hf-posenc lm-eval ls tasks``): registers the model, then runs lm-eval's own CLI on
+  exactly these arguments;
+- **recipe** — any of ``--preset``, ``--pretrained``, ``--data-dir``, ``--mmlu-subjects``,
+  ``--output``: HellaSwag, MMLU, ARC-Easy and ARC-Challenge with each task's own shot count,
+  on the hub datasets or on local files, for one or several checkpoints, with one comparison
+  table. All inputs are checked before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..integrations.lm_eval_tasks import PRESET_NOTES, PRESETS, SUPPORTED_TASKS, BenchmarkError
+
+LM_EVAL_COMMANDS = ("run", "ls", "validate")
+RECIPE_FLAGS = ("preset", "pretrained", "data_dir", "mmlu_subjects", "output")
+DESCRIPTION = """\
+lm-eval with the hf-posenc model registered. Two modes:
+  passthrough: no recipe option below; the arguments go to lm-eval's own CLI (--model defaults
+    to hf-posenc), e.g.
+    hf-posenc lm-eval --model hf-posenc --model_args pretrained=DIR[,encoding=NAME,...] --tasks ...
+  recipe: any recipe option; HellaSwag, MMLU, ARC-Easy, ARC-Challenge with each task's shot
+    count, on the hub datasets or local files, for one or more checkpoints, one comparison table.
+"""
+EPILOG = f"""\
+presets: {"; ".join(f"{name}: {note}" for name, note in PRESET_NOTES.items())}
+
+local data (--data-dir DIR), rows in the hub datasets' schemas, .jsonl (or a .json array):
+  DIR/hellaswag/validation.jsonl  [train.jsonl for few-shot]               Rowan/hellaswag
+  DIR/arc_easy/test.jsonl  [train.jsonl for few-shot; validation.jsonl]    allenai/ai2_arc
+  DIR/arc_challenge/...    (same files)
+  DIR/mmlu/<subject>/test.jsonl  [dev.jsonl for few-shot; validation.jsonl]  cais/mmlu
+
+examples:
+  hf-posenc lm-eval --preset paper --pretrained ckpt-rope ckpt-expe --output results/
+  hf-posenc lm-eval --preset leaderboard --model_args pretrained=ckpt,encoding=alibi --device cuda
+  hf-posenc lm-eval --tasks arc_easy --data-dir data/ --pretrained ckpt --limit 100
+  hf-posenc lm-eval --model hf-posenc --model_args pretrained=ckpt --tasks lambada_openai   (passthrough)
+  hf-posenc lm-eval run --help                                     (all of lm-eval's options)
+"""
+
+
+class _RawArgsParser(argparse.ArgumentParser):
+    """A subcommand parser that keeps its arguments verbatim (they are lm-eval's, parsed later)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = namespace if namespace is not None else argparse.Namespace()
+        namespace.lm_eval_argv = list(sys.argv[2:] if args is None else args)
+        namespace.run = command_lm_eval
+        return namespace, []
+
+
+def _recipe_parser(lm_eval_options: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-posenc lm-eval",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        allow_abbrev=False,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    recipe = parser.add_argument_group("recipe options")
+    recipe.add_argument(
+        "--preset", help=f"one of {', '.join(PRESETS)} (default tasks: {' '.join(SUPPORTED_TASKS)})"
+    )
+    recipe.add_argument(
+        "--pretrained", nargs="+", metavar="DIR", help="checkpoints to compare, one column each"
+    )
+    recipe.add_argument(
+        "--data-dir", metavar="DIR", help="run the packaged tasks on local files (layout below)"
+    )
+    recipe.add_argument("--mmlu-subjects", nargs="+", metavar="SUBJECT", help="MMLU subset (default: all)")
+    recipe.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output",
+        metavar="DIR",
+        help="write lm-eval's results JSON and the table here",
+    )
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help")
+    if lm_eval_options:
+        lm = parser.add_argument_group("lm-eval options accepted with a recipe")
+        lm.add_argument("--model", default="hf-posenc", help="lm-eval model name (default: hf-posenc)")
+        lm.add_argument(
+            "--model_args",
+            nargs="+",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="one model per use; without pretrained= they apply to every --pretrained checkpoint",
+        )
+        lm.add_argument("--output_path", dest="output", metavar="DIR", help="same as --output")
+        lm.add_argument("--tasks", nargs="+", metavar="TASK", help=f"subset of {', '.join(SUPPORTED_TASKS)}")
+        lm.add_argument("--num_fewshot", type=int, help="shots for every task (not with --preset)")
+        lm.add_argument("--limit", type=float, help="examples per task (a count, or a fraction < 1)")
+        lm.add_argument("--batch_size", default="1", help="an integer, 'auto' or 'auto:N'")
+        lm.add_argument("--max_batch_size", type=int, help="upper bound for --batch_size auto")
+        lm.add_argument("--device", help="cpu, cuda, cuda:0, mps, ...")
+        lm.add_argument("--seed", type=int, help="one seed for python, numpy, torch and few-shot sampling")
+        lm.add_argument(
+            "--log_samples", action="store_true", help="also write per-sample outputs (needs --output)"
+        )
+    return parser
+
+
+def _with_default_model(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--model hf-posenc`` added to an evaluation run that names no model or config.
+
+    lm-eval's own default, ``hf``, would load a patched checkpoint without its encoding."""
+    argv = list(argv)
+    if not argv or argv[0] in ("ls", "validate"):
+        return argv
+    prefix, body = (argv[:1], argv[1:]) if argv[0] == "run" else ([], argv)
+    explicit = ("--model", "-M", "--config", "-C", "-h", "--help")
+    if not body or any(a in explicit or a.startswith(("--model=", "--config=")) for a in body):
+        return argv
+    return [*prefix, "--model", "hf-posenc", *body]
+
+
+def _option_values(argv: Sequence[str], names: tuple[str, ...]) -> list[str]:
+    """The values given to any of ``names`` (``--name VALUE ...`` or ``--name=VALUE``)."""
+    values: list[str] = []
+    for index, token in enumerate(argv):
+        for name in names:
+            if token.startswith(name + "="):
+                values.append(token[len(name) + 1 :])
+            elif token == name:
+                following = []
+                for item in argv[index + 1 :]:
+                    if item.startswith("-"):
+                        break
+                    following.append(item)
+                values.append(",".join(following))
+    return values
+
+
+def check_passthrough_model(argv: Sequence[str]) -> None:
+    """Before lm-eval imports and indexes its tasks (tens of seconds): the hf-posenc model's
+    checkpoint folder, tokenizer and encoding name (the parameters are checked when it loads)."""
+    argv = _with_default_model(argv)
+    models = _option_values(argv, ("--model", "-M"))
+    if not models or models[-1] != "hf-posenc":
+        return
+    from ..preflight import check_model_path
+
+    for text in _option_values(argv, ("--model_args", "-a")):
+        if text.lstrip().startswith("{"):
+            try:
+                args = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise BenchmarkError(f"--model_args {text!r} is not valid JSON ({error})") from None
+        else:
+            args = dict(item.partition("=")[::2] for item in text.split(",") if item)
+        pretrained = str(args.get("pretrained") or "")
+        if not pretrained:
+            raise BenchmarkError(
+                f"--model_args {text!r} has no pretrained=DIR (a checkpoint folder or hub id)"
+            )
+        saved = check_model_path(
+            os.path.expanduser(pretrained), what="pretrained", need_tokenizer="tokenizer" not in args
+        )
+        encoding = args.get("encoding")
+        if encoding and not (saved or {}).get("posenc"):
+            from ...core.hybrid import canonical_request
+
+            canonical_request(str(encoding))
+
+
+def run_lm_eval_cli(argv: Sequence[str]) -> int:
+    """lm-eval's own command line on ``argv`` (model default ``hf-posenc``), with the model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from ..integrations import lm_eval_model  # noqa: F401  (registers the model)
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *_with_default_model(argv)]
+    try:
+        cli_evaluate()
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def _parse_model_args(tokens: Sequence[str]) -> dict[str, Any]:
+    from lm_eval.utils import simple_parse_args_string
+
+    text = ",".join(tokens)
+    if text.lstrip().startswith("{"):
+        return json.loads(text)
+    return simple_parse_args_string(text)
+
+
+def _label(args: dict[str, Any], model: str = "hf-posenc") -> str:
+    """``folder-name (encoding)``: the requested encoding, else the one a patched checkpoint carries;
+    a patched checkpoint evaluated with overridden encoding parameters says so
+    (``final (expe, x0.5 at eval)``)."""
+    from ..evaluation.labels import encoding_label
+
+    path = os.path.expanduser(str(args.get("pretrained", "model")))
+    encoding = args.get("encoding")
+    overrides: dict[str, Any] = {}
+    if encoding is None and os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as handle:
+            encoding = (json.load(handle).get("posenc") or {}).get("encoding")
+        if encoding is not None and model == "hf-posenc":
+            from ..integrations.lm_eval_model import split_model_args
+
+            overrides = split_model_args(args).encoding_params
+    name = os.path.basename(path.rstrip("/")) or path
+    return f"{name} ({encoding_label(encoding, overrides)})" if encoding else name
+
+
+def collect_models(opts: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(label, model_args) per model: each --pretrained DIR (plus the shared model_args), each model_args."""
+    entries = [_parse_model_args(tokens) for tokens in opts.model_args]
+    shared = {}
+    for entry in entries:
+        if "pretrained" not in entry:
+            shared.update(entry)
+    models = [{"pretrained": path, **shared} for path in opts.pretrained or []]
+    models += [entry for entry in entries if "pretrained" in entry]
+    if not models:
+        if opts.model == "hf-posenc":
+            raise BenchmarkError(
+                "no checkpoint: give --pretrained DIR [DIR ...] or --model_args pretrained=DIR"
+            )
+        models = [shared]
+    labels: list[str] = []
+    for model in models:
+        label = _label(model, opts.model)
+        labels.append(label if label not in labels else f"{label} #{len(labels) + 1}")
+    return list(zip(labels, models, strict=True))
+
+
+def ensure_writable_dir(path: str) -> Path:
+    """Create ``path`` if needed; raise a clear error unless it is a writable directory."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"--output {path!r} exists and is not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except (NotADirectoryError, FileExistsError) as error:
+        raise NotADirectoryError(f"--output {path!r} cannot be created: {error}") from None
+    except PermissionError:
+        raise PermissionError(f"--output {path!r} is not writable") from None
+    return folder
+
+
+def _evaluate(opts: argparse.Namespace, label: str, model_args: dict, task_names: list[str], task_manager):
+    """One simple_evaluate call; saves lm-eval's JSON under --output. Returns results, or None off rank 0."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    tracker = EvaluationTracker(output_path=str(opts.output)) if opts.output else None
+    limit = int(opts.limit) if opts.limit is not None and opts.limit >= 1 else opts.limit
+    seeds = (
+        {}
+        if opts.seed is None
+        else dict.fromkeys(
+            ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), opts.seed
+        )
+    )
+    results = lm_eval.simple_evaluate(
+        model=opts.model,
+        model_args=model_args,
+        tasks=task_names,
+        num_fewshot=None,
+        batch_size=opts.batch_size,
+        max_batch_size=opts.max_batch_size,
+        device=opts.device,
+        limit=limit,
+        log_samples=opts.log_samples,
+        evaluation_tracker=tracker,
+        task_manager=task_manager,
+        **seeds,
+    )
+    if results is None or tracker is None:
+        return results
+    samples = results.pop("samples", None)
+    tracker.save_results_aggregated(results=results, samples=samples if opts.log_samples else None)
+    if opts.log_samples and samples:
+        for name in results["configs"]:
+            tracker.save_results_samples(task_name=name, samples=samples[name])
+    config = tracker.general_config_tracker
+    written = Path(opts.output) / str(config.model_name_sanitized) / f"results_{tracker.date_id}.json"
+    if not written.is_file():
+        raise PermissionError(f"lm-eval could not write its results to {written}")
+    print(f"{label}: results written to {written}", flush=True)
+    return results
+
+
+def run_recipe(opts: argparse.Namespace) -> int:
+    """Check every input, then evaluate each model on the planned tasks and print the table."""
+    from ..integrations.lm_eval_report import comparison_rows, format_table
+    from ..integrations.lm_eval_tasks import plan_tasks, select_tasks, write_task_configs
+
+    tasks = [t for token in opts.tasks or [] for t in token.split(",") if t]
+    shots = select_tasks(tasks, opts.preset, opts.num_fewshot)
+    if opts.mmlu_subjects and "mmlu" not in shots:
+        raise BenchmarkError("--mmlu-subjects needs mmlu among the tasks")
+    runs = plan_tasks(shots, opts.data_dir, opts.mmlu_subjects)
+    models = collect_models(opts)
+    if opts.model == "hf-posenc":
+        from ..integrations.lm_eval_model import check_model_args, split_model_args
+
+        for _, model_args in models:
+            check_model_args(split_model_args(model_args))
+    if opts.output:
+        opts.output = ensure_writable_dir(opts.output)
+    elif opts.log_samples:
+        raise BenchmarkError("--log_samples needs --output DIR")
+
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import setup_logging
+
+    setup_logging()  # lm-eval's progress messages, as its own CLI shows them
+    finished = []
+    with tempfile.TemporaryDirectory(prefix="hf-posenc-lm-eval-") as folder:
+        task_names = write_task_configs(runs, folder)
+        task_manager = TaskManager(include_path=folder, include_defaults=False)
+        source = f"local files in {opts.data_dir}" if opts.data_dir else "hub datasets"
+        plan = ", ".join(f"{name} {count}-shot" for name, count in shots.items())
+        for number, (label, model_args) in enumerate(models, 1):
+            print(f"[{number}/{len(models)}] {label}: {plan} on {source}", flush=True)
+            results = _evaluate(opts, label, model_args, task_names, task_manager)
+            if results is not None:
+                finished.append((label, results))
+    if not finished:  # not the main process of a distributed run
+        return 0
+    table = format_table(*comparison_rows(finished, shots))
+    print(table)
+    if opts.output:
+        (Path(opts.output) / "comparison.md").write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+def command_lm_eval(args: argparse.Namespace) -> int:
+    argv = list(args.lm_eval_argv)
+    if "--traceback" in argv:
+        args.traceback = True
+        argv.remove("--traceback")
+    if argv and argv[0] in LM_EVAL_COMMANDS:
+        return run_lm_eval_cli(argv)
+    first, _ = _recipe_parser(lm_eval_options=False).parse_known_args(argv)
+    if not argv or first.help:
+        _recipe_parser(lm_eval_options=True).print_help()
+        return 0 if argv else 2
+    if not any(getattr(first, flag) for flag in RECIPE_FLAGS):
+        check_passthrough_model(argv)
+        return run_lm_eval_cli(argv)
+    opts, rest = _recipe_parser(lm_eval_options=True).parse_known_args(argv)
+    if rest:
+        raise BenchmarkError(
+            f"unsupported with a recipe (--preset/--pretrained/--data-dir/--mmlu-subjects/--output): "
+            f"{' '.join(rest)}; see `hf-posenc lm-eval --help`, or drop the recipe options to pass "
+            "everything to lm-eval unchanged"
+        )
+    return run_recipe(opts)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "lm-eval",
+        help="run lm-eval with the hf-posenc model (passthrough) or a benchmark preset",
+        add_help=False,
+    )
+    parser.__class__ = _RawArgsParser  # its arguments are parsed by command_lm_eval
+    parser.set_defaults(run=command_lm_eval)

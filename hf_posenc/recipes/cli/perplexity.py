@@ -1,0 +1,362 @@
+"""``hf-posenc perplexity``: loss at 1x, 2x, 4x, ... the training length, for several models.
+
+    hf-posenc perplexity --model runs/expe runs/rope --data valid.jsonl --train-length 512 \\
+        --multiples 1 2 4 8 16 --output reports/extrapolation
+
+Each model directory holds a checkpoint and its tokenizer. A checkpoint saved from a
+patched model is re-patched from its ``config.posenc``; a plain one is evaluated natively,
+or patched with ``--encoding`` first. ``--encoding-param`` on a saved patched checkpoint
+changes inference-time parameters for the evaluation only (``hf_posenc.reconfigure``), e.g.
+position interpolation of a model trained unscaled::
+
+    hf-posenc perplexity --model runs/expe/final --encoding-param scaling='{"type":"linear","factor":2}' ...
+
+and its row is labelled ``final (expe, x0.5 at eval)``. Every input is checked (model directories and
+tokenizers, data sources, the output directory, encoding parameters, enough tokens, learned
+tables, or a family's native limit, long enough) before any model is loaded. Prints the table
+and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ...errors import PositionRangeError
+from ..evaluation.errors import EvaluationError
+from ..evaluation.labels import encoding_label
+from .common import parse_encoding_params
+
+DTYPES = ("float32", "bfloat16", "float16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_model_dir(directory: str) -> Path:
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {directory!r} does not exist (or is not a directory)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model directory {directory!r} has no config.json (not a saved transformers model)"
+        )
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model directory {directory!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+            "save one next to the model with tokenizer.save_pretrained(directory)"
+        )
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one model will be evaluated: its encoding (``native`` for none), the parameters it is
+    evaluated with, and the overrides of a saved checkpoint's parameters (evaluation only)."""
+
+    encoding: str
+    params: dict[str, Any] | None
+    eval_overrides: dict[str, Any] | None
+
+    @property
+    def label(self) -> str:
+        return encoding_label(self.encoding, self.eval_overrides)
+
+
+def _learned_limit(max_positions: int, params: dict[str, Any]) -> int:
+    """Longest input a learned table of ``max_positions`` rows covers at the ``scaling`` in ``params``."""
+    from ...core.interpolation import covered_positions
+
+    scaling = params.get("scaling") or {}
+    factor = float(scaling.get("factor", 1.0)) if scaling.get("type") == "linear" else 1.0
+    return covered_positions(max_positions, factor)
+
+
+def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest: int) -> Plan:
+    """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit."""
+    from transformers import AutoConfig
+
+    from ...core.hybrid import canonical_request, matches_saved, saved_description
+    from ...core.loading import check_overrides
+    from ...core.registry import adapter_for_config
+
+    config = AutoConfig.from_pretrained(directory)
+    saved = getattr(config, "posenc", None)
+    overrides: dict[str, Any] | None = None
+    name: str | None
+    if saved:
+        name = saved_description(saved)
+        if encoding is not None and not matches_saved(encoding, saved):
+            raise EvaluationError(
+                f"{directory!r} was saved with encoding {name!r}; cannot evaluate it as {encoding!r} "
+                "(point --model at the original checkpoint to switch encodings, or drop --encoding)"
+            )
+        if params:  # inference-time overrides, e.g. position interpolation (hf_posenc.reconfigure)
+            check_overrides(saved, params, where=repr(directory))
+            overrides = dict(params)
+        resolved = {**dict(saved.get("params") or {}), **dict(params)}
+    elif encoding is None and params:
+        raise EvaluationError(
+            f"--encoding-param {sorted(params)}: {directory!r} is a plain checkpoint (not saved from a patched "
+            "model), so there is no encoding to override; add --encoding NAME to patch it"
+        )
+    else:
+        name, resolved = (canonical_request(encoding) if encoding else None), params
+    if name == "learned":
+        rows = resolved.get("max_positions") or config.max_position_embeddings
+        limit = _learned_limit(rows, resolved)
+        if longest > limit:
+            raise PositionRangeError(
+                f"{directory!r}: evaluation length {longest} is longer than the learned position table "
+                f"(max_positions={rows}) covers ({limit} positions at this scaling); lower --multiples / "
+                f"--train-length to at most {limit} tokens"
+            )
+    adapter = adapter_for_config(config)
+    native_limit = adapter.native_position_limit(config) if name is None and adapter is not None else None
+    if native_limit is not None and longest > native_limit[0]:
+        raise PositionRangeError(
+            f"{directory!r}: evaluation length {longest} is longer than {native_limit[1].format(native_limit[0])}"
+            "; lower --multiples / --train-length, or add --encoding "
+            "(e.g. alibi) to patch it with an encoding that extrapolates"
+        )
+    return Plan(name or "native", dict(resolved) if name else None, overrides)
+
+
+def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any]) -> list[str]:
+    """``--labels``, or ``folder (encoding)`` per model; a row evaluated with overridden parameters says so
+    (``run (expe, x0.5 at eval)``), a plain checkpoint patched with parameters shows them."""
+    if args.labels is not None:
+        if len(args.labels) != len(args.model):
+            raise EvaluationError(
+                f"--labels gives {len(args.labels)} label(s) for {len(args.model)} model(s)"
+            )
+        if len(set(args.labels)) != len(args.labels):
+            raise EvaluationError(f"--labels {args.labels} repeat a label; give each model its own")
+        return list(args.labels)
+    labels: list[str] = []
+    for directory, plan in zip(args.model, plans, strict=True):
+        described = plan.label
+        if params and plan.eval_overrides is None and plan.encoding != "native":
+            described += " " + json.dumps(params, separators=(",", ":"))
+        label = f"{Path(directory).resolve().name} ({described})"
+        candidate, number = label, 2
+        while candidate in labels:
+            candidate, number = f"{label} #{number}", number + 1
+        labels.append(candidate)
+    return labels
+
+
+def _token_stream(args: argparse.Namespace, tokenizer):
+    """The data sources' token stream for ``tokenizer``; reading stops once ``--max-tokens`` are in."""
+    import torch
+
+    from ..data import read_documents, tokenize_documents
+
+    pieces, count = [], 0
+    try:
+        for document in read_documents(
+            args.data, text_field=args.text_field, split=args.split, limit=args.max_documents
+        ):
+            piece = tokenize_documents([document], tokenizer)
+            pieces.append(piece)
+            count += piece.numel()
+            if args.max_tokens is not None and count >= args.max_tokens:
+                break
+    except KeyError as error:
+        raise EvaluationError(f"data: {error.args[0]}") from error
+    except ValueError as error:  # malformed JSON, undecodable text
+        raise EvaluationError(f"data: cannot read {args.data}: {error}") from error
+    except ImportError as error:
+        raise EvaluationError(
+            f"data: hf: sources need the datasets package (pip install datasets): {error}"
+        ) from error
+    if not pieces:
+        raise EvaluationError(f"the data sources {args.data} yielded no documents")
+    return torch.cat(pieces)
+
+
+def _tokenizer_key(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha1(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()
+
+
+def command_perplexity(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from ...core.hybrid import check_request
+    from ...core.loading import load_model
+    from ..data import check_sources
+    from ..evaluation.perplexity import check_multiples, evaluate_lengths, token_budget
+    from ..evaluation.report import (
+        FILE_NAMES,
+        check_output_dir,
+        format_table,
+        write_csv,
+        write_json,
+        write_report,
+    )
+    from ..provenance import provenance
+
+    hf_logging.set_verbosity_error()
+    # -- everything is checked before the first model is loaded --------------------------
+    output = check_output_dir(args.output)
+    directories = [_check_model_dir(d) for d in args.model]
+    check_sources(args.data)
+    multiples = check_multiples(args.multiples, args.train_length)
+    lengths = [m * args.train_length for m in multiples]
+    for name, value in (
+        ("--batch-size", args.batch_size),
+        ("--max-tokens", args.max_tokens),
+        ("--max-documents", args.max_documents),
+    ):
+        if value is not None and value < 1:
+            raise EvaluationError(f"{name} {value} is not allowed; allowed: >= 1")
+    params = parse_encoding_params(args.encoding_param)
+    if args.encoding is not None:
+        check_request(args.encoding, params)  # unknown name / bad value / a pattern refusing an entry
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    plans = [_plan(str(d), args.encoding, params, max(lengths)) for d in directories]
+    labels = _labels(args, plans, params)
+    streams: dict[str, torch.Tensor] = {}
+    model_streams = []
+    for directory in directories:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        key = _tokenizer_key(tokenizer)
+        if key not in streams:
+            streams[key] = _token_stream(args, tokenizer)
+        tokens = streams[key]
+        budget = token_budget(tokens.numel(), lengths, args.max_tokens)  # too few tokens fails here
+        model_streams.append((tokens, budget))
+
+    # -- the long work ---------------------------------------------------------------------
+    dtype = getattr(torch, args.dtype)
+    results: dict[str, list] = {}
+    metadata: dict[str, Any] = {
+        "data": list(args.data),
+        "multiples": multiples,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "device": device,
+        "batch_size": args.batch_size,
+        "models": {},
+        "provenance": provenance(),
+    }
+    title = args.title or f"Loss at multiples of the training length ({args.train_length} tokens)"
+    for number, (directory, label, plan, (tokens, budget)) in enumerate(
+        zip(directories, labels, plans, model_streams, strict=True), 1
+    ):
+        print(f"[{number}/{len(directories)}] {label}: {directory}, {budget} of {tokens.numel()} tokens")
+        start = time.perf_counter()
+        model = load_model(str(directory), args.encoding, params or None, dtype=dtype)
+        results[label] = evaluate_lengths(
+            model,
+            tokens,
+            args.train_length,
+            multiples,
+            max_tokens=args.max_tokens,
+            batch_size=args.batch_size,
+            device=device,
+            progress=not args.no_progress,
+        )
+        seconds = time.perf_counter() - start
+        metadata["models"][label] = {
+            "path": str(directory),
+            "encoding": plan.encoding,
+            "encoding_params": plan.params,
+            "eval_overrides": plan.eval_overrides,
+            "token_budget": budget,
+            "seconds": round(seconds, 3),
+        }
+        print(
+            "  " + ", ".join(f"ev={r.multiple}: {r.loss:.4f}" for r in results[label]) + f"  ({seconds:.1f}s)"
+        )
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        # partial results survive a failure in a later model
+        write_csv(results, output / FILE_NAMES["csv"])
+        write_json(
+            results,
+            output / FILE_NAMES["json"],
+            train_length=args.train_length,
+            title=title,
+            metadata=metadata,
+        )
+    paths = write_report(results, output, args.train_length, title, metadata=metadata)
+    print()
+    print(format_table(results, perplexity=args.perplexity))
+    print()
+    for kind, path in paths.items():
+        print(f"{kind:>5}: {path}")
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "perplexity",
+        help="loss/perplexity at 1x, 2x, 4x, ... the training length (length extrapolation)",
+        description="Loss and perplexity of one or more models at 1x, 2x, 4x, ... their training length: "
+        "non-overlapping windows, the same tokens at every length. Prints a table and writes results.txt, "
+        "results.csv, results.json and loss_vs_length.png to --output.",
+    )
+    parser.add_argument(
+        "--model", nargs="+", required=True, metavar="DIR", help="model directories (with tokenizer)"
+    )
+    parser.add_argument(
+        "--labels", nargs="+", default=None, metavar="LABEL", help="one per model (default: dir + encoding)"
+    )
+    parser.add_argument(
+        "--encoding", default=None, metavar="NAME", help="patch plain checkpoints with this encoding"
+    )
+    parser.add_argument(
+        "--encoding-param",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="K=V",
+        help='encoding parameter, VALUE in JSON (e.g. scaling=\'{"type":"linear","factor":2}\'): with '
+        "--encoding, patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time "
+        "parameters for this evaluation (position interpolation)",
+    )
+    parser.add_argument(
+        "--data", nargs="+", required=True, metavar="SRC", help="file, dir, glob, builtin:stdlib, hf:NAME"
+    )
+    parser.add_argument(
+        "--train-length",
+        "--seq-len",
+        dest="train_length",
+        type=int,
+        required=True,
+        help="the models' training sequence length",
+    )
+    parser.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="K")
+    parser.add_argument("--max-tokens", type=int, default=None, help="token budget (default: all the data)")
+    parser.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
+    parser.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+    parser.add_argument(
+        "--split", default="validation", help="split of hf: datasets / builtin:stdlib (default: validation)"
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    parser.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output",
+        required=True,
+        metavar="DIR",
+        help="where results.* and the plot go",
+    )
+    parser.add_argument("--title", default=None, help="title of the plot and report")
+    parser.add_argument("--perplexity", action="store_true", help="also print perplexity columns")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback on error")
+    parser.set_defaults(run=command_perplexity)

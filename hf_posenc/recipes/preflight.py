@@ -1,0 +1,94 @@
+"""Checks every recipe makes before any model loads: local model folders, tokenizers, encodings
+and their parameters. Each failure is one line naming the bad value and what is allowed.
+
+Nothing here imports torch or transformers at module level, so the command line stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidParameterError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def looks_local(path: str) -> bool:
+    """True for what can only be a local path: ``./x``, ``/x``, ``~/x``, ``a/b/c``, or anything that exists.
+
+    A hub id has the form ``name`` or ``owner/name``."""
+    expanded = os.path.expanduser(path)
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path or os.path.exists(expanded)
+
+
+def check_model_path(path: str, *, what: str = "--model", need_tokenizer: bool = False) -> dict | None:
+    """For a local model folder: check it holds a saved model (and a tokenizer); return its config.json.
+
+    A hub id is left to transformers (returns None)."""
+    if not looks_local(path):
+        return None
+    folder = Path(os.path.expanduser(path))
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"{what} {path!r} does not exist; allowed: a local model folder (with config.json) or a hub id "
+            "such as HuggingFaceTB/SmolLM2-135M"
+        )
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{what} {path!r} is a file; allowed: a model folder with config.json")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{what} {path!r} has no config.json: not a saved transformers model (save one with "
+            "model.save_pretrained(folder))"
+        )
+    if need_tokenizer:
+        check_tokenizer_path(path, what=what)
+    try:
+        return json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidParameterError(f"{config_file} is not valid JSON ({error})") from None
+
+
+def check_tokenizer_path(path: str, *, what: str = "--tokenizer") -> None:
+    if not looks_local(path):
+        return
+    folder = Path(os.path.expanduser(path))
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{what} {path!r} is not a folder; allowed: a tokenizer folder or a hub id")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{what} {path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save one next to the model "
+            "with tokenizer.save_pretrained(folder), or give --tokenizer"
+        )
+
+
+def check_encoding(
+    encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None = None, *, where: str = ""
+) -> str | None:
+    """Validate an encoding request (name and parameters) against the registry and, for a checkpoint
+    saved from a patched model, against the encoding it carries (``params`` then override its saved
+    parameters). Returns the canonical name."""
+    from ..core.hybrid import canonical_request, check_request, matches_saved, saved_description
+
+    prefix = f"{where}: " if where else ""
+    saved = (saved_config or {}).get("posenc") or None
+    if saved:
+        if encoding is not None and not matches_saved(encoding, saved):
+            raise InvalidParameterError(
+                f"{prefix}the checkpoint was saved with encoding {saved_description(saved)!r}; cannot use it as "
+                f"{encoding!r} (start from the original checkpoint to switch encodings, or drop --encoding)"
+            )
+        if params:  # overrides of inference-time parameters (hf_posenc.reconfigure checks the rest)
+            from ..core.loading import check_overrides
+
+            check_overrides(saved, params, where=where)
+        return saved.get("encoding")
+    if encoding is None:
+        if params:
+            raise InvalidParameterError(f"{prefix}encoding parameters {sorted(params)} need --encoding NAME")
+        return None
+    check_request(encoding, params)  # a name or a per-layer pattern text (rope*3+nope)
+    return canonical_request(encoding)

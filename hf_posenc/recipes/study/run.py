@@ -1,0 +1,183 @@
+"""The extrapolation study: one base checkpoint, several encodings, one report.
+
+For a base checkpoint and a list of encodings: patch each, continue pretraining it for the
+same number of steps on the same data, then measure the loss at 1x, 2x, 4x, 8x and 16x the
+training length on held-out text — the shape of the ExPE paper's Table 1 — as a table,
+CSV/JSON and a plot. Evaluation-only rows (:mod:`hf_posenc.recipes.study.evaluate`) evaluate trained runs
+with inference-time parameters changed, e.g. ExPE/ExQPE at scaling factor 2 (the paper's
+Table 3) and RoPE with position interpolation at each length.
+
+With no base checkpoint, the embedded default runs offline: the Python standard library's
+sources as the corpus, a byte-level BPE tokenizer trained on them, and a tiny Llama first
+pretrained with RoPE to play the pretrained checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from ...errors import InvalidParameterError
+from .spec import StudyConfig, parse_encoding_spec, spec_slug
+
+
+class _Progress:
+    """``[k/N]`` lines with elapsed time and an ETA from the training steps done so far."""
+
+    def __init__(self, phases: int, steps_to_train: int) -> None:
+        self.phases, self.remaining = phases, steps_to_train
+        self.number, self.done, self.start = 0, 0, time.monotonic()
+
+    def phase(self, message: str, steps: int = 0) -> None:
+        self.number += 1
+        elapsed = time.monotonic() - self.start
+        eta = ""
+        if self.done and self.remaining:
+            eta = f", ETA {_duration(elapsed / self.done * self.remaining)}"
+        print(
+            f"[study {self.number}/{self.phases}] {message} (elapsed {_duration(elapsed)}{eta})", flush=True
+        )
+        self._pending = steps
+
+    def finished(self) -> None:
+        self.done += self._pending
+        self.remaining -= self._pending
+        self._pending = 0
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
+
+
+def check_study(config: StudyConfig) -> Path:
+    """Every check that needs no model: output folder, base model, encodings, parameters, data."""
+    from ..data import check_sources
+    from ..evaluation.report import check_output_dir
+    from ..preflight import check_encoding, check_model_path
+
+    out = check_output_dir(config.output_dir)
+    saved = None
+    if config.base_model:
+        saved = check_model_path(config.base_model, what="--base-model", need_tokenizer=True)
+        if saved and saved.get("posenc"):
+            raise InvalidParameterError(
+                f"study: --base-model {config.base_model!r} is already patched with "
+                f"{saved['posenc'].get('encoding')!r}; start from the original (unpatched) checkpoint"
+            )
+    slugs: dict[str, str] = {}
+    for spec in config.encodings:
+        name, params = parse_encoding_spec(spec)
+        check_encoding(name, params, saved, where=f"study: encoding {spec!r}")
+        if spec_slug(spec) in slugs:
+            raise InvalidParameterError(
+                f"study: encodings {slugs[spec_slug(spec)]!r} and {spec!r} share the run folder {spec_slug(spec)!r}"
+            )
+        slugs[spec_slug(spec)] = spec
+    from .evaluate import check_eval_only, eval_only_rows
+
+    check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings))
+    check_sources(config.data)
+    check_sources(config.eval_data or config.data)
+    return out
+
+
+def _pretrain_base(config: StudyConfig, settings, status: str):
+    """Train the tokenizer and pretrain the embedded tiny Llama with RoPE; return its final folder."""
+    from ...models import DEFAULT_FAMILY
+    from ..data import read_documents
+    from ..tiny import tiny_model
+    from ..tokenizer import train_bpe_tokenizer
+    from ..training import train
+
+    documents = read_documents(
+        config.data, text_field=config.text_field, split=config.train_split, limit=config.max_documents
+    )
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=config.vocab_size)
+    model = tiny_model(
+        DEFAULT_FAMILY,
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=4,
+        num_kv_heads=4,
+        max_positions=config.train_length * max(config.multiples),
+        seed=config.seed,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return train(
+        settings, model=model, tokenizer=tokenizer, resume=status == "resume", overwrite=status == "retrain"
+    ).final_dir
+
+
+def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = False) -> dict[str, Path]:
+    """Run the whole study (reusing finished runs, resuming interrupted ones); returns the report files."""
+    from ..provenance import provenance
+    from .runs import plan_study
+
+    out = check_study(config)
+    plan = plan_study(config, overwrite)
+    if dry_run:
+        print(f"[study] dry run: every input is valid; output in {out}")
+        for label, settings, status in plan:
+            print(f"  {status:<8} {label}: {settings.max_steps} steps -> {settings.output_dir}")
+        print(f"  evaluate at {', '.join(str(config.train_length * m) for m in config.multiples)} tokens")
+        from .evaluate import eval_only_rows
+
+        for spec in eval_only_rows(config.eval_only, config.encodings):
+            print(f"  evaluate only {spec} (no training)")
+        return {}
+    (out / "study_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    to_train = sum(s.max_steps for _, s, status in plan if status != "reuse")
+    progress = _Progress(len(plan) + 1, to_train)
+    finals: dict[str, Path] = {}
+    try:
+        for label, settings, status in plan:
+            verb = {"reuse": "reusing", "resume": "resuming", "train": "training", "retrain": "retraining"}[
+                status
+            ]
+            steps = 0 if status == "reuse" else settings.max_steps
+            progress.phase(f"{label}: {verb} ({settings.max_steps} steps) in {settings.output_dir}", steps)
+            if status == "reuse":
+                finals[label] = Path(settings.output_dir) / "final"
+            elif label.startswith("base"):
+                finals[label] = _pretrain_base(config, settings, status)
+            else:
+                from ..training import train
+
+                finals[label] = train(
+                    settings, resume=status == "resume", overwrite=status == "retrain"
+                ).final_dir
+            progress.finished()
+    except KeyboardInterrupt as stop:
+        raise KeyboardInterrupt(f"{stop or 'stopped'}; run the same command again to continue") from None
+    from .evaluate import eval_only_rows, evaluate_study
+
+    extra = len(eval_only_rows(config.eval_only, config.encodings))
+    rows = len(finals) + (1 if config.base_model else 0) + extra
+    progress.phase(f"evaluating {rows} rows ({extra} evaluation-only)")
+    results, eval_only = evaluate_study(config, finals)
+    title = f"Loss vs evaluation length (trained at {config.train_length} tokens, {config.steps} steps each)"
+    if eval_only:
+        title += "; dashed: evaluation-only rows"
+    from ..evaluation import format_table, write_report
+
+    paths = write_report(
+        results,
+        out,
+        config.train_length,
+        title,
+        metadata={
+            "study": dataclasses.asdict(config),
+            "provenance": provenance(),
+            "eval_only_rows": eval_only,
+        },
+        dashed=eval_only,
+    )
+    print(format_table(results))
+    print(f"[study] report: {', '.join(str(p) for p in paths.values())}")
+    return paths

@@ -1,0 +1,147 @@
+"""What a study is asked to do: its settings (:class:`StudyConfig`, from flags or a YAML/JSON
+file) and the encoding specs it names (``alibi``, ``expe{"scaling": ...}``), their labels and
+run-folder names. Imports nothing else of the study, so the study's other modules build on it
+without a circle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from ...errors import InvalidParameterError
+from ..data import BUILTIN_STDLIB
+
+DEFAULT_ENCODINGS = ("rope", "alibi", "t5", "nope", "sinusoidal", "expe", "exqpe")
+
+
+@dataclasses.dataclass
+class StudyConfig:
+    output_dir: str = "posenc-study"
+    base_model: str | None = None  # None: pretrain the embedded tiny Llama with RoPE
+    encodings: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_ENCODINGS))
+    data: list[str] = dataclasses.field(default_factory=lambda: [BUILTIN_STDLIB])
+    eval_data: list[str] | None = None  # default: the validation split of ``data``
+    train_split: str = "train"
+    eval_split: str = "validation"
+    text_field: str = "text"
+    max_documents: int | None = None  # cap on training documents (default: all)
+    train_length: int = 128
+    multiples: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4, 8, 16])
+    steps: int = 300  # continued pretraining per encoding
+    pretrain_steps: int = 1000  # embedded default only
+    batch_size: int = 16
+    lr: float = 1e-3
+    eval_tokens: int = 32768
+    vocab_size: int = 2048  # embedded default only
+    hidden_size: int = 128  # embedded default only
+    num_layers: int = 4  # embedded default only
+    seed: int = 0
+    #: rows evaluated without training (``TRAINED@{JSON}`` or ``TRAINED@interpolate``; see study_eval);
+    #: None: expe/exqpe at factor 2 and rope@interpolate for those of them the study trains
+    eval_only: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "train_length",
+            "steps",
+            "pretrain_steps",
+            "batch_size",
+            "eval_tokens",
+            "hidden_size",
+            "num_layers",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(
+                    f"study: {name}={value!r} is not allowed; allowed: an integer >= 1"
+                )
+        if not self.multiples or any(not isinstance(m, int) or m < 1 for m in self.multiples):
+            raise InvalidParameterError(
+                f"study: multiples={self.multiples!r} is not allowed; allowed: integers >= 1, e.g. 1 2 4 8 16"
+            )
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise InvalidParameterError(f"study: lr={self.lr!r} is not allowed; allowed: a finite number > 0")
+        if not self.encodings:
+            raise InvalidParameterError(
+                "study: no encodings given; allowed: one or more names from `hf-posenc list`"
+            )
+        for spec in self.encodings:
+            parse_encoding_spec(spec)  # raises for unknown names or bad JSON
+        if self.eval_only is not None and (
+            isinstance(self.eval_only, str) or not isinstance(self.eval_only, (list, tuple))
+        ):
+            raise InvalidParameterError(
+                f"study: eval_only={self.eval_only!r} is not allowed; allowed: a list of TRAINED@OVERRIDES rows"
+            )
+
+
+def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"alibi"`` or ``'expe{"scaling": {"type": "linear", "factor": 2}}'`` -> (name, params)."""
+    name, brace, rest = spec.partition("{")
+    params: dict[str, Any] = {}
+    if brace:
+        try:
+            params = json.loads(brace + rest)
+        except json.JSONDecodeError as error:
+            raise InvalidParameterError(
+                f"study: encoding {spec!r} has parameters that are not JSON: {error}"
+            ) from error
+        if not isinstance(params, dict):
+            raise InvalidParameterError(
+                f"study: encoding {spec!r}: parameters must be a JSON object, e.g. 't5{{\"num_buckets\": 16}}'"
+            )
+    from ...core.hybrid import canonical_request
+
+    return canonical_request(name.strip()), params
+
+
+def load_study_config(path: str) -> dict[str, Any]:
+    """The fields of a study config file (YAML or JSON, e.g. a previous run's study_config.json)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config {path!r} does not exist")
+    text = file.read_text(encoding="utf-8")
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as error:  # yaml.YAMLError, json.JSONDecodeError
+        raise InvalidParameterError(f"--config {path!r} is not valid YAML/JSON: {error}") from None
+    values = values.get("study", values) if isinstance(values, dict) else values
+    if not isinstance(values, dict):
+        raise InvalidParameterError(f"--config {path!r} must hold a mapping of study settings")
+    allowed = [f.name for f in dataclasses.fields(StudyConfig)]
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise InvalidParameterError(
+            f"--config {path!r}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+        )
+    return values
+
+
+def display_label(spec: str) -> str:
+    """A readable label for an encoding spec: ``expe{"scaling": {"type": "linear", "factor": 2}}`` ->
+    ``expe (scaling linear x2)``."""
+    name, params = parse_encoding_spec(spec)
+    parts = []
+    for key, value in params.items():
+        if isinstance(value, dict) and "type" in value:
+            factor = f" x{value['factor']:g}" if isinstance(value.get("factor"), (int, float)) else ""
+            rest = ", ".join(f"{k}={v}" for k, v in value.items() if k not in ("type", "factor"))
+            parts.append(f"{key} {value['type']}{factor}" + (f" ({rest})" if rest else ""))
+        elif isinstance(value, dict):
+            parts.extend(f"{key}.{k}={v}" for k, v in value.items())
+        else:
+            parts.append(f"{key}={value}")
+    return f"{name} ({', '.join(parts)})" if parts else name
+
+
+def spec_slug(spec: str) -> str:
+    """A directory name for an encoding spec: ``expe{"l": 8}`` -> ``expe_l_8``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", spec).strip("_")

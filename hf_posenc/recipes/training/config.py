@@ -1,0 +1,119 @@
+"""Settings of one continued-pretraining run, validated before any model is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ...errors import InvalidParameterError
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``hf-posenc train`` needs; ``to_json``/``from_json`` round-trip it."""
+
+    model: str
+    output_dir: str
+    data: list[str] = dataclasses.field(default_factory=lambda: ["builtin:stdlib"])
+    encoding: str | None = None
+    encoding_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: str | None = None  # default: the model's own
+    text_field: str = "text"
+    split: str = "train"
+    max_documents: int | None = None
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per process per micro-step
+    grad_accum: int = 1
+    max_steps: int = 1000  # optimizer steps
+    lr: float = 3e-4
+    end_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    encoding_lr: float | None = None  # learning rate of the encoding's own parameters (default: lr)
+    save_every: int = 0  # 0: only the final model
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    dtype: str = "float32"
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = None  # default: attention and MLP projections of the family
+    ddp_timeout: int = 1800  # seconds a collective may wait for the other processes
+    report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers
+    data_cache: str | None = None  # tokenised data (Arrow); default: OUTPUT_DIR/data-cache
+    num_proc: int | None = None  # tokenisation workers
+
+    def __post_init__(self) -> None:
+        positive = (
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "keep_checkpoints",
+            "log_every",
+            "lora_r",
+            "ddp_timeout",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(
+                    f"train: {name}={value!r} is not allowed; allowed: an integer >= 1"
+                )
+        if self.save_every < 0:
+            raise InvalidParameterError(
+                f"train: save_every={self.save_every!r} is not allowed; allowed: >= 0"
+            )
+        for name in ("lr", "weight_decay", "max_grad_norm", "lora_dropout", "end_lr_ratio", "warmup_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidParameterError(
+                    f"train: {name}={value!r} is not allowed; allowed: a finite number >= 0"
+                )
+        if self.encoding_lr is not None and not (math.isfinite(self.encoding_lr) and self.encoding_lr >= 0):
+            raise InvalidParameterError(
+                f"train: encoding_lr={self.encoding_lr!r} is not allowed; allowed: a finite number >= 0"
+            )
+        if self.num_proc is not None and self.num_proc < 1:
+            raise InvalidParameterError(f"train: num_proc={self.num_proc!r} is not allowed; allowed: >= 1")
+        if not 0 <= self.warmup_ratio < 1 or not 0 <= self.end_lr_ratio <= 1:
+            raise InvalidParameterError(
+                f"train: warmup_ratio={self.warmup_ratio!r}, end_lr_ratio={self.end_lr_ratio!r}; allowed: "
+                "warmup_ratio in [0, 1), end_lr_ratio in [0, 1]"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidParameterError(f"train: dtype={self.dtype!r}; allowed: float32, bfloat16")
+        if self.dtype == "float16":
+            raise InvalidParameterError(
+                "train: dtype='float16' (pure fp16 weights) is not allowed: AdamW updates below fp16's "
+                "resolution are lost and the loss overflows to NaN; allowed: --dtype float32 (with "
+                "--mixed-precision fp16 or bf16 on a GPU) or --dtype bfloat16"
+            )
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise InvalidParameterError(
+                f"train: mixed_precision={self.mixed_precision!r}; allowed: no, bf16, fp16"
+            )
+
+    @property
+    def global_batch_per_process_step(self) -> int:
+        return self.batch_size * self.grad_accum
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        return cls(**json.loads(text))
+
+    def save(self, path: Path) -> None:
+        path.write_text(self.to_json())
