@@ -30,11 +30,11 @@ MODELS = PACKAGE / "models"
 
 
 def family_files() -> list[str]:
-    """Family modules as files on disk: every module in models/ except the shared base."""
+    """Family modules as files on disk: every module in models/ except the shared base and the registry."""
     return sorted(
         p.stem
         for p in MODELS.glob("*.py")
-        if p.stem not in ("__init__", "base") and not p.stem.startswith("_")
+        if p.stem not in ("__init__", "base", "registry") and not p.stem.startswith("_")
     )
 
 

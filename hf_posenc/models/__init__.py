@@ -2,7 +2,7 @@
 
 Each family module defines a :class:`~hf_posenc.models.base.FamilyAdapter` subclass decorated
 with :func:`register_family`; :func:`load_families` imports every module here (except
-``base`` and ``_private`` helpers), so adding a family is adding one file. This module is
+``base``, ``registry`` and ``_private`` helpers), so adding a family is adding one file. This module is
 light (no torch) so that command lines can list the families without loading a model.
 """
 
@@ -12,16 +12,16 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
+from .registry import _BY_FAMILY, _BY_MODEL_TYPE, register_family  # noqa: F401  (re-exported)
+
 if TYPE_CHECKING:
     from .base import FamilyAdapter
 
 #: modules of this package that are not families
-HELPER_MODULES = frozenset({"base"})
+HELPER_MODULES = frozenset({"base", "registry"})
 #: the family of the embedded tiny model (the study's base model, the benchmark's default)
 DEFAULT_FAMILY = "llama"
 
-_BY_FAMILY: dict[str, FamilyAdapter] = {}
-_BY_MODEL_TYPE: dict[str, FamilyAdapter] = {}
 _LOADED: list[bool] = []  # non-empty once every family module is imported
 
 
@@ -32,21 +32,6 @@ def family_names() -> list[str]:
         for info in pkgutil.iter_modules(__path__)
         if info.name not in HELPER_MODULES and not info.name.startswith("_")
     )
-
-
-def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
-    """Class decorator: register an adapter under its ``family`` and each of its ``model_types``."""
-    module_family = cls.__module__.rsplit(".", 1)[-1]
-    if cls.family != module_family:
-        raise ValueError(f"{cls.__name__}.family={cls.family!r} must be its module's name {module_family!r}")
-    adapter = cls()
-    for model_type in cls.model_types:
-        owner = _BY_MODEL_TYPE.get(model_type)
-        if owner is not None and type(owner) is not cls:
-            raise ValueError(f"model_type {model_type!r} is already served by {type(owner).__name__}")
-        _BY_MODEL_TYPE[model_type] = adapter
-    _BY_FAMILY[cls.family] = adapter
-    return cls
 
 
 def load_families() -> None:

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import register_family
 from .base import LayerGeometry, ModelGeometry, Undo, native_rope_scaling, replace_forward
 from .llama import LLAMA_NEUTRAL_CONFIG, LlamaAdapter
+from .registry import register_family
 
 #: Gemma 3 applies query_pre_attn_scalar and the final soft-cap itself; these must stay neutral
 GEMMA3_NEUTRAL_CONFIG: dict[str, tuple[Any, ...]] = {

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import register_family
 from .base import FamilyAdapter, LayerGeometry, ModelGeometry, Undo, freeze_parameters, replace_forward
+from .registry import register_family
 
 #: config values GPT-2's attention and embeddings do not apply: anything else is refused
 GPT2_NEUTRAL_CONFIG = {

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from . import register_family
 from .base import (
     FamilyAdapter,
     LayerGeometry,
@@ -24,6 +23,7 @@ from .base import (
     native_rope_scaling,
     replace_forward,
 )
+from .registry import register_family
 
 #: config values a Llama-layout attention/embedding does not apply: anything else is refused
 LLAMA_NEUTRAL_CONFIG: dict[str, tuple[Any, ...]] = {

@@ -13,8 +13,8 @@ before, lives in the decoder layer, which the patch leaves as it is.
 
 from __future__ import annotations
 
-from . import register_family
 from .llama import LlamaAdapter
+from .registry import register_family
 
 
 @register_family

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from . import register_family
 from .llama import LlamaAdapter
+from .registry import register_family
 
 
 @register_family

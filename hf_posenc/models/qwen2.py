@@ -9,8 +9,8 @@ layer's attention mask and is recorded in ``geometry.layers``.
 
 from __future__ import annotations
 
-from . import register_family
 from .llama import LlamaAdapter
+from .registry import register_family
 
 
 @register_family

@@ -14,8 +14,8 @@ the projections.
 
 from __future__ import annotations
 
-from . import register_family
 from .llama import LlamaAdapter
+from .registry import register_family
 
 
 @register_family

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import register_family
 from .base import LayerGeometry
 from .llama import LLAMA_NEUTRAL_CONFIG, LlamaAdapter, native_rope_scaling
+from .registry import register_family
 
 #: SmolLM3's native forward reads no_rope_layers itself
 SMOLLM3_NEUTRAL_CONFIG = {k: v for k, v in LLAMA_NEUTRAL_CONFIG.items() if k != "no_rope_layers"}
