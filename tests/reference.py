@@ -177,3 +177,45 @@ def attention_layer(
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
     return output_projection(module, out.reshape(batch, length, -1))
+
+
+def kerple_bias(params: dict, posenc, layer_idx: int):
+    """KERPLE: log -r1*log(1 + r2*(i-j)), power -r1*(i-j)^r2; r1, r2 >= 0.01, power r2 <= 2."""
+    row = 0 if params.get("shared_across_layers", True) else layer_idx
+    r1 = [max(float(v), 0.01) for v in posenc.r1[row].detach().double()]
+    r2 = [max(float(v), 0.01) for v in posenc.r2[row].detach().double()]
+    if params.get("variant", "log") == "power":
+        r2 = [min(v, 2.0) for v in r2]
+        return lambda h, i, j: -r1[h] * (i - j) ** r2[h]
+    return lambda h, i, j: -r1[h] * math.log(1 + r2[h] * (i - j))
+
+
+def sandwich_bias(params: dict, heads: int):
+    """Sandwich: (sum_{k=1}^{d'/2} cos((i-j)/10000^(2k/d')) - d'/2) / (8h/H), h = 1..H."""
+    dim = params.get("dim", 128)
+
+    def bias(h, i, j):
+        kernel = sum(math.cos((i - j) / 10000 ** (2 * k / dim)) for k in range(1, dim // 2 + 1))
+        return (kernel - dim / 2) / (8 * (h + 1) / heads)
+
+    return bias
+
+
+def fire_bias(params: dict, posenc, layer_idx: int):
+    """FIRE: f(log(1+|c|(i-j)) / (log(1+|c| max(L, i)) + 1e-6)), f = W2 relu(W1 x + b1) + b2."""
+    index = layer_idx if not params.get("shared_across_layers", False) else 0
+    fn = posenc.functions[index]
+    c = abs(float(fn.c.detach()))
+    big_l = abs(float(fn.L_multiplier.detach()) * params.get("init_L", 512.0))
+    w1, b1 = fn.hidden.weight.detach().double()[:, 0].tolist(), fn.hidden.bias.detach().double().tolist()
+    w2, b2 = fn.out.weight.detach().double().tolist(), fn.out.bias.detach().double().tolist()
+    cache = {}
+
+    def bias(h, i, j):
+        if (h, i, j) not in cache:
+            x = math.log(1 + c * (i - j)) / (math.log(1 + c * max(big_l, i)) + 1e-6)
+            hidden = [max(0.0, w * x + b) for w, b in zip(w1, b1, strict=True)]
+            cache[h, i, j] = sum(w * a for w, a in zip(w2[h], hidden, strict=True)) + b2[h]
+        return cache[h, i, j]
+
+    return bias

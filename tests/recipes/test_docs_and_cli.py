@@ -9,7 +9,7 @@ from pathlib import Path
 import hf_posenc
 from hf_posenc.recipes.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_api_example_runs(tmp_path, monkeypatch):

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import pytest
 import reference as ref
 import torch
+from capture import LENGTH, run_and_capture
 from conftest import make_model, native_window, num_query_heads, patch, randomize_encoding, token_ids
 from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
 from hf_posenc.core.memo import ForwardMemo
@@ -34,57 +33,15 @@ LOW = float(torch.tensor(0.01))  # KERPLE's lower bound 0.01 as the fp32 value t
 # -- formula references (fp64, loops) ------------------------------------------------------------
 
 
-def kerple_reference(params: dict, posenc, layer_idx: int):
-    """KERPLE: log -r1*log(1 + r2*(i-j)), power -r1*(i-j)^r2; r1, r2 >= 0.01, power r2 <= 2."""
-    row = 0 if params.get("shared_across_layers", True) else layer_idx
-    r1 = [max(float(v), 0.01) for v in posenc.r1[row].detach().double()]
-    r2 = [max(float(v), 0.01) for v in posenc.r2[row].detach().double()]
-    if params.get("variant", "log") == "power":
-        r2 = [min(v, 2.0) for v in r2]
-        return lambda h, i, j: -r1[h] * (i - j) ** r2[h]
-    return lambda h, i, j: -r1[h] * math.log(1 + r2[h] * (i - j))
-
-
-def sandwich_reference(params: dict, heads: int):
-    """Sandwich: (sum_{k=1}^{d'/2} cos((i-j)/10000^(2k/d')) - d'/2) / (8h/H), h = 1..H."""
-    dim = params.get("dim", 128)
-
-    def bias(h, i, j):
-        kernel = sum(math.cos((i - j) / 10000 ** (2 * k / dim)) for k in range(1, dim // 2 + 1))
-        return (kernel - dim / 2) / (8 * (h + 1) / heads)
-
-    return bias
-
-
-def fire_reference(params: dict, posenc, layer_idx: int):
-    """FIRE: f(log(1+|c|(i-j)) / (log(1+|c| max(L, i)) + 1e-6)), f = W2 relu(W1 x + b1) + b2."""
-    index = layer_idx if not params.get("shared_across_layers", False) else 0
-    fn = posenc.functions[index]
-    c = abs(float(fn.c.detach()))
-    big_l = abs(float(fn.L_multiplier.detach()) * params.get("init_L", 512.0))
-    w1, b1 = fn.hidden.weight.detach().double()[:, 0].tolist(), fn.hidden.bias.detach().double().tolist()
-    w2, b2 = fn.out.weight.detach().double().tolist(), fn.out.bias.detach().double().tolist()
-    cache = {}
-
-    def bias(h, i, j):
-        if (h, i, j) not in cache:
-            x = math.log(1 + c * (i - j)) / (math.log(1 + c * max(big_l, i)) + 1e-6)
-            hidden = [max(0.0, w * x + b) for w, b in zip(w1, b1, strict=True)]
-            cache[h, i, j] = sum(w * a for w, a in zip(w2[h], hidden, strict=True)) + b2[h]
-        return cache[h, i, j]
-
-    return bias
-
-
 def layer_reference(name, params, module, hidden, model, layer_idx):
     """One attention layer, fp64: softmax(q.k*scale + bias_formula) v by tests/reference.py."""
     heads = num_query_heads(model)
     if name == "kerple":
-        bias = kerple_reference(params, model.posenc, layer_idx)
+        bias = ref.kerple_bias(params, model.posenc, layer_idx)
     elif name == "sandwich":
-        bias = sandwich_reference(params, heads)
+        bias = ref.sandwich_bias(params, heads)
     else:
-        bias = fire_reference(params, model.posenc, layer_idx)
+        bias = ref.fire_bias(params, model.posenc, layer_idx)
     window = native_window(model, layer_idx)
     return ref.attention_layer(module, hidden, softmax_scale=module.scaling, window=window, bias=bias)
 

@@ -12,10 +12,10 @@ import math
 import pytest
 import reference as ref
 import torch
+from capture import LENGTH, run_and_capture
 from conftest import make_model, native_window, num_query_heads, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reference import LENGTH, run_and_capture
 
 import hf_posenc
 

@@ -15,11 +15,11 @@ import math
 import pytest
 import reference as ref
 import torch
+from capture import run_and_capture
 from conftest import make_model, native_window, patch, token_ids
 from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reference import run_and_capture
 
 import hf_posenc
 from hf_posenc.encodings.base import probe_call

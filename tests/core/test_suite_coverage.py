@@ -27,22 +27,22 @@ import hf_posenc
 from hf_posenc.attention.backend import backend_choices
 from hf_posenc.core.registry import canonical_name
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 #: the test module that compares each attention backend with the eager reference core
 BACKEND_TESTS = {
-    "sdpa": "test_invariants.py",  # test_eager_backend_equals_sdpa_backend, every family and case
-    "eager": "test_invariants.py",  # the reference side of that comparison
-    "chunked": "test_backends.py",
-    "flex": "test_backends.py",
-    "auto": "test_backends.py",
+    "sdpa": "core/test_invariants.py",  # test_eager_backend_equals_sdpa_backend, every family and case
+    "eager": "core/test_invariants.py",  # the reference side of that comparison
+    "chunked": "attention/test_backends.py",
+    "flex": "attention/test_backends.py",
+    "auto": "attention/test_backends.py",
 }
 
 
 def registered_backends() -> set[str]:
     """The backend names ``patch_model(backend=...)`` accepts (the registry's selectable backends
     plus ``auto``); kernels that only serve calls ``auto`` hands them (flash-attn, fla, rows) are
-    covered by tests/test_backends.py's own backend x encoding matrix."""
+    covered by tests/attention/test_backends.py's own backend x encoding matrix."""
     return set(backend_choices())
 
 
@@ -61,7 +61,7 @@ def test_the_invariants_run_on_every_registered_case_and_family():
     assert len(set(case_ids(ALL_CASES))) == len(ALL_CASES), "case ids must be unique"
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-        + ["-m", "slow or not slow", str(TESTS / "test_invariants.py")],
+        + ["-m", "slow or not slow", str(TESTS / "core" / "test_invariants.py")],
         capture_output=True,
         text=True,
         check=True,
@@ -104,7 +104,7 @@ def test_every_backend_is_compared_with_eager_by_a_named_module():
         source = (TESTS / module).read_text()
         assert f'"{backend}"' in source, f"{module} never names backend {backend!r}"
     assert set(test_invariants.FULL_BACKENDS) == {
-        b for b, m in BACKEND_TESTS.items() if m == "test_invariants.py"
+        b for b, m in BACKEND_TESTS.items() if m == "core/test_invariants.py"
     }
 
 

@@ -27,7 +27,7 @@ from hf_posenc.recipes.integrations.lm_eval_tasks import (  # noqa: E402
 from hf_posenc.recipes.tiny import tiny_model  # noqa: E402
 from hf_posenc.recipes.tokenizer import train_bpe_tokenizer  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "lm_eval"
 SUBJECTS = ["abstract_algebra", "philosophy"]
 
 

@@ -125,7 +125,7 @@ def test_lora_trains_adapters_and_the_encoding_and_the_result_reloads(workspace)
         assert torch.equal(reloaded(ids).logits, again(ids).logits)
 
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "accelerate"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "accelerate"
 
 
 @pytest.fixture(scope="module")

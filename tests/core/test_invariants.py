@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from capture import LENGTH, run_and_capture
 from conftest import ENCODING_FILE_FAMILIES, ENCODINGS, FAMILIES, make_model, patch, token_ids
 from encoding_cases import (
     ALL_CASES,
@@ -22,7 +23,6 @@ from encoding_cases import (
     case_id,
     has_explicit_scores,
 )
-from test_reference import LENGTH, run_and_capture
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 

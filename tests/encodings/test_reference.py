@@ -6,39 +6,10 @@ from __future__ import annotations
 
 import reference as ref
 import torch
-from conftest import attention_modules, make_model, native_window, num_query_heads, patch, token_ids
+from capture import LENGTH, run_and_capture
+from conftest import make_model, native_window, num_query_heads, patch, token_ids
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-LENGTH = 12  # longer than Mistral's sliding window of 8
-
-
-def run_and_capture(model, ids):
-    """Run a forward and record (hidden input, output) of every attention module and the input of layer 0."""
-    records, handles = {}, []
-    attention = attention_modules(model)
-    first_layer = next(m for m in model.modules() if any(c is attention[0] for c in m.children()))
-
-    def attention_hook(idx):
-        def hook(module, args, kwargs, output):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            records[idx] = (hidden.detach(), output[0].detach())
-
-        return hook
-
-    def layer_hook(module, args, kwargs):
-        records["layer0_input"] = (args[0] if args else kwargs["hidden_states"]).detach()
-
-    for idx, module in enumerate(attention):
-        handles.append(module.register_forward_hook(attention_hook(idx), with_kwargs=True))
-    handles.append(first_layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return records, attention
 
 
 def reference_inv_freq(params: dict, head_dim: int, seq_len: int) -> tuple[list[float], float]:

@@ -14,7 +14,7 @@ from hf_posenc.recipes.cli import main
 from hf_posenc.recipes.integrations.lm_eval_schema import SchemaError, check_rows
 from hf_posenc.recipes.integrations.lm_eval_tasks import plan_tasks
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "lm_eval"
 
 
 def test_every_fixture_file_in_the_hub_schemas_passes():

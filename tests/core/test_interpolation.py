@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import reference as ref
 import torch
+from capture import LENGTH, run_and_capture
 from conftest import make_model, no_grad_logits, patch, token_ids
-from test_reference import LENGTH, run_and_capture
-from test_relative_bias_encodings import fire_reference, kerple_reference, sandwich_reference
 
 import hf_posenc
 from hf_posenc.core.memo import ForwardMemo
@@ -44,11 +43,11 @@ def bias_reference(name: str, params: dict, model, layer_idx: int, heads: int, f
         b, d = params.get("num_buckets", 32), params.get("max_distance", 128)
         return lambda h, i, j: float(table[ref.t5_bucket(math.floor((i - j) / factor), b, d), h])
     if name == "kerple":
-        unscaled = kerple_reference(params, model.posenc, layer_idx)
+        unscaled = ref.kerple_bias(params, model.posenc, layer_idx)
     elif name == "sandwich":
-        unscaled = sandwich_reference(params, heads)
+        unscaled = ref.sandwich_bias(params, heads)
     else:
-        unscaled = fire_reference(params, model.posenc, layer_idx)
+        unscaled = ref.fire_bias(params, model.posenc, layer_idx)
     return lambda h, i, j: unscaled(h, i / factor, j / factor)  # positions i/f, j/f
 
 
