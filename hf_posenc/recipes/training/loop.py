@@ -148,6 +148,201 @@ def _accelerator(config: TrainConfig, output_dir: Path):
     )
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the steps of one run share: the accelerator, the prepared objects and the history."""
+
+    config: TrainConfig
+    output_dir: Path
+    accelerator: Any
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    order: BatchOrder
+    losses: list[tuple[int, float]]
+    bar: Any = None
+
+
+def _open_accelerator(config: TrainConfig, output_dir: Path, *, resume: bool, overwrite: bool):
+    """The accelerator of one world of processes, after the output directory is checked."""
+    on_cpu = use_cpu_for_a_gpu_launch()
+    accelerator = _accelerator(config, output_dir)
+    check_world(accelerator)
+    if accelerator.is_main_process:
+        for note in launch_notes(accelerator, on_cpu):
+            print(note)
+    check_output_dir(output_dir, resume=resume, overwrite=overwrite, is_main=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    return accelerator
+
+
+def _resume_point(config: TrainConfig, accelerator, output_dir: Path) -> Path:
+    """The newest intact checkpoint of the run in ``output_dir``, whose settings must be ours."""
+    warn = print if accelerator.is_main_process else (lambda _: None)
+    checkpoint = intact_checkpoint(output_dir, warn=warn)
+    if checkpoint is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint (none intact) in {str(output_dir)!r}")
+    changed = resume_differences(read_state(checkpoint)["config"], dataclasses.asdict(config))
+    if changed:
+        raise InvalidParameterError(
+            f"--resume: settings differ from the run in {str(output_dir)!r}: " + ", ".join(changed)
+        )
+    return checkpoint
+
+
+def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: Path):
+    """Tokenised training blocks (the main process tokenises first, the others reuse its cache)."""
+    with accelerator.main_process_first():
+        return training_blocks(
+            config.data,
+            tokenizer,
+            config.seq_len,
+            text_field=config.text_field,
+            split=config.split,
+            limit=config.max_documents,
+            cache_dir=config.data_cache or output_dir / "data-cache",
+            num_proc=config.num_proc,
+        )
+
+
+def _trainable_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
+    """The model loaded or patched, checked against seq_len, with checkpointing/LoRA, in train mode."""
+    model = prepare_model(config, model)  # the data is ready (or its error known) before the model loads
+    _check_positions(model, config.seq_len)
+    if config.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora:
+        model = apply_lora(
+            model,
+            r=config.lora_r,
+            alpha=config.lora_alpha,
+            dropout=config.lora_dropout,
+            targets=config.lora_targets,
+        )
+    model.train()
+    return model
+
+
+def _prepared(config: TrainConfig, model: nn.Module, accelerator):
+    """Model and optimizer wrapped by accelerate; the scheduler registered for checkpoints."""
+    optimizer = _optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+    # the scheduler is stepped by hand, once per optimizer step, whatever the process count
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    return model, optimizer, scheduler
+
+
+def _restore(accelerator, checkpoint: Path) -> tuple[int, list[tuple[int, float]]]:
+    """Load model, optimizer, scheduler and RNG states; the step and loss history to go on from."""
+    try:
+        accelerator.load_state(str(checkpoint))
+    except Exception as error:  # a file that passed its checksum but does not load
+        raise InvalidParameterError(f"--resume: cannot load {checkpoint}: {error}") from error
+    state = read_state(checkpoint)
+    if accelerator.is_main_process:
+        print(f"[train] resuming from {checkpoint} (step {state['step']})")
+    return state["step"], [tuple(x) for x in state["losses"]]
+
+
+def _save(run: _Run, step: int) -> None:
+    check_finite_weights(run.accelerator, run.model, step)
+    state = {"step": step, "losses": run.losses, "config": dataclasses.asdict(run.config)}
+    path = save_checkpoint(run.accelerator, run.output_dir, step, state, run.config.keep_checkpoints)
+    if run.accelerator.is_main_process:
+        run.bar.write(f"[train] checkpoint {path}")
+
+
+def _optimizer_step(run: _Run, step: int) -> float:
+    """One optimizer step over ``grad_accum`` micro-batches; the loss averaged over processes."""
+    config, accelerator, model = run.config, run.accelerator, run.model
+    step_loss = torch.zeros((), device=accelerator.device)
+    for micro in range(config.grad_accum):
+        batch = run.order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
+        with accelerator.accumulate(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and config.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        step_loss += loss.detach() / config.grad_accum
+    run.scheduler.step()
+    return accelerator.gather(step_loss[None]).mean().item()
+
+
+def _record_step(run: _Run, step: int, mean_loss: float) -> dict[str, float]:
+    """Check and keep the loss, update the bar, log (console every log_every, trackers every step)."""
+    check_finite_loss(mean_loss, step)
+    run.losses.append((step, mean_loss))
+    logs = {"loss": mean_loss, "lr": float(run.scheduler.get_last_lr()[0])}
+    run.bar.update(1)
+    run.bar.set_postfix(loss=f"{mean_loss:.4f}")
+    if run.accelerator.is_main_process and step % run.config.log_every == 0:
+        run.bar.write(json.dumps({"step": step, **logs}))
+    if run.config.report_to:
+        run.accelerator.log(logs, step=step)
+    return logs
+
+
+def _checkpoint_if_due(run: _Run, step: int, stop: StopRequest) -> None:
+    """Save on a stop request (then stop) or every save_every steps; never after the last step."""
+    config = run.config
+    if stop.requested and step < config.max_steps:
+        _save(run, step)
+        raise KeyboardInterrupt(f"interrupted after step {step}; checkpoint saved")
+    if config.save_every and step % config.save_every == 0 and step < config.max_steps:
+        _save(run, step)
+
+
+def _run_steps(run: _Run, start: int, callbacks: Sequence[StepCallback]) -> None:
+    """Steps ``start+1 .. max_steps``; a collective that times out becomes one TrainingError."""
+    config = run.config
+    try:
+        with StopRequest(enabled=run.accelerator.num_processes == 1) as stop:
+            for step in range(start, config.max_steps):
+                logs = _record_step(run, step + 1, _optimizer_step(run, step))
+                _checkpoint_if_due(run, step + 1, stop)
+                for callback in callbacks:
+                    callback(step + 1, logs)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            raise
+        raise TrainingError(
+            f"another process did not answer within --ddp-timeout {config.ddp_timeout} s (stuck or dead); "
+            f"stopped at step {len(run.losses)}, the last checkpoint is the resume point "
+            f"({str(error).splitlines()[0][-120:]})"
+        ) from error
+    finally:
+        run.bar.close()  # an error message starts on its own line
+
+
+def _write_final_model(run: _Run, tokenizer: Any, blocks: Any) -> Path:
+    """Gather the (possibly sharded) weights on every process; the main process writes final/."""
+    config, accelerator = run.config, run.accelerator
+    check_finite_weights(accelerator, run.model, config.max_steps)
+    final_dir = run.output_dir / "final"
+    accelerator.wait_for_everyone()
+    # every process takes part in gathering a sharded (FSDP) state dict; the main one writes it
+    state_dict = None if config.lora else accelerator.get_state_dict(run.model)
+    if accelerator.is_main_process:
+        final = accelerator.unwrap_model(run.model)
+        if config.lora:
+            final = merge_lora(final)
+        write_final(
+            final,
+            tokenizer,
+            run.output_dir,
+            config,
+            run.losses,
+            blocks,
+            accelerator.num_processes,
+            state_dict,
+        )
+    accelerator.wait_for_everyone()
+    return final_dir
+
+
 def train(
     config: TrainConfig,
     *,
@@ -170,148 +365,30 @@ def train(
 
     output_dir = Path(config.output_dir)
     preflight(config, model=model, tokenizer=tokenizer)
-    on_cpu = use_cpu_for_a_gpu_launch()
-    accelerator = _accelerator(config, output_dir)
-    check_world(accelerator)
-    if accelerator.is_main_process:
-        for note in launch_notes(accelerator, on_cpu):
-            print(note)
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite, is_main=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    checkpoint = None
-    if resume:
-        warn = print if accelerator.is_main_process else (lambda _: None)
-        checkpoint = intact_checkpoint(output_dir, warn=warn)
-        if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint (none intact) in {str(output_dir)!r}")
-        changed = resume_differences(read_state(checkpoint)["config"], dataclasses.asdict(config))
-        if changed:
-            raise InvalidParameterError(
-                f"--resume: settings differ from the run in {str(output_dir)!r}: " + ", ".join(changed)
-            )
-
+    accelerator = _open_accelerator(config, output_dir, resume=resume, overwrite=overwrite)
+    checkpoint = _resume_point(config, accelerator, output_dir) if resume else None
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-
-    with accelerator.main_process_first():
-        blocks = training_blocks(
-            config.data,
-            tokenizer,
-            config.seq_len,
-            text_field=config.text_field,
-            split=config.split,
-            limit=config.max_documents,
-            cache_dir=config.data_cache or output_dir / "data-cache",
-            num_proc=config.num_proc,
-        )
+    blocks = _load_blocks(config, tokenizer, accelerator, output_dir)
     order = BatchOrder(
         blocks, config.batch_size, accelerator.num_processes, accelerator.process_index, config.seed
     )
     set_seed(config.seed)
-    model = prepare_model(config, model)  # the data is ready (or its error known) before the model loads
-    _check_positions(model, config.seq_len)
-
-    if config.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if config.lora:
-        model = apply_lora(
-            model,
-            r=config.lora_r,
-            alpha=config.lora_alpha,
-            dropout=config.lora_dropout,
-            targets=config.lora_targets,
-        )
-    model.train()
-    optimizer = _optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
-    # the scheduler is stepped by hand, once per optimizer step, whatever the process count
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-
-    start, losses = 0, []
-    if checkpoint is not None:
-        try:
-            accelerator.load_state(str(checkpoint))
-        except Exception as error:  # a file that passed its checksum but does not load
-            raise InvalidParameterError(f"--resume: cannot load {checkpoint}: {error}") from error
-        state = read_state(checkpoint)
-        start, losses = state["step"], [tuple(x) for x in state["losses"]]
-        if accelerator.is_main_process:
-            print(f"[train] resuming from {checkpoint} (step {start})")
+    model, optimizer, scheduler = _prepared(config, _trainable_model(config, model), accelerator)
+    start, losses = _restore(accelerator, checkpoint) if checkpoint is not None else (0, [])
     if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(config.to_json())
     if config.report_to:
         accelerator.init_trackers("hf-posenc", config=_tracker_config(config))
-
-    def save(step: int) -> None:
-        check_finite_weights(accelerator, model, step)
-        state = {"step": step, "losses": losses, "config": dataclasses.asdict(config)}
-        path = save_checkpoint(accelerator, output_dir, step, state, config.keep_checkpoints)
-        if accelerator.is_main_process:
-            bar.write(f"[train] checkpoint {path}")
-
-    bar = tqdm(
+    run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, order, losses)
+    run.bar = tqdm(
         total=config.max_steps,
         initial=start,
         desc="train",
         disable=not (progress and accelerator.is_main_process),
     )
-    try:
-        with StopRequest(enabled=accelerator.num_processes == 1) as stop:
-            for step in range(start, config.max_steps):
-                step_loss = torch.zeros((), device=accelerator.device)
-                for micro in range(config.grad_accum):
-                    batch = order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
-                    with accelerator.accumulate(model):
-                        loss = model(input_ids=batch, labels=batch).loss
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients and config.max_grad_norm > 0:
-                            accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    step_loss += loss.detach() / config.grad_accum
-                scheduler.step()
-                mean_loss = accelerator.gather(step_loss[None]).mean().item()
-                check_finite_loss(mean_loss, step + 1)
-                losses.append((step + 1, mean_loss))
-                logs = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0]}
-                bar.update(1)
-                bar.set_postfix(loss=f"{mean_loss:.4f}")
-                if accelerator.is_main_process and (step + 1) % config.log_every == 0:
-                    bar.write(json.dumps({"step": step + 1, **logs}))
-                if config.report_to:
-                    accelerator.log(logs, step=step + 1)
-                if stop.requested and step + 1 < config.max_steps:
-                    save(step + 1)
-                    raise KeyboardInterrupt(f"interrupted after step {step + 1}; checkpoint saved")
-                if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.max_steps:
-                    save(step + 1)
-                for callback in callbacks:
-                    callback(step + 1, logs)
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
-            raise
-        raise TrainingError(
-            f"another process did not answer within --ddp-timeout {config.ddp_timeout} s (stuck or dead); "
-            f"stopped at step {len(losses)}, the last checkpoint is the resume point "
-            f"({str(error).splitlines()[0][-120:]})"
-        ) from error
-    finally:
-        bar.close()  # an error message starts on its own line
-
-    check_finite_weights(accelerator, model, config.max_steps)
-    final_dir = output_dir / "final"
-    accelerator.wait_for_everyone()
-    # every process takes part in gathering a sharded (FSDP) state dict; the main one writes it
-    state_dict = None if config.lora else accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        final = accelerator.unwrap_model(model)
-        if config.lora:
-            final = merge_lora(final)
-        write_final(
-            final, tokenizer, output_dir, config, losses, blocks, accelerator.num_processes, state_dict
-        )
-    accelerator.wait_for_everyone()
+    _run_steps(run, start, callbacks)
+    final_dir = _write_final_model(run, tokenizer, blocks)
     if config.report_to:
         accelerator.end_training()
-    return TrainResult(final_dir, config.max_steps, losses, accelerator.is_main_process)
+    return TrainResult(final_dir, config.max_steps, run.losses, accelerator.is_main_process)
