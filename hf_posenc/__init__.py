@@ -59,6 +59,7 @@ _EXPORTS = {
     "SinusoidalConfig": "encodings.sinusoidal",
     "T5Config": "encodings.t5",
     "TAPEConfig": "encodings.tape",
+    "XPosConfig": "encodings.xpos",
 }
 
 

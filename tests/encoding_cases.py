@@ -33,6 +33,16 @@ CASES_BY_ENCODING: dict[str, list[Case]] = {
         ("rope", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
         ("rope", {"partial_rotary_factor": 0.5, "theta": 500.0}),
     ],
+    # xpos: defaults, linear scaling (rotation and decay at n/f) with partial rotary and a short
+    # scale base (strong decay), and a frequency-only schedule (yarn: the decay keeps n)
+    "xpos": [
+        ("xpos", {}),
+        (
+            "xpos",
+            {"scaling": {"type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.5, "scale_base": 8.0},
+        ),
+        ("xpos", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+    ],
     "expe": [
         ("expe", {}),
         ("expe", {"override_value": True, "S": 0.5, "scaling": {"type": "linear", "factor": 2.0}}),
@@ -110,7 +120,7 @@ ALL_CASES: list[Case] = [case for cases in CASES_BY_ENCODING.values() for case i
 #: encodings without trainable parameters of their own (an optimizer step can only move the
 #: model's weights); checked against each patched encoding by test_invariants.py
 PARAMETER_FREE = frozenset(
-    {"nope", "sinusoidal", "alibi", "rope", "expe", "exqpe", "sandwich", "sba", "rope2d"}
+    {"nope", "sinusoidal", "alibi", "rope", "xpos", "expe", "exqpe", "sandwich", "sba", "rope2d"}
 )
 
 #: where the formula reference of each parameter-free encoding lives: a test module whose
@@ -121,6 +131,7 @@ LAYER_REFERENCES = {
     "sinusoidal": "test_reference",
     "alibi": "test_reference",
     "rope": "test_reference",
+    "xpos": "test_reference",
     "expe": "test_reference",
     "exqpe": "test_reference",
     "sandwich": "test_relative_bias_encodings",

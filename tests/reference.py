@@ -73,6 +73,31 @@ def rotation_matrix(
     return matrix
 
 
+def xpos_matrices(
+    position: float,
+    inv_freq: list[float],
+    head_dim: int,
+    *,
+    scale_base: float,
+    gamma: float,
+    decay_position: float,
+    attention_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """xPos (Sun et al. 2023, Sec. 3): (query map, key map) of one token. Pair i of the rotary dims
+    is RoPE's rotation by ``position`` times zeta_i^(p/gamma) for queries and zeta_i^(-p/gamma) for
+    keys, zeta_i = (i/(d/2) + c)/(1 + c) with c = ``gamma``, gamma = ``scale_base``, p = ``decay_position``."""
+    half = len(inv_freq)
+    rotation = rotation_matrix(position, inv_freq, head_dim, attention_factor)
+    up = torch.ones(head_dim, dtype=torch.float64)
+    down = torch.ones(head_dim, dtype=torch.float64)
+    for i in range(half):
+        zeta = (i / half + gamma) / (1 + gamma)
+        for dim in (i, i + half):
+            up[dim] = zeta ** (decay_position / scale_base)
+            down[dim] = zeta ** (-decay_position / scale_base)
+    return torch.diag(up) @ rotation, torch.diag(down) @ rotation
+
+
 # -- one attention layer ------------------------------------------------------------------
 
 
@@ -143,13 +168,15 @@ def attention_layer(
     x_override=None,
     override_value: bool = False,
     rotation=None,
+    key_rotation=None,
     bias=None,
 ) -> torch.Tensor:
     """softmax_j(q_i . k_j * softmax_scale + bias(h, i, j)) v_j over allowed j, then the output projection.
 
     ``x_override(t) -> list`` replaces the leading dims of the q/k input of token t;
     ``rotation(t, i) -> (D, D)`` rotates q_t and k_t for query i (frequencies may depend on
-    the query, as in causal dynamic NTK); ``bias(h, i, j) -> float``.
+    the query, as in causal dynamic NTK); ``key_rotation(t, i)``, when given, maps k_t instead
+    (xPos scales queries and keys differently); ``bias(h, i, j) -> float``.
     Allowed keys: j <= i, and i - j < window when a sliding window is set.
     """
     hidden = hidden.double()
@@ -172,7 +199,8 @@ def attention_layer(
                 keys = [j for j in range(i + 1) if window is None or i - j < window]
                 scores = []
                 for j in keys:
-                    kj = rotation(j, i) @ k[b, j, g] if rotation else k[b, j, g]
+                    key_map = key_rotation or rotation
+                    kj = key_map(j, i) @ k[b, j, g] if key_map else k[b, j, g]
                     scores.append(float(qi @ kj) * softmax_scale + (bias(h, i, j) if bias else 0.0))
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))

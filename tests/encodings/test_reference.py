@@ -72,6 +72,26 @@ def layer_reference(name, params, module, hidden, model, layer_idx):
             for t in range(i + 1):
                 matrices[t, i] = ref.rotation_matrix(t, inv_freq, module.head_dim, factor)
         kwargs["rotation"] = lambda t, i: matrices[t, i]
+    elif name == "xpos":
+        cfg = model.posenc.config  # the resolved defaults (theta: the model's) as parameters
+        full = {**params, "theta": cfg.theta}
+        inv_freq, factor = reference_inv_freq(full, module.head_dim, seq_len=LENGTH)
+        scaling = params.get("scaling") or {}
+        divisor = scaling["factor"] if scaling.get("type") == "linear" else 1.0
+        maps = {
+            t: ref.xpos_matrices(
+                t,
+                inv_freq,
+                module.head_dim,
+                scale_base=params.get("scale_base", 512.0),
+                gamma=params.get("gamma", 0.4),
+                decay_position=t / divisor,
+                attention_factor=factor,
+            )
+            for t in range(LENGTH)
+        }
+        kwargs["rotation"] = lambda t, i: maps[t][0]
+        kwargs["key_rotation"] = lambda t, i: maps[t][1]
     elif name == "alibi":
         slopes = ref.alibi_slopes(heads)
         kwargs["bias"] = lambda h, i, j: -slopes[h] * (i - j)
