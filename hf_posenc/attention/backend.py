@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from ..encodings.base import Encoding
 from ..encodings.block_bias import BlockBias
@@ -140,3 +141,26 @@ def dispatch(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         if result is not None:
             return result
     raise RuntimeError(f"no attention backend served this call (backend={call.requested!r})")
+
+
+def dispatch_with_stream(
+    call: AttentionCall, stream: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The call's attention applied to its values and to ``stream`` (B, Hkv, Tk, S) with the same
+    weights: (output (B, Tq, Hq, Dv + S), weights or None) — an ``attends_stream`` encoding (TAPE).
+
+    Without a bias or explicit-score stage it is one call of the fused kernels: the values are
+    ``(v, stream)`` and q, k are zero-padded to the same width, so every score is the same sum
+    (the added products are exact zeros) and the kernel, which wants equal widths, stays fused
+    (values wider than q/k would send SDPA to its O(T^2) math path). Otherwise, two calls with
+    the same queries and keys (their weights are the same function of them).
+    """
+    v = call.v
+    stream = stream.to(v.dtype)
+    if call.bias is None and not call.explicit:
+        extra = v.shape[-1] + stream.shape[-1] - call.q.shape[-1]  # q/k width -> value width
+        score = dataclasses.replace(call.score, q=F.pad(call.q, (0, extra)), k=F.pad(call.k, (0, extra)))
+        return dispatch(dataclasses.replace(call, score=score, v=torch.cat((v, stream), dim=-1)))
+    out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
+    attended, _ = dispatch(dataclasses.replace(call, v=stream, want_weights=False))  # (B, Tq, Hq, S)
+    return torch.cat((out, attended), dim=-1), weights

@@ -23,7 +23,7 @@ from ..compat import attention_weights_requested, cache_argument
 from ..core.positions import bind_arguments, positional_names
 from ..encodings.call import LayerCall
 from ..errors import InvalidParameterError
-from .backend import AttentionCall, dispatch
+from .backend import AttentionCall, dispatch, dispatch_with_stream
 
 if TYPE_CHECKING:
     from ..core.runtime import PatchRuntime
@@ -111,7 +111,10 @@ class PatchedAttentionForward:
             bias=encoding.score_bias(score) if "score_bias" in stages else None,
             failures=runtime.failed_backends,
         )
-        out, weights = dispatch(attention)  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None
+        if encoding.attends_stream:  # (B, Tq, Hq, D + S): values and the encoding's stream, same weights
+            out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))
+        else:
+            out, weights = dispatch(attention)  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None
         if weights is not None and cache is not None and weights.shape[-1] < allocated:
             # output_attentions over a static cache: native maps span the whole buffer (unused slots 0)
             weights = torch.nn.functional.pad(weights, (0, allocated - weights.shape[-1]))

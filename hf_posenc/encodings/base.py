@@ -103,6 +103,11 @@ class Encoding(nn.Module, Generic[ConfigT]):
     #: True when values flow from one layer to the next through ``memo.carry`` (TAPE's positional
     #: stream): reentrant gradient checkpointing cannot differentiate through that, so it is refused
     carries_layer_stream: ClassVar[bool] = False
+    #: True when the encoding attends a second set of values with the same attention weights
+    #: (TAPE's positional stream), given by :meth:`attended_stream`: the values keep the model's
+    #: head width (the KV cache's value head is the model's, and the fused kernels stay usable),
+    #: and the attention output handed to ``adjust_output`` is (B, Tq, Hq * (D + stream width))
+    attends_stream: ClassVar[bool] = False
     #: for stateful encodings: per decoding-state key, the dim aligned with the cached tokens
     #: (cropped with the cache by assisted decoding), or None when the entry cannot be rolled back
     state_sequence_dims: ClassVar[dict[str, int | None]] = {}
@@ -200,6 +205,12 @@ class Encoding(nn.Module, Generic[ConfigT]):
     def normalize(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
         """scores (B,Hq,Tq,Tk) fp32 and ``call.allowed`` (B|1,1,Tq,Tk) bool, or None when every key
         is allowed -> attention weights."""
+        raise NotImplementedError
+
+    def attended_stream(self, call: LayerCall, k_len: int) -> torch.Tensor:
+        """For ``attends_stream`` encodings: the (B, Hkv, Tk, S) vectors of the ``k_len`` keys this
+        call attends (cached ones included; kept in ``call.state``), attended with the weights of
+        the values: the output per query head is ``(sum_j a_ij v_j, sum_j a_ij s_j)``."""
         raise NotImplementedError
 
     def adjust_output(self, call: LayerCall, out: torch.Tensor) -> torch.Tensor:

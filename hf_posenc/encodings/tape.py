@@ -34,9 +34,13 @@ The PE-layer matrices are stored fan-in normalised, ``W = raw / sqrt(fan_in)`` (
 ``up``, ``down``; raw init U(-1, 1), the same distribution as ``nn.Linear``'s init of W): the
 same equations, but the stream's gain stays O(1) for O(1) raw values.
 
-KV cache: a cached key needs the stream it had, so the stream ``E^l_j`` rides along with the
-values (``v_j -> (v_j, E^l_j)``, split off again after attention): the cache keeps it aligned
-with its keys, also through sliding windows, cropping and beam reordering.
+Attention and KV cache: the stream is attended with the weights of the values but is not a
+part of them (``attends_stream``): the values keep the model's head width, so the KV cache
+holds the model's own shapes and the attention stays one fused kernel (the attention core
+appends the stream to the values and zero-pads q and k to the same width, which leaves every
+score unchanged; ``attention/forward.py``). A cached key needs the stream it had, so the
+stream ``E^l_j`` of the cached keys is TAPE's decoding state (``call.state``), aligned with the
+cache's keys through sliding windows, cropping, batch selection and beam reordering.
 
 Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: the stream starts from the
 interpolated positions, C^0_t = cos(p_t / f w), S^0_t = sin(p_t / f w); (2)-(4) are unchanged.
@@ -56,10 +60,12 @@ from ..core.interpolation import PositionInterpolation, interpolate
 from ..core.layout import expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..core.registry import register_encoding
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, UnsupportedModelError
 from .base import Encoding
 from .call import LayerCall
 from .rope import rotate_half
+
+STATE_KEY = "tape_stream"  # (B, Hkv, Tk, D): E^l of the keys the cache holds
 
 
 @dataclasses.dataclass
@@ -107,6 +113,9 @@ def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
 class TAPE(Encoding[TAPEConfig]):
     name = "tape"
     carries_layer_stream = True
+    attends_stream = True
+    stateful = True
+    state_sequence_dims = {STATE_KEY: -2}
     aliases = ("adape",)
     config_class = TAPEConfig
     paper = "Zhu et al. 2025, arXiv:2501.00712"
@@ -161,12 +170,23 @@ class TAPE(Encoding[TAPEConfig]):
         stream = self._stream(layer_idx, call.hidden, call.positions, memo, q.dtype)  # (B, Hkv, T, D)
         memo.carry[("tape-in", layer_idx)] = stream
         stream_q = expand_kv_heads(stream, self.groups)  # (B, Hq, T, D)
-        # the stream travels with the values, so cached keys keep the features they were rotated by
-        return (
-            rotate_with_stream(q, stream_q),
-            rotate_with_stream(k, stream),
-            torch.cat((v, stream.to(v.dtype)), -1),
-        )
+        return rotate_with_stream(q, stream_q), rotate_with_stream(k, stream), v
+
+    def attended_stream(self, call: LayerCall, k_len: int) -> torch.Tensor:
+        """E^l of the ``k_len`` keys attended: the cached keys' (decoding state) and the new ones'."""
+        stream = call.memo.carry[("tape-in", call.layer_idx)]  # (B, Hkv, T, D)
+        if call.state is not None:
+            cached = call.state.get(STATE_KEY)  # (B, Hkv, Tcached, D)
+            if cached is not None:
+                stream = torch.cat((cached, stream.to(cached.dtype)), dim=-2)
+            stream = stream[..., -k_len:, :]  # the keys the cache returned (sliding windows drop old ones)
+            call.state[STATE_KEY] = stream
+        if stream.shape[-2] != k_len:
+            raise UnsupportedModelError(
+                f"tape: the KV cache holds {k_len} keys but the positional-stream state knows "
+                f"{stream.shape[-2]}; a cache must be filled by this patched model from its first token"
+            )
+        return stream  # (B, Hkv, Tk, D)
 
     def adjust_output(self, call: LayerCall, out: torch.Tensor) -> torch.Tensor:
         layer_idx, memo = call.layer_idx, call.memo

@@ -1,0 +1,114 @@
+"""No encoding widens the heads the attention kernel and the KV cache see (issue 21.5, 19.8):
+q, k and v reach SDPA with the model's head width (so the fused kernel serves them, not the
+math path that keeps the (T, T) weights), and a KV cache holds the model's own key and value
+shapes. TAPE's positional stream, attended with the values' weights, is its decoding state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_model, patch, token_ids
+from encoding_cases import ALL_CASES, CASES_BY_ENCODING, case_id
+from transformers import DynamicCache
+
+from hf_posenc.attention.backend import AttentionCall, dispatch_with_stream
+from hf_posenc.compat import cache_keyword
+from hf_posenc.core.registry import encoding_names, get_encoding
+from hf_posenc.encodings.base import probe_call
+
+DEFAULTS = [cases[0] for cases in CASES_BY_ENCODING.values()]
+
+
+@pytest.mark.parametrize("case", DEFAULTS, ids=[case_id(c) for c in DEFAULTS])
+def test_sdpa_and_the_cache_see_the_models_head_width(case, monkeypatch):
+    """Every SDPA call of a patched forward gets q, k, v of one width (the model's head_dim),
+    and the cache filled by it holds keys and values of the model's head width."""
+    model = patch(make_model("llama"), case[0], case[1])
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    widths = []
+    original = F.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(token_ids(1, 12), **{cache_keyword(model): cache}, use_cache=True)
+    for q_width, k_width, v_width in widths:
+        assert q_width == k_width == v_width, f"SDPA got widths q={q_width} k={k_width} v={v_width}"
+    for layer in cache.layers:
+        assert layer.keys.shape[-1] == head_dim and layer.values.shape[-1] == head_dim
+
+
+def test_tape_keeps_its_stream_as_decoding_state_of_the_cached_length():
+    """TAPE's stream of the cached keys is its own state, one (B, Hkv, Tk, D) entry per layer."""
+    model = patch(make_model("llama"), "tape")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(token_ids(2, 9), **{cache_keyword(model): cache}, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), **{cache_keyword(model): cache}, use_cache=True)
+    states = next(iter(cache._hf_posenc_decoding_states.layers.values()))
+    kv_heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    assert sorted(states) == list(range(model.config.num_hidden_layers))
+    for state in states.values():
+        assert state["tape_stream"].shape == (2, kv_heads, 10, head_dim)
+
+
+def _reference(q, k, v, stream, bias, scale):
+    """softmax(q k^T * scale + bias, causal) (v, stream), fp64, from the definition."""
+    groups = q.shape[1] // k.shape[1]
+    k, v, stream = (x.repeat_interleave(groups, dim=1).double() for x in (k, v, stream))
+    scores = q.double() @ k.transpose(-1, -2) * scale + bias.double()
+    t_q, t_k = scores.shape[-2:]
+    causal = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return torch.cat((weights @ v, weights @ stream), -1).transpose(1, 2)  # (B, Tq, Hq, D + S)
+
+
+@pytest.mark.parametrize("encoding", ["nope", "alibi"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "chunked"])
+def test_stream_attended_with_the_values_weights(encoding, backend):
+    """dispatch_with_stream gives (sum_j a_ij v_j, sum_j a_ij s_j) on every backend, without a
+    bias (one call, q and k zero-padded) and with one (two calls), for cached decoding shapes too."""
+    model = patch(make_model("llama"), encoding)
+    geometry, enc = model.posenc.geometry, model.posenc
+    generator = torch.Generator().manual_seed(0)
+    for q_len, k_len in ((7, 7), (1, 7), (3, 7)):
+        base = probe_call(geometry, q_len, k_len)
+        q = torch.randn(base.q.shape, generator=generator)
+        k = torch.randn(base.k.shape, generator=generator)
+        v = torch.randn(base.k.shape, generator=generator)
+        stream = torch.randn(*base.k.shape[:-1], 5, generator=generator)
+        score = dataclasses.replace(base, q=q, k=k)
+        stages = frozenset(type(enc).stages())
+        bias = enc.score_bias(score) if "score_bias" in stages else None
+        call = AttentionCall(
+            score=score,
+            v=v,
+            mask=None,
+            softmax_scale=0.3,
+            dropout_p=0.0,
+            requested=backend,
+            want_weights=False,
+            encoding=enc,
+            stages=stages,
+            bias=bias,
+            failures=set(),
+        )
+        out, _ = dispatch_with_stream(call, stream)
+        dense = torch.zeros(1) if bias is None else bias.full()
+        want = _reference(q, k, v, stream, dense, 0.3)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_every_registered_encoding_is_checked():
+    """The width test runs on every registered encoding (its defaults)."""
+    assert {name for name, _ in DEFAULTS} >= set(encoding_names())
+    assert {name for name, _ in ALL_CASES} == {name for name, _ in DEFAULTS}
+    assert get_encoding("tape").attends_stream
