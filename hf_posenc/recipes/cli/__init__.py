@@ -20,6 +20,7 @@ from . import lm_eval as lm_eval_command
 from . import perplexity as perplexity_command
 from . import study as study_command
 from . import train as train_command
+from .common import DefaultsHelpFormatter
 
 #: modules whose ``register(subparsers)`` adds subcommands, in the order ``--help`` lists them
 COMMAND_MODULES = [
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         module.register(commands)
     for name, subparser in commands.choices.items():
+        subparser.formatter_class = DefaultsHelpFormatter
         if name != "lm-eval" and "--traceback" not in subparser._option_string_actions:
             subparser.add_argument(
                 "--traceback", action="store_true", help="show the full traceback on error"
@@ -74,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    set_command(["hf-posenc", *(sys.argv[1:] if argv is None else argv)])
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # --config: which flags were given
+    set_command(["hf-posenc", *args._argv])
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt as stop:

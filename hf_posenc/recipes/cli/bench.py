@@ -22,22 +22,43 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding"
     )
-    parser.add_argument("--lengths", nargs="+", type=int, default=defaults.lengths)
-    parser.add_argument("--modes", nargs="+", default=defaults.modes, choices=["forward", "train", "decode"])
-    parser.add_argument("--family", default=defaults.family, choices=family_names())
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
-    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
-    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--warmup", type=int, default=defaults.warmup)
-    parser.add_argument("--decode-prompt", type=int, default=defaults.decode_prompt)
-    parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens)
-    parser.add_argument("--device", default=defaults.device)
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--backend", default=defaults.backend, help="attention backend (default: auto)")
-    parser.add_argument("--output-dir", "--output", dest="output_dir", default="posenc-bench")
+    parser.add_argument(
+        "--lengths", nargs="+", type=int, default=defaults.lengths, help="sequence lengths (tokens)"
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=defaults.modes,
+        choices=["forward", "train", "decode"],
+        help="forward pass, forward+backward, token-by-token decoding with a cache",
+    )
+    parser.add_argument(
+        "--family", default=defaults.family, choices=family_names(), help="model family of the random model"
+    )
+    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="of the random model")
+    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="of the random model")
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers, help="of the random model")
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads, help="of the random model")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per call")
+    parser.add_argument(
+        "--repeats", type=int, default=defaults.repeats, help="timed calls per cell (median reported)"
+    )
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed calls first")
+    parser.add_argument(
+        "--decode-prompt", type=int, default=defaults.decode_prompt, help="prompt tokens before decoding"
+    )
+    parser.add_argument("--decode-tokens", type=int, default=defaults.decode_tokens, help="tokens decoded")
+    parser.add_argument("--device", default=defaults.device, help="cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the model",
+    )
+    parser.add_argument("--backend", default=defaults.backend, help="attention backend")
+    parser.add_argument(
+        "--output-dir", "--output", dest="output_dir", default="posenc-bench", help="results go here"
+    )
     parser.set_defaults(run=command_bench)
 
 

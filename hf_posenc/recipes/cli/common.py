@@ -24,7 +24,7 @@ def parse_encoding_params(items: list[str] | None) -> dict[str, Any]:
     return params
 
 
-def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
+def add_encoding_arguments(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--encoding",
         default=None,
@@ -39,3 +39,60 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help='an encoding parameter; VALUE is JSON when it parses, e.g. scaling=\'{"type":"linear","factor":2}\'',
     )
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, as ``(default: X)``, where there is one to show:
+    not for switches (off unless given), ``None`` (the help says what happens instead) or an
+    empty list, nor where the help text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if (
+            isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+            or default is None
+            or default is argparse.SUPPRESS
+            or default == []
+            or "default" in (action.help or "")
+        ):
+            return action.help
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{action.help or ''} (default: {shown.replace('%', '%%')})"
+
+
+def given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the options ``argv`` (one subcommand's arguments) sets explicitly — a flag
+    given with its default value counts as given, which comparing values with defaults would miss."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        namespace, _ = parser.parse_known_args(argv, argparse.Namespace())
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))
+
+
+def subcommand_argv(args: argparse.Namespace) -> list[str]:
+    """The arguments after the subcommand's name (``main`` records the whole argv in ``args._argv``)."""
+    argv = list(getattr(args, "_argv", []))
+    return argv[argv.index(args.command) + 1 :] if args.command in argv else []
+
+
+def merge_settings(
+    args: argparse.Namespace, fields: list[str], file_values: dict[str, Any]
+) -> dict[str, Any]:
+    """Settings from ``args`` and a ``--config`` file: the file's values, except where the flag was
+    given on the command line (flags win)."""
+    parser: argparse.ArgumentParser = args._parser
+    given = given_on_command_line(parser, subcommand_argv(args))
+    values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    values.update({k: v for k, v in file_values.items() if k not in given})
+    return values
+
+
+class DefaultsRawDescriptionHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """:class:`DefaultsHelpFormatter` keeping the description's line breaks."""

@@ -121,7 +121,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     listing.set_defaults(run=command_list)
 
     check = commands.add_parser("check", help="patch a tiny random model with each encoding and verify it")
-    check.add_argument("--families", nargs="+", default=family_names(), choices=family_names())
+    check.add_argument(
+        "--families", nargs="+", default=family_names(), choices=family_names(), help="families to check"
+    )
     check.add_argument("--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     check.set_defaults(run=command_check)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..integrations.lm_eval_tasks import PRESET_NOTES, PRESETS, SUPPORTED_TASKS, BenchmarkError
+from .common import DefaultsRawDescriptionHelpFormatter
 
 LM_EVAL_COMMANDS = ("run", "ls", "validate")
 RECIPE_FLAGS = ("preset", "pretrained", "data_dir", "mmlu_subjects", "output")
@@ -69,7 +70,7 @@ def _recipe_parser(lm_eval_options: bool) -> argparse.ArgumentParser:
         epilog=EPILOG,
         allow_abbrev=False,
         add_help=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=DefaultsRawDescriptionHelpFormatter,
     )
     recipe = parser.add_argument_group("recipe options")
     recipe.add_argument(

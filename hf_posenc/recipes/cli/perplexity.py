@@ -337,15 +337,20 @@ def register(commands: argparse._SubParsersAction) -> None:
         required=True,
         help="the models' training sequence length",
     )
-    parser.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="K")
+    parser.add_argument(
+        "--multiples",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16],
+        metavar="K",
+        help="evaluation lengths as multiples of --train-length",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="token budget (default: all the data)")
     parser.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
-    parser.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
-    parser.add_argument(
-        "--split", default="validation", help="split of hf: datasets / builtin:stdlib (default: validation)"
-    )
+    parser.add_argument("--text-field", default="text", help="JSON field holding the text")
+    parser.add_argument("--split", default="validation", help="split of hf: datasets / builtin:stdlib")
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the models")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     parser.add_argument(
         "--output-dir",

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from ..study import StudyConfig, load_study_config, run_study
+from .common import merge_settings
 
 
 def _defaults() -> argparse.Namespace:
@@ -34,7 +35,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="YAML/JSON of study settings (e.g. a previous study_config.json); flags given here override it",
     )
-    parser.add_argument("--output-dir", "--output", dest="output_dir", default=defaults.output_dir)
+    parser.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output_dir",
+        default=defaults.output_dir,
+        help="runs, results and the picture go here",
+    )
     parser.add_argument(
         "--base-model",
         "--model",
@@ -49,18 +56,35 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help='names, optionally with JSON parameters: alibi \'expe{"scaling":{"type":"linear","factor":2}}\'',
     )
-    parser.add_argument("--data", nargs="+", default=defaults.data, metavar="SRC")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        default=defaults.data,
+        metavar="SRC",
+        help="training text: file, dir, glob, builtin:stdlib, hf:NAME",
+    )
     parser.add_argument(
         "--eval-data", nargs="+", default=None, metavar="SRC", help="default: the --eval-split of --data"
     )
-    parser.add_argument("--train-split", default=defaults.train_split)
-    parser.add_argument("--eval-split", default=defaults.eval_split)
-    parser.add_argument("--text-field", default=defaults.text_field)
+    parser.add_argument("--train-split", default=defaults.train_split, help="split of --data trained on")
+    parser.add_argument("--eval-split", default=defaults.eval_split, help="split of --data evaluated on")
+    parser.add_argument("--text-field", default=defaults.text_field, help="JSON field holding the text")
     parser.add_argument("--max-documents", type=int, default=None, help="cap on training documents")
     parser.add_argument(
-        "--train-length", "--seq-len", dest="train_length", type=int, default=defaults.train_length
+        "--train-length",
+        "--seq-len",
+        dest="train_length",
+        type=int,
+        default=defaults.train_length,
+        help="training sequence length (tokens); evaluated at multiples of it",
     )
-    parser.add_argument("--multiples", nargs="+", type=int, default=defaults.multiples)
+    parser.add_argument(
+        "--multiples",
+        nargs="+",
+        type=int,
+        default=defaults.multiples,
+        help="evaluation lengths as multiples of --train-length",
+    )
     parser.add_argument(
         "--steps", type=int, default=defaults.steps, help="continued-pretraining steps per encoding"
     )
@@ -70,15 +94,21 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=defaults.pretrain_steps,
         help="steps of RoPE pretraining of the embedded base model",
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
     parser.add_argument(
         "--eval-tokens", type=int, default=defaults.eval_tokens, help="tokens evaluated at every length"
     )
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
-    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--vocab-size", type=int, default=defaults.vocab_size, help="embedded base model only"
+    )
+    parser.add_argument(
+        "--hidden-size", type=int, default=defaults.hidden_size, help="embedded base model only"
+    )
+    parser.add_argument(
+        "--num-layers", type=int, default=defaults.num_layers, help="embedded base model only"
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of data order and init")
     parser.add_argument(
         "--eval-only",
         nargs="*",
@@ -100,11 +130,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def command_study(args: argparse.Namespace) -> int:
-    fields = {f for f in StudyConfig.__dataclass_fields__}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    if args.config:
-        parser: argparse.ArgumentParser = args._parser
-        given = {k for k in fields if getattr(args, k) != parser.get_default(k)}
-        values = {**values, **{k: v for k, v in load_study_config(args.config).items() if k not in given}}
+    fields = [f.name for f in dataclasses.fields(StudyConfig)]
+    file_values = load_study_config(args.config) if args.config else {}
+    values = merge_settings(args, fields, file_values)  # flags given on the command line win
     run_study(StudyConfig(**values), overwrite=args.overwrite, dry_run=args.dry_run)
     return 0

@@ -1,12 +1,218 @@
-"""``hf-posenc train``: continued pretraining of a (patched) model with accelerate."""
+"""``hf-posenc train``: continued pretraining of a (patched) model with accelerate.
+
+The flags are added in named steps, one argument group each (:data:`ARGUMENT_STEPS`, in the order
+``--help`` lists them); a new training option adds its flags in a step of its own (or in the
+group it belongs to) and its field to :class:`~hf_posenc.recipes.training.config.TrainConfig`.
+Every flag whose destination is a ``TrainConfig`` field can also come from ``--config FILE``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
 
 from ..training.config import TrainConfig
-from .common import add_encoding_arguments, parse_encoding_params
+from .common import add_encoding_arguments, merge_settings, parse_encoding_params
+
+#: TrainConfig's defaults, shown by --help (model and output_dir have none: they must be given)
+DEFAULTS = TrainConfig(model="-", output_dir="-")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to train and where: the model, the output folder, the encoding, a settings file."""
+    group = parser.add_argument_group("model and run")
+    group.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML/JSON of train settings (TrainConfig's fields, at the top level or under 'train:'; "
+        "e.g. a run's train_config.json); flags given here override it",
+    )
+    group.add_argument("--model", default=None, help="hub id or local directory of the checkpoint (required)")
+    group.add_argument(
+        "--output-dir",
+        "--output",
+        dest="output_dir",
+        default=None,
+        help="checkpoints and the final model go here (required)",
+    )
+    add_encoding_arguments(group)
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every input, print the resolved settings (usable as --config) and stop; loads no model "
+        "and no data",
+    )
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the training text comes from and how it is cut into sequences."""
+    group = parser.add_argument_group("data")
+    group.add_argument(
+        "--data",
+        nargs="+",
+        default=DEFAULTS.data,
+        metavar="SRC",
+        help="local files/dirs/globs (.txt, .jsonl), hf:NAME[:CONFIG], or builtin:stdlib",
+    )
+    group.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; default: the model's")
+    group.add_argument("--text-field", default=DEFAULTS.text_field, help="text column of .jsonl/hub data")
+    group.add_argument("--split", default=DEFAULTS.split, help="split of hub data")
+    group.add_argument(
+        "--max-documents", type=int, default=None, help="cap on training documents; default: all"
+    )
+    group.add_argument(
+        "--seq-len",
+        "--train-length",
+        dest="seq_len",
+        type=int,
+        default=DEFAULTS.seq_len,
+        help="packed sequence length (tokens)",
+    )
+    group.add_argument(
+        "--data-cache",
+        default=None,
+        metavar="DIR",
+        help="tokenised data cache; default: OUTPUT_DIR/data-cache",
+    )
+    group.add_argument(
+        "--num-proc", type=int, default=None, help="tokenisation worker processes; default: one"
+    )
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Batch, schedule and optimiser."""
+    group = parser.add_argument_group("batch, schedule and optimiser")
+    group.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="sequences per process")
+    group.add_argument(
+        "--grad-accum", type=int, default=DEFAULTS.grad_accum, help="micro-batches per optimizer step"
+    )
+    group.add_argument("--max-steps", type=int, default=DEFAULTS.max_steps, help="optimizer steps")
+    group.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak learning rate (AdamW)")
+    group.add_argument(
+        "--encoding-lr",
+        type=float,
+        default=None,
+        help="learning rate of the encoding's own parameters; default: --lr",
+    )
+    group.add_argument(
+        "--end-lr-ratio",
+        type=float,
+        default=DEFAULTS.end_lr_ratio,
+        help="final learning rate as a fraction of --lr (cosine decay)",
+    )
+    group.add_argument(
+        "--warmup-ratio",
+        type=float,
+        default=DEFAULTS.warmup_ratio,
+        help="fraction of the steps spent warming up linearly",
+    )
+    group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay, help="AdamW weight decay")
+    group.add_argument(
+        "--max-grad-norm", type=float, default=DEFAULTS.max_grad_norm, help="gradient clipping norm"
+    )
+    group.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of data order and init")
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """Number formats and memory."""
+    group = parser.add_argument_group("precision and memory")
+    group.add_argument(
+        "--dtype",
+        default=DEFAULTS.dtype,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the weights",
+    )
+    group.add_argument(
+        "--mixed-precision",
+        default=DEFAULTS.mixed_precision,
+        choices=["no", "bf16", "fp16"],
+        help="accelerate's autocast",
+    )
+    group.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass"
+    )
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints, resuming and replacing a run."""
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument(
+        "--save-every",
+        type=int,
+        default=DEFAULTS.save_every,
+        help="checkpoint every N steps (0: only final/)",
+    )
+    group.add_argument(
+        "--keep-checkpoints", type=int, default=DEFAULTS.keep_checkpoints, help="newest checkpoints kept"
+    )
+    group.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
+    group.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run (checkpoints, final/) already in --output-dir",
+    )
+
+
+def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
+    """Logging and trackers."""
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-every", type=int, default=DEFAULTS.log_every, help="print and log the loss every N steps"
+    )
+    group.add_argument(
+        "--report-to",
+        nargs="+",
+        default=[],
+        metavar="TRACKER",
+        help="accelerate trackers: tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, all",
+    )
+
+
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several processes (``accelerate launch``)."""
+    group = parser.add_argument_group("several processes (accelerate launch)")
+    group.add_argument(
+        "--ddp-timeout",
+        type=int,
+        default=DEFAULTS.ddp_timeout,
+        metavar="SECONDS",
+        help="how long a collective waits for the other processes before failing",
+    )
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """LoRA through peft."""
+    group = parser.add_argument_group("LoRA (peft)")
+    group.add_argument(
+        "--lora", action="store_true", help="LoRA on the base weights; the encoding trains fully"
+    )
+    group.add_argument("--lora-r", type=int, default=DEFAULTS.lora_r, help="LoRA rank")
+    group.add_argument("--lora-alpha", type=int, default=DEFAULTS.lora_alpha, help="LoRA scale numerator")
+    group.add_argument("--lora-dropout", type=float, default=DEFAULTS.lora_dropout, help="LoRA dropout")
+    group.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=None,
+        help="module names LoRA wraps; default: the family's attention and MLP projections",
+    )
+
+
+#: the steps that add ``train``'s flags, in the order --help lists their groups
+ARGUMENT_STEPS: list[Callable[[argparse.ArgumentParser], None]] = [
+    add_run_arguments,
+    add_data_arguments,
+    add_optimizer_arguments,
+    add_precision_arguments,
+    add_checkpoint_arguments,
+    add_tracking_arguments,
+    add_distributed_arguments,
+    add_lora_arguments,
+]
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -14,104 +220,65 @@ def register(commands: argparse._SubParsersAction) -> None:
         "train",
         help="continued pretraining of a patched model (accelerate; checkpoints; --resume; --lora)",
         description="Continue pretraining a causal LM after switching its positional encoding. Run it directly "
-        "on one device, or under `accelerate launch` on several.",
+        "on one device, or under `accelerate launch` on several. Settings can come from --config FILE "
+        "(YAML/JSON); flags given on the command line win.",
     )
-    defaults = TrainConfig(model="-", output_dir="-")
-    parser.add_argument("--model", required=True, help="hub id or local directory of the checkpoint")
-    parser.add_argument(
-        "--output-dir",
-        "--output",
-        dest="output_dir",
-        required=True,
-        help="checkpoints and the final model go here",
-    )
-    add_encoding_arguments(parser)
-    parser.add_argument(
-        "--data",
-        nargs="+",
-        default=defaults.data,
-        metavar="SRC",
-        help="local files/dirs/globs (.txt, .jsonl), hf:NAME[:CONFIG], or builtin:stdlib",
-    )
-    parser.add_argument("--tokenizer", default=None, help="default: the model's")
-    parser.add_argument("--text-field", default=defaults.text_field)
-    parser.add_argument("--split", default=defaults.split)
-    parser.add_argument("--max-documents", type=int, default=None)
-    parser.add_argument(
-        "--seq-len",
-        "--train-length",
-        dest="seq_len",
-        type=int,
-        default=defaults.seq_len,
-        help="packed sequence length",
-    )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per process")
-    parser.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--encoding-lr", type=float, default=None, help="lr of the encoding's own parameters")
-    parser.add_argument("--end-lr-ratio", type=float, default=defaults.end_lr_ratio)
-    parser.add_argument("--warmup-ratio", type=float, default=defaults.warmup_ratio)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm)
-    parser.add_argument(
-        "--save-every", type=int, default=defaults.save_every, help="checkpoint every N steps"
-    )
-    parser.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints)
-    parser.add_argument("--log-every", type=int, default=defaults.log_every)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--mixed-precision", default=defaults.mixed_precision, choices=["no", "bf16", "fp16"])
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the run (checkpoints, final/) already in --output-dir",
-    )
-    parser.add_argument(
-        "--ddp-timeout",
-        type=int,
-        default=defaults.ddp_timeout,
-        metavar="SECONDS",
-        help="how long a collective waits for the other processes before failing (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--report-to",
-        nargs="+",
-        default=[],
-        metavar="TRACKER",
-        help="accelerate trackers: tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, all",
-    )
-    parser.add_argument(
-        "--data-cache",
-        default=None,
-        metavar="DIR",
-        help="tokenised data cache (default: OUTPUT_DIR/data-cache)",
-    )
-    parser.add_argument("--num-proc", type=int, default=None, help="tokenisation worker processes")
-    parser.add_argument(
-        "--lora", action="store_true", help="LoRA on the base weights; the encoding trains fully"
-    )
-    parser.add_argument("--lora-r", type=int, default=defaults.lora_r)
-    parser.add_argument("--lora-alpha", type=int, default=defaults.lora_alpha)
-    parser.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout)
-    parser.add_argument("--lora-targets", nargs="+", default=None)
-    parser.set_defaults(run=command_train)
+    for add_arguments in ARGUMENT_STEPS:
+        add_arguments(parser)
+    parser.set_defaults(run=command_train, _parser=parser)
+
+
+def _config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """TrainConfig's fields from the flags and ``--config``: the file's values except where a flag was
+    given; --encoding-param keys override the file's ``encoding_params`` key by key."""
+    file_values: dict[str, Any] = {}
+    if args.config:
+        from ..settings_file import load_settings_file
+
+        file_values = load_settings_file(args.config, allowed=_config_fields(), section="train")
+    values = merge_settings(args, _config_fields(), file_values)
+    file_params = file_values.get("encoding_params") or {}
+    if not isinstance(file_params, dict):
+        from ...errors import InvalidParameterError
+
+        raise InvalidParameterError(
+            f"--config {args.config!r}: encoding_params={file_params!r} is not allowed; allowed: a mapping"
+        )
+    values["encoding_params"] = {**file_params, **parse_encoding_params(args.encoding_param)}
+    for name, flag in (("model", "--model"), ("output_dir", "--output-dir")):
+        if not values.get(name):
+            args._parser.error(f"{flag} is required (on the command line or in --config)")
+    return values
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
-    values["encoding_params"] = parse_encoding_params(args.encoding_param)
-    return TrainConfig(**values)
+    return TrainConfig(**resolve_settings(args))
+
+
+def print_dry_run(config: TrainConfig, args: argparse.Namespace) -> None:
+    """The resolved settings as JSON on stdout (save them and pass them to --config), notes on stderr."""
+    print("hf-posenc train: dry run: every input is valid; no model or data loaded.", file=sys.stderr)
+    print("resolved settings (usable as --config FILE):", file=sys.stderr)
+    print(json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True))
+    flags = [name for name in ("resume", "overwrite") if getattr(args, name)]
+    if flags:
+        print(f"with: {', '.join('--' + f for f in flags)}", file=sys.stderr)
 
 
 def command_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    from ..training import train
-    from ..training.loop import preflight
+    from ..training.config import preflight
 
-    preflight(config)  # before accelerate, torch and the model load
+    preflight(config)  # before accelerate and the model load
+    if args.dry_run:
+        print_dry_run(config, args)
+        return 0
+    from ..training import train
+
     result = train(config, resume=args.resume, overwrite=args.overwrite)
     if result.is_main_process:
         print(f"final model: {result.final_dir}  (reload with hf_posenc.from_pretrained)")

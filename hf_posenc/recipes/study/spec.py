@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidParameterError
@@ -100,29 +99,11 @@ def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 def load_study_config(path: str) -> dict[str, Any]:
     """The fields of a study config file (YAML or JSON, e.g. a previous run's study_config.json)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--config {path!r} does not exist")
-    text = file.read_text(encoding="utf-8")
-    try:
-        if file.suffix in (".yaml", ".yml"):
-            import yaml
+    from ..settings_file import load_settings_file
 
-            values = yaml.safe_load(text)
-        else:
-            values = json.loads(text)
-    except Exception as error:  # yaml.YAMLError, json.JSONDecodeError
-        raise InvalidParameterError(f"--config {path!r} is not valid YAML/JSON: {error}") from None
-    values = values.get("study", values) if isinstance(values, dict) else values
-    if not isinstance(values, dict):
-        raise InvalidParameterError(f"--config {path!r} must hold a mapping of study settings")
-    allowed = [f.name for f in dataclasses.fields(StudyConfig)]
-    unknown = sorted(set(values) - set(allowed))
-    if unknown:
-        raise InvalidParameterError(
-            f"--config {path!r}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
-        )
-    return values
+    return load_settings_file(
+        path, allowed=[f.name for f in dataclasses.fields(StudyConfig)], section="study"
+    )
 
 
 def display_label(spec: str) -> str:

@@ -117,3 +117,25 @@ class TrainConfig:
 
     def save(self, path: Path) -> None:
         path.write_text(self.to_json())
+
+
+def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) -> None:
+    """Every check of a run that needs no model: paths, tokenizer, data sources, encoding and its
+    parameters. Imports no model (``train --dry-run`` runs it and stops)."""
+    from ..data import check_sources
+    from ..preflight import check_encoding, check_model_path, check_tokenizer_path
+
+    saved = None
+    if model is None:
+        saved = check_model_path(config.model, need_tokenizer=tokenizer is None and config.tokenizer is None)
+    if config.tokenizer is not None and tokenizer is None:
+        check_tokenizer_path(config.tokenizer)
+    check_sources(config.data)
+    if model is None or _patch_info(model) is None:
+        check_encoding(config.encoding, config.encoding_params, saved)
+
+
+def _patch_info(model: Any) -> Any:
+    from ...core.patch import patch_info
+
+    return patch_info(model)

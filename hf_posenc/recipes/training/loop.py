@@ -21,11 +21,9 @@ from ...core.limits import position_limit
 from ...core.loading import load_model
 from ...core.patch import patch_info, patch_model
 from ...errors import InvalidParameterError
-from ..data import check_sources
-from ..preflight import check_encoding, check_model_path, check_tokenizer_path
 from .batches import BatchOrder
 from .checkpoints import intact_checkpoint, read_state, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, preflight
 from .corpus import training_blocks
 from .guards import (
     TrainingError,
@@ -111,18 +109,6 @@ def prepare_model(config: TrainConfig, model: nn.Module | None) -> PreTrainedMod
     if config.encoding and patch_info(model) is None:
         patch_model(model, config.encoding, **config.encoding_params)
     return cast("PreTrainedModel", model.to(dtype))
-
-
-def preflight(config: TrainConfig, *, model: nn.Module | None = None, tokenizer: Any = None) -> None:
-    """Every check that needs no model: paths, tokenizer, data sources, encoding and parameters."""
-    saved = None
-    if model is None:
-        saved = check_model_path(config.model, need_tokenizer=tokenizer is None and config.tokenizer is None)
-    if config.tokenizer is not None and tokenizer is None:
-        check_tokenizer_path(config.tokenizer)
-    check_sources(config.data)
-    if model is None or patch_info(model) is None:
-        check_encoding(config.encoding, config.encoding_params, saved)
 
 
 def _tracker_config(config: TrainConfig) -> dict[str, Any]:

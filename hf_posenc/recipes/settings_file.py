@@ -1,0 +1,44 @@
+"""Settings files for the recipes: ``--config run.yaml`` (or ``.json``) of ``study`` and ``train``.
+
+A file holds a mapping of a settings dataclass's fields, either at the top level or under a
+section named after the command (``study:`` / ``train:``), so one file can hold both. Unknown
+keys are an error naming them and the allowed ones. Imports nothing heavy (``yaml`` only for
+``.yaml``/``.yml`` files).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidParameterError
+
+
+def load_settings_file(path: str, *, allowed: Iterable[str], section: str) -> dict[str, Any]:
+    """The settings in ``path`` (YAML or JSON), checked against the ``allowed`` field names."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config {path!r} does not exist; allowed: a YAML or JSON file")
+    text = file.read_text(encoding="utf-8")
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as error:  # yaml.YAMLError, json.JSONDecodeError
+        detail = " ".join(str(error).split())
+        raise InvalidParameterError(f"--config {path!r} is not valid YAML/JSON: {detail}") from None
+    values = values.get(section, values) if isinstance(values, dict) else values
+    if not isinstance(values, dict):
+        raise InvalidParameterError(f"--config {path!r} must hold a mapping of {section} settings")
+    names = list(allowed)
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise InvalidParameterError(
+            f"--config {path!r}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(names)}"
+        )
+    return values
