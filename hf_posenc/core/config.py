@@ -16,7 +16,7 @@ from typing import Any, ClassVar, TypeVar
 from ..errors import InvalidParameterError
 
 FORMAT_VERSION = 1
-#: ``config.posenc`` format of a per-layer hybrid patch (:mod:`hf_posenc.core.hybrid`); plain patches keep 1
+#: ``config.posenc`` format of a per-layer hybrid patch (:mod:`hf_posenc.core.request`); plain patches keep 1
 HYBRID_FORMAT_VERSION = 2
 
 ValueT = TypeVar("ValueT")

@@ -16,12 +16,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..compat import ignore_unexpected_keys, resolve_checkpoint_file
-from ..errors import InvalidParameterError
-from .hybrid import HYBRID, entry_config, matches_saved, plan_hybrid, saved_description
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, patch_model
-from .plan import check_format_version
 from .reconfiguration import reconfigure
-from .registry import get_encoding
+from .request import check_format_version, check_overrides, matches_saved, saved_description
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -70,29 +67,6 @@ def _read_safetensors(file: str, prefix: str) -> dict[str, torch.Tensor]:
 def _read_torch(file: str, prefix: str) -> dict[str, torch.Tensor]:
     state = torch.load(file, map_location="cpu", weights_only=True)
     return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-
-
-def check_overrides(
-    saved: Mapping[str, Any], overrides: Mapping[str, Any] | None, *, where: str = ""
-) -> None:
-    """Validate ``overrides`` of a saved ``config.posenc`` (names and values) without a model: the
-    checks :func:`hf_posenc.reconfigure` makes against the learned tensors come after loading."""
-    if not overrides:
-        return
-    if not isinstance(overrides, Mapping):
-        raise InvalidParameterError(
-            f"encoding_overrides={overrides!r} is not allowed; allowed: a dict of encoding parameters"
-        )
-    try:
-        if saved.get("encoding") == HYBRID:
-            parts = [entry_config(part) for part in (saved.get("params") or {}).get("parts") or []]
-            plan_hybrid([config for _, config in parts], len(parts), overrides)
-        else:
-            cls = get_encoding(str(saved.get("encoding")))
-            cls.config_class.from_params({**dict(saved.get("params") or {}), **dict(overrides)})
-    except InvalidParameterError as error:
-        prefix = f"{where}: " if where else ""
-        raise InvalidParameterError(f"{prefix}overriding the saved encoding parameters: {error}") from None
 
 
 def from_pretrained(

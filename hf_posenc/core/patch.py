@@ -6,7 +6,7 @@ stack, the per-instance attention forwards, the neutralised native positions, th
 attention implementation name, and ``config.posenc``. ``unpatch_model`` runs them in
 reverse, leaving the model exactly as it was.
 
-A per-layer hybrid (:mod:`hf_posenc.core.hybrid`) is installed the same way: ``model.posenc`` holds
+A per-layer hybrid (:mod:`hf_posenc.core.request`) is installed the same way: ``model.posenc`` holds
 its parts, one pair of hooks serves them all, and each attention forward runs its layer's part.
 What a request builds is worked out first, in :mod:`hf_posenc.core.plan`.
 """
@@ -180,7 +180,7 @@ def patch_model(
     bias as one float mask), ``"chunked"``, ``"flex"``, or ``"eager"`` (explicit scores; the
     reference). See ``hf_posenc/attention/core.py``.
 
-    Per-layer hybrids (:mod:`hf_posenc.core.hybrid`): a list is a pattern repeated over the depth
+    Per-layer hybrids (:mod:`hf_posenc.core.request`): a list is a pattern repeated over the depth
     (``["rope", "rope", "rope", "nope"]``, or the text ``"rope*3+nope"``); a mapping of layer
     indices gives each layer its encoding (``{"default": "rope", 3: "nope"}``). Entries are
     names, config objects or ``(name, params)`` pairs; ``params`` go to every entry that has them.

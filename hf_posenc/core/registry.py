@@ -72,14 +72,12 @@ class EncodingInfo:
     parameters: dict[str, Any]
     summary: str
     paper: str
-    #: whether it may run in some layers only (a per-layer hybrid, :mod:`hf_posenc.core.hybrid`)
+    #: whether it may run in some layers only (a per-layer hybrid, :mod:`hf_posenc.core.request`)
     per_layer: bool = True
 
 
 def list_encodings() -> list[EncodingInfo]:
     """Every registered encoding: name, aliases, stages, parameters with defaults, paper."""
-    from .hybrid import mixable
-
     _ensure_registered()
     return [
         EncodingInfo(
@@ -89,7 +87,7 @@ def list_encodings() -> list[EncodingInfo]:
             parameters=cls.config_class.parameter_defaults(),
             summary=cls.summary,
             paper=cls.paper,
-            per_layer=mixable(cls),
+            per_layer=cls.mixable(),
         )
         for _, cls in sorted(_ENCODINGS.items())
     ]

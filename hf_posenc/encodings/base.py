@@ -148,6 +148,28 @@ class Encoding(nn.Module, Generic[ConfigT]):
         """Stages this class overrides, in pipeline order."""
         return [s for s in STAGES if getattr(cls, s) is not getattr(Encoding, s)]
 
+    @classmethod
+    def mixing_refusal(cls) -> str | None:
+        """Why this encoding cannot run in some layers only (a per-layer hybrid), or None when it
+        can: one acting on the token embeddings acts before any layer, and one passing a stream from
+        layer to layer cannot skip layers."""
+        if "embed" in cls.stages():
+            return (
+                "it adds positions to the token embeddings, before any layer, so it cannot be given to some "
+                "layers only; allowed: encodings that act inside attention (e.g. rope, nope, alibi, t5, fox)"
+            )
+        if cls.carries_layer_stream:
+            return (
+                "it passes a positional stream from each layer to the next, so it cannot skip layers; allowed: "
+                "encodings whose layers are independent (e.g. rope, nope, alibi, t5, fox)"
+            )
+        return None
+
+    @classmethod
+    def mixable(cls) -> bool:
+        """Whether this encoding may run in some layers only (see :meth:`mixing_refusal`)."""
+        return cls.mixing_refusal() is None
+
     def active_stages(self) -> list[str]:
         """Stages this instance runs; an encoding whose parameters switch paths overrides it."""
         return self.stages()

@@ -71,7 +71,7 @@ def check_encoding(
     """Validate an encoding request (name and parameters) against the registry and, for a checkpoint
     saved from a patched model, against the encoding it carries (``params`` then override its saved
     parameters). Returns the canonical name."""
-    from ..core.hybrid import canonical_request, check_request, matches_saved, saved_description
+    from ..core.request import canonical_request, check_request, matches_saved, saved_description
 
     prefix = f"{where}: " if where else ""
     saved = (saved_config or {}).get("posenc") or None
@@ -82,7 +82,7 @@ def check_encoding(
                 f"{encoding!r} (start from the original checkpoint to switch encodings, or drop --encoding)"
             )
         if params:  # overrides of inference-time parameters (hf_posenc.reconfigure checks the rest)
-            from ..core.loading import check_overrides
+            from ..core.request import check_overrides
 
             check_overrides(saved, params, where=where)
         return saved.get("encoding")

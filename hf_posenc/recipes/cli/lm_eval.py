@@ -175,7 +175,7 @@ def check_passthrough_model(argv: Sequence[str]) -> None:
         )
         encoding = args.get("encoding")
         if encoding and not (saved or {}).get("posenc"):
-            from ...core.hybrid import canonical_request
+            from ...core.request import canonical_request
 
             canonical_request(str(encoding))
 

@@ -79,9 +79,8 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit."""
     from transformers import AutoConfig
 
-    from ...core.hybrid import canonical_request, matches_saved, saved_description
-    from ...core.loading import check_overrides
     from ...core.registry import adapter_for_config
+    from ...core.request import canonical_request, check_overrides, matches_saved, saved_description
 
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
@@ -189,8 +188,8 @@ def command_perplexity(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from ...core.hybrid import check_request
     from ...core.loading import load_model
+    from ...core.request import check_request
     from ..data import check_sources
     from ..evaluation.perplexity import check_multiples, evaluate_lengths, token_budget
     from ..evaluation.report import (

@@ -32,9 +32,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
-from ...core.hybrid import check_request, matches_saved, saved_description
-from ...core.loading import check_overrides, load_model
+from ...core.loading import load_model
 from ...core.patch import CONFIG_KEY, patch_info
+from ...core.request import check_overrides, check_request, matches_saved, saved_description
 from ...errors import InvalidParameterError, UnsupportedModelError
 
 #: keyword arguments of ``from_pretrained`` accepted in model_args (not encoding parameters)

@@ -93,7 +93,7 @@ def parse_eval_only(spec: str, trained_specs: list[str]) -> EvalOnly:
 
 def check_eval_only(specs: list[str], trained_specs: list[str]) -> list[EvalOnly]:
     """Parse every row and validate its overrides against the trained encoding (no model needed)."""
-    from ...core.loading import check_overrides
+    from ...core.request import check_overrides
     from .spec import parse_encoding_spec
 
     rows = [parse_eval_only(spec, trained_specs) for spec in specs]

@@ -92,7 +92,7 @@ def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise InvalidParameterError(
                 f"study: encoding {spec!r}: parameters must be a JSON object, e.g. 't5{{\"num_buckets\": 16}}'"
             )
-    from ...core.hybrid import canonical_request
+    from ...core.request import canonical_request
 
     return canonical_request(name.strip()), params
 

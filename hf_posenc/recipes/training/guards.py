@@ -72,7 +72,7 @@ def check_output_dir(output_dir: Path, *, resume: bool, overwrite: bool, is_main
 
 
 def _canonical(config: dict[str, Any]) -> dict[str, Any]:
-    from ...core.hybrid import canonical_request
+    from ...core.request import canonical_request
 
     values = dict(config)
     if values.get("encoding"):

@@ -1,0 +1,385 @@
+"""The request language: everything ``patch_model`` (and the recipes) accept as an encoding,
+turned into a :class:`PatchPlan` before anything on the model changes.
+
+A plan is the distinct encodings (*parts*: class and unresolved config, in order of their first
+layer) and, for every layer, the part that runs there. A plain patch is a plan with one part that
+covers every layer.
+
+Accepted forms:
+
+- one encoding: a name or alias (``"rope"``), an :class:`~hf_posenc.core.config.EncodingConfig`,
+  or the mapping stored in ``config.posenc`` (``{"encoding": "alibi", "params": {...}}``), with
+  ``params`` (keywords of ``patch_model``) as its parameters;
+- a per-layer hybrid, every entry being a name, a config object, a ``(name, params)`` pair or the
+  ``{"encoding": ..., "params": ...}`` mapping:
+
+  - a list: a pattern repeated over the depth (truncated at the last layer);
+  - a mapping of layer indices to entries, with ``"default"`` for the layers not named:
+    ``{"default": "rope", 3: "nope", 7: "nope"}`` (the explicit layer -> encoding form);
+  - the text form used by the recipes: entries joined by ``+``, ``NAME*N`` repeating one N times:
+    ``"rope*3+nope"`` (a pattern, as a list);
+  - the serialised form stored in ``config.posenc`` (``{"encoding": "hybrid", "params": {"parts":
+    [...], "layers": [...]}}``).
+
+Equal entries (same encoding, same parameters) form one part that owns all their layers and shares
+its tensors across them. Encodings that cannot run in some layers only
+(:meth:`~hf_posenc.encodings.base.Encoding.mixing_refusal`) are refused when a plan mixes encodings.
+
+The recipes' text helpers (``--encoding rope*3+nope``: :func:`canonical_request`,
+:func:`check_request`, :func:`matches_saved`) and the checks of a saved entry and of its overrides
+(:func:`check_format_version`, :func:`check_overrides`) live here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._version import __version__
+from ..encodings.base import Encoding
+from ..errors import InvalidParameterError
+from .config import FORMAT_VERSION, HYBRID_FORMAT_VERSION, EncodingConfig
+from .registry import canonical_name, get_encoding
+
+#: ``config.posenc["encoding"]`` of a hybrid patch
+HYBRID = "hybrid"
+#: the key of the explicit form naming the encoding of every layer not listed
+DEFAULT_KEY = "default"
+#: keys of one hybrid entry in the mapping form
+PART_KEYS = ("encoding", "params")
+#: keys of the mapping form (what ``config.posenc`` holds)
+MAPPING_KEYS = ("encoding", "params", "format_version", "hf_posenc_version")
+
+#: what ``patch_model`` accepts as ``encoding``: one encoding, or a per-layer hybrid
+EncodingRequest = str | EncodingConfig | Mapping[Any, Any] | list[Any] | tuple[Any, ...]
+
+
+@dataclasses.dataclass
+class PatchPlan:
+    """Distinct encodings (``parts``: class and unresolved config) and the part of every layer."""
+
+    parts: list[tuple[type[Encoding], EncodingConfig]]
+    layers: list[int]
+
+    def owned(self, part: int) -> list[int]:
+        """The layers ``part`` runs in, in order."""
+        return [layer for layer, owner in enumerate(self.layers) if owner == part]
+
+
+#: the name this plan had when only hybrids were planned
+HybridPlan = PatchPlan
+
+
+def plan_request(encoding: Any, num_layers: int, params: Mapping[str, Any] | None = None) -> PatchPlan:
+    """The plan of ``patch_model(model, encoding, **params)`` for a model with ``num_layers`` layers."""
+    if is_hybrid_request(encoding):
+        if isinstance(encoding, Mapping) and encoding.get("encoding") == HYBRID:
+            check_mapping(encoding)  # the serialised form: keys, params, format version
+        return plan_hybrid(encoding, num_layers, params)
+    cls, config = _encoding_config(encoding, params or {})
+    return PatchPlan([(cls, config)], [0] * num_layers)
+
+
+# -- one encoding ------------------------------------------------------------------------------------
+def check_mapping(encoding: Mapping[str, Any]) -> None:
+    """Refuse a malformed mapping form (unknown keys, no name, params not a mapping, bad format)."""
+    unknown = sorted(set(encoding) - set(MAPPING_KEYS))
+    if unknown:
+        raise InvalidParameterError(
+            f"the encoding mapping has unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {', '.join(map(repr, MAPPING_KEYS))}"
+        )
+    name = encoding.get("encoding")
+    if not isinstance(name, str):
+        raise InvalidParameterError(
+            f"the encoding mapping needs 'encoding': an encoding name (str), got {name!r}"
+        )
+    params = encoding.get("params", {})
+    if params is None or not isinstance(params, Mapping):
+        raise InvalidParameterError(
+            f"the encoding mapping's 'params' must be a mapping of parameter names to values, got {params!r}"
+        )
+    if "format_version" in encoding:
+        check_format_version(encoding["format_version"])
+
+
+def check_format_version(version: Any) -> None:
+    """Raise for a ``config.posenc`` written in a format this version cannot read."""
+    newest = max(FORMAT_VERSION, HYBRID_FORMAT_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= newest:
+        raise InvalidParameterError(
+            f"config.posenc format_version={version!r} is not supported; allowed: "
+            f"{', '.join(str(v) for v in range(1, newest + 1))} (written by hf_posenc <= {__version__}; "
+            "a newer hf_posenc may be needed)"
+        )
+
+
+def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Encoding], EncodingConfig]:
+    if isinstance(encoding, EncodingConfig):
+        if params:
+            raise InvalidParameterError(
+                f"pass parameters inside the config object or as keywords, not both (got {sorted(params)})"
+            )
+        return get_encoding(encoding.encoding), encoding
+    if isinstance(encoding, Mapping):  # the serialised form stored in config.posenc
+        if params:
+            raise InvalidParameterError("pass parameters inside the mapping or as keywords, not both")
+        check_mapping(encoding)
+        cls = get_encoding(encoding["encoding"])
+        return cls, cls.config_class.from_params(encoding.get("params", {}))
+    if not isinstance(encoding, str):
+        raise InvalidParameterError(
+            f"encoding must be a name, an EncodingConfig or a mapping, got {type(encoding).__name__}"
+        )
+    cls = get_encoding(encoding)
+    return cls, cls.config_class.from_params(params)
+
+
+# -- per-layer hybrids -------------------------------------------------------------------------------
+def is_pattern_text(value: Any) -> bool:
+    """Whether ``value`` is the text form of a pattern (``"rope*3+nope"``)."""
+    return isinstance(value, str) and ("+" in value or "*" in value)
+
+
+def _is_pair(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], Mapping)
+    )
+
+
+def is_hybrid_request(encoding: Any) -> bool:
+    """Whether ``patch_model``'s ``encoding`` takes the per-layer route (any form above, or one
+    ``(name, params)`` pair); a plan whose layers all run one encoding becomes the plain patch."""
+    if is_pattern_text(encoding) or isinstance(encoding, (list, tuple)):
+        return True  # a (name, params) pair is one entry: every layer, i.e. the plain patch
+    if isinstance(encoding, Mapping):
+        if encoding.get("encoding") == HYBRID:
+            return True
+        return bool(encoding) and all(
+            key == DEFAULT_KEY or (isinstance(key, int) and not isinstance(key, bool)) for key in encoding
+        )
+    return False
+
+
+def parse_pattern_text(text: str) -> list[str]:
+    """``"rope*3+nope"`` -> ``["rope", "rope", "rope", "nope"]``."""
+    entries: list[str] = []
+    for item in str(text).split("+"):
+        name, star, count = item.strip().partition("*")
+        name = name.strip()
+        repeat = 1
+        if star:
+            try:
+                repeat = int(count.strip())
+            except ValueError:
+                repeat = 0
+        if not name or repeat < 1:
+            raise InvalidParameterError(
+                f"encoding pattern {text!r}: entry {item.strip()!r} is not allowed; allowed: NAME or NAME*N "
+                "(N >= 1) joined by '+', e.g. 'rope*3+nope'"
+            )
+        entries.extend([name] * repeat)
+    return entries
+
+
+def pattern_text(names: Sequence[str]) -> str:
+    """Per-layer names -> the shortest run-length text (``rope*3+nope+rope*3+nope``)."""
+    runs: list[list[Any]] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return "+".join(name if count == 1 else f"{name}*{count}" for name, count in runs)
+
+
+def entry_config(entry: Any) -> tuple[type[Encoding], EncodingConfig]:
+    """One entry (name, config object, ``(name, params)`` or mapping) -> (class, config)."""
+    if isinstance(entry, EncodingConfig):
+        return get_encoding(entry.encoding), entry
+    if isinstance(entry, str):
+        cls = get_encoding(entry)
+        return cls, cls.config_class.from_params({})
+    if _is_pair(entry) or (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+        cls = get_encoding(entry[0])
+        return cls, cls.config_class.from_params(dict(entry[1] or {}))
+    if isinstance(entry, Mapping) and isinstance(entry.get("encoding"), str):
+        unknown = sorted(set(entry) - set(PART_KEYS) - {"format_version", "hf_posenc_version"})
+        if unknown:
+            raise InvalidParameterError(
+                f"hybrid entry {dict(entry)!r} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"allowed keys: {', '.join(map(repr, PART_KEYS))}"
+            )
+        cls = get_encoding(entry["encoding"])
+        return cls, cls.config_class.from_params(dict(entry.get("params") or {}))
+    raise InvalidParameterError(
+        f"hybrid entry {entry!r} is not allowed; allowed: an encoding name, an encoding config object, "
+        "a (name, params) pair or a {'encoding': name, 'params': {...}} mapping"
+    )
+
+
+def _per_layer_entries(encoding: Any, num_layers: int) -> list[Any]:
+    if is_pattern_text(encoding):
+        encoding = parse_pattern_text(encoding)
+    if _is_pair(encoding):
+        return [encoding] * num_layers
+    if isinstance(encoding, (list, tuple)):
+        if not encoding:
+            raise InvalidParameterError("an encoding pattern needs at least one entry; got an empty list")
+        return [encoding[layer % len(encoding)] for layer in range(num_layers)]
+    if isinstance(encoding, Mapping) and encoding.get("encoding") == HYBRID:
+        return _serialised_entries(encoding, num_layers)
+    assert isinstance(encoding, Mapping)
+    layers = {key: value for key, value in encoding.items() if key != DEFAULT_KEY}
+    outside = sorted(layer for layer in layers if not 0 <= layer < num_layers)
+    if outside:
+        raise InvalidParameterError(
+            f"per-layer encodings name layer(s) {outside}; allowed: 0 .. {num_layers - 1} (the model has "
+            f"{num_layers} layers)"
+        )
+    missing = [layer for layer in range(num_layers) if layer not in layers]
+    if missing and DEFAULT_KEY not in encoding:
+        raise InvalidParameterError(
+            f"per-layer encodings leave layer(s) {missing} without an encoding; name them or add "
+            f"{DEFAULT_KEY!r}: NAME for the layers not listed"
+        )
+    return [layers.get(layer, encoding.get(DEFAULT_KEY)) for layer in range(num_layers)]
+
+
+def _serialised_entries(encoding: Mapping[str, Any], num_layers: int) -> list[Any]:
+    params = encoding.get("params")
+    parts = params.get("parts") if isinstance(params, Mapping) else None
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    if not isinstance(parts, list) or not isinstance(layers, list):
+        raise InvalidParameterError(
+            "a hybrid config.posenc needs params {'parts': [{'encoding': ..., 'params': ...}, ...], "
+            f"'layers': [part index per layer]}}; got {params!r}"
+        )
+    if len(layers) != num_layers or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(parts) for i in layers
+    ):
+        raise InvalidParameterError(
+            f"a hybrid config.posenc's 'layers' must give one part index (0 .. {len(parts) - 1}) per layer "
+            f"of the model ({num_layers}); got {layers!r}"
+        )
+    return [parts[i] for i in layers]
+
+
+def _with_shared_params(
+    entry: tuple[type[Encoding], EncodingConfig], params: Mapping[str, Any]
+) -> tuple[type[Encoding], EncodingConfig]:
+    cls, config = entry
+    own = {k: v for k, v in params.items() if k in cls.config_class.parameter_names()}
+    if not own:
+        return entry
+    return cls, cls.config_class.from_params({**config.to_dict(), **own})
+
+
+def plan_hybrid(encoding: Any, num_layers: int, params: Mapping[str, Any] | None = None) -> PatchPlan:
+    """The plan of a hybrid request for a model with ``num_layers`` layers.
+
+    ``params`` (keywords of ``patch_model``) go to every entry whose encoding has that parameter;
+    one that no entry has is refused. Embed-stage and cross-layer encodings are refused when the
+    plan mixes encodings."""
+    entries = [entry_config(entry) for entry in _per_layer_entries(encoding, num_layers)]
+    params = dict(params or {})
+    if params:
+        known = {name for cls, _ in entries for name in cls.config_class.parameter_names()}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise InvalidParameterError(
+                f"no encoding of the pattern has parameter(s) {', '.join(map(repr, unknown))}; keywords of a "
+                "hybrid patch go to every entry that has them; give other parameters per entry as "
+                "(name, params) pairs"
+            )
+        entries = [_with_shared_params(entry, params) for entry in entries]
+    parts: list[tuple[type[Encoding], EncodingConfig]] = []
+    layers: list[int] = []
+    for cls, config in entries:
+        index = next(
+            (i for i, (c, k) in enumerate(parts) if c is cls and k.to_dict() == config.to_dict()), None
+        )
+        if index is None:
+            index = len(parts)
+            parts.append((cls, config))
+        layers.append(index)
+    if len(parts) > 1:
+        for cls, _ in parts:
+            check_mixable(cls)
+    return PatchPlan(parts, layers)
+
+
+def mixable(cls: type[Encoding]) -> bool:
+    """Whether ``cls`` may run in some layers only (:meth:`Encoding.mixable`)."""
+    return cls.mixable()
+
+
+def check_mixable(cls: type[Encoding]) -> None:
+    """Refuse an encoding that cannot run in only some layers."""
+    reason = cls.mixing_refusal()
+    if reason is not None:
+        raise InvalidParameterError(f"encoding {cls.name!r} is not allowed in a per-layer pattern: {reason}")
+
+
+# -- the text form in the recipes (``--encoding rope*3+nope``, lm-eval ``encoding=rope*3+nope``) --------
+def canonical_request(text: str) -> str:
+    """An encoding name or pattern text with aliases resolved: ``"RoPE*3+NoPE"`` -> ``"rope*3+nope"``."""
+    if not is_pattern_text(text):
+        return canonical_name(text)
+    return pattern_text([canonical_name(name) for name in parse_pattern_text(text)])
+
+
+def check_request(text: str, params: Mapping[str, Any] | None = None) -> None:
+    """Validate a recipe's ``--encoding`` (name or pattern text) and its parameters without a model."""
+    if not is_pattern_text(text):
+        get_encoding(text).config_class.from_params(dict(params or {}))
+        return
+    names = parse_pattern_text(text)
+    plan_hybrid(names, len(names), params)
+
+
+def saved_description(saved: Mapping[str, Any]) -> str:
+    """A saved ``config.posenc``'s encoding as a recipe names it: the name, or the per-layer text."""
+    if saved.get("encoding") != HYBRID:
+        return str(saved.get("encoding"))
+    params = saved.get("params") or {}
+    parts = [part.get("encoding") for part in params.get("parts") or []]
+    return pattern_text([str(parts[i]) for i in params.get("layers") or []])
+
+
+def matches_saved(text: str, saved: Mapping[str, Any]) -> bool:
+    """Whether a recipe's ``--encoding`` names the encoding a checkpoint was saved with (a pattern
+    matches a hybrid whose layers repeat it)."""
+    requested = canonical_request(text)
+    if saved.get("encoding") != HYBRID:
+        return requested == saved.get("encoding")
+    layers = parse_pattern_text(saved_description(saved))
+    names = parse_pattern_text(requested)
+    return [names[i % len(names)] for i in range(len(layers))] == layers
+
+
+def check_overrides(
+    saved: Mapping[str, Any], overrides: Mapping[str, Any] | None, *, where: str = ""
+) -> None:
+    """Validate ``overrides`` of a saved ``config.posenc`` (names and values) without a model: the
+    checks :func:`hf_posenc.reconfigure` makes against the learned tensors come after loading."""
+    if not overrides:
+        return
+    if not isinstance(overrides, Mapping):
+        raise InvalidParameterError(
+            f"encoding_overrides={overrides!r} is not allowed; allowed: a dict of encoding parameters"
+        )
+    try:
+        if saved.get("encoding") == HYBRID:
+            parts = [entry_config(part) for part in (saved.get("params") or {}).get("parts") or []]
+            plan_hybrid([config for _, config in parts], len(parts), overrides)
+        else:
+            cls = get_encoding(str(saved.get("encoding")))
+            cls.config_class.from_params({**dict(saved.get("params") or {}), **dict(overrides)})
+    except InvalidParameterError as error:
+        prefix = f"{where}: " if where else ""
+        raise InvalidParameterError(f"{prefix}overriding the saved encoding parameters: {error}") from None
