@@ -14,8 +14,11 @@ at None each layer rotates with its own native base (Gemma 3: 10k on sliding lay
 global ones), and with ``scaling="model"`` each layer keeps its own native scaling (Gemma 3:
 linear on global layers only). Layers where the native model does not rotate
 (``LayerGeometry.native_rotary``, SmolLM3's NoPE layers) are left unrotated, so the defaults
-reproduce the native model; in a model with no natively rotating layer at all (GPT-2's
-learned table) every layer rotates.
+reproduce the native model (a SmolLM3 whose every layer is NoPE: no layer rotates, as
+natively); in a family whose own positions are not rotary (``ModelGeometry.rotary_positions``
+False: GPT-2's learned table) every layer rotates. The defaults (theta, scaling) come from
+the layers that rotate: a Gemma 3 whose layers are all sliding-window ones uses their 10k
+base, not the global layers' 1M.
 
 Dynamic NTK and LongRoPE change the frequencies with the sequence length. Computing them from the
 length of the whole input (as transformers does) makes every token's hidden states depend
@@ -68,16 +71,19 @@ class RoPEConfig(EncodingConfig):
         model's layers differ in them (resolved per layer, see the module docstring)."""
         out = dataclasses.replace(self)
         fill_rotary_defaults(out, geometry)
-        layers = model_layers(geometry)
-        if self.theta is None and len({layer.rope_theta for layer in layers}) > 1:
-            out.theta = None
+        # the layers that rotate natively decide the defaults (every layer when the native
+        # positions are not rotary); the model-wide values only when none does
+        layers = rotating_layers(geometry) or model_layers(geometry)
+        if self.theta is None:
+            thetas = {layer.rope_theta for layer in layers}
+            out.theta = float(thetas.pop()) if len(thetas) == 1 else None
         if out.scaling == "model":
             scalings = [layer.rope_scaling for layer in layers]
             per_layer = any(scaling != scalings[0] for scaling in scalings)
-            for scaling in scalings if per_layer else [geometry.rope_scaling]:
+            for scaling in scalings if per_layer else scalings[:1]:
                 check_native_scaling(self.encoding, scaling, per_layer)
             if not per_layer:
-                out.scaling = resolve_scaling(geometry.rope_scaling, geometry.max_position_embeddings)
+                out.scaling = resolve_scaling(scalings[0], geometry.max_position_embeddings)
         else:
             out.scaling = resolve_scaling(explicit_scaling(out.scaling), geometry.max_position_embeddings)
         partial = resolved(out.partial_rotary_factor, self.encoding, "partial_rotary_factor")
@@ -102,6 +108,18 @@ def explicit_scaling(scaling: dict | str | None) -> dict | None:
 def model_layers(geometry) -> list:
     """Every layer's :class:`~hf_posenc.models.base.LayerGeometry`."""
     return [geometry.layer(index) for index in range(geometry.num_layers)]
+
+
+def rotates_natively(geometry, layer) -> bool:
+    """Whether ``rope`` rotates ``layer``: where the native model rotates when the family's own
+    positions are RoPE (none of a SmolLM3 whose every layer is NoPE: the native model), every
+    layer when they are something else (GPT-2's learned table, which rope replaces)."""
+    return layer.native_rotary or not geometry.rotary_positions
+
+
+def rotating_layers(geometry) -> list:
+    """The layers ``rope`` rotates (see :func:`rotates_natively`)."""
+    return [layer for layer in model_layers(geometry) if rotates_natively(geometry, layer)]
 
 
 def check_native_scaling(encoding: str, scaling: dict | None, per_layer: bool) -> None:
@@ -187,7 +205,6 @@ class RoPE(Encoding[RoPEConfig]):
             resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor"),
         )
         layers = model_layers(geometry)
-        any_native = any(layer.native_rotary for layer in layers)
         #: per layer: (theta, resolved scaling) of its rotation, or None where it does not rotate
         self.layer_rotations: list[tuple[float, dict | None] | None] = []
         for layer in layers:
@@ -196,8 +213,9 @@ class RoPE(Encoding[RoPEConfig]):
                 scaling = resolve_scaling(layer.rope_scaling, geometry.max_position_embeddings)
             else:
                 scaling = explicit_scaling(config.scaling)
-            rotates = layer.native_rotary or not any_native
-            self.layer_rotations.append((float(theta), scaling) if rotates else None)
+            self.layer_rotations.append(
+                (float(theta), scaling) if rotates_natively(geometry, layer) else None
+            )
         #: a length-dependent schedule on some layer: q.k is computed per query (``logits``)
         self.per_query = any(
             r is not None and r[1] is not None and r[1]["type"] in LENGTH_DEPENDENT

@@ -96,6 +96,10 @@ class ModelGeometry:
     rope_scaling: dict[str, Any] | None = None
     #: whether the model has a learned absolute position table of its own (GPT-2's ``wpe``)
     learned_position_table: bool = False
+    #: whether the family's own positional encoding is RoPE, on the layers whose
+    #: ``LayerGeometry.native_rotary`` is True (a SmolLM3 with every layer NoPE: on none);
+    #: False: positions enter some other way (GPT-2's table) and ``rope`` rotates every layer
+    rotary_positions: bool = True
     #: factor the family's embedding module multiplies token embeddings by (Gemma: sqrt(hidden))
     embedding_scale: float = 1.0
     #: one entry per layer; empty: every layer has the model-wide settings above

@@ -91,8 +91,10 @@ class Gemma3Adapter(LlamaAdapter):
                     rope_scaling=self._scaling(config, params),
                 )
             )
-        # model-wide values: the global layers' (what encodings without per-layer settings read)
-        global_params = layer_rope_parameters(config, "full_attention")
+        # model-wide values: the global layers' (what encodings without per-layer settings read),
+        # the local ones' in a model with no global layer (fewer layers than its sliding pattern)
+        wide_type = "full_attention" if "full_attention" in config.layer_types else "sliding_attention"
+        global_params = layer_rope_parameters(config, wide_type)
         return ModelGeometry(
             family=self.family,
             hidden_size=config.hidden_size,
@@ -101,7 +103,7 @@ class Gemma3Adapter(LlamaAdapter):
             num_kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
             max_position_embeddings=config.max_position_embeddings,
-            rope_theta=float(global_params.get("rope_theta", 1_000_000.0)),
+            rope_theta=float(global_params.get("rope_theta", 10000.0)),
             partial_rotary_factor=1.0,
             rope_scaling=self._scaling(config, global_params),
             embedding_scale=config.hidden_size**0.5,

@@ -78,6 +78,7 @@ class GPT2Adapter(FamilyAdapter):
             rope_theta=10000.0,
             partial_rotary_factor=1.0,
             learned_position_table=True,
+            rotary_positions=False,
             layers=tuple(
                 LayerGeometry(rope_theta=10000.0, native_rotary=False, softmax_scale=self._scale(config, i))
                 for i in range(config.n_layer)

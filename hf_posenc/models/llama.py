@@ -75,6 +75,10 @@ class LlamaAdapter(FamilyAdapter):
     qk_norm: ClassVar[str | None] = None
     #: config values this family's native forward does not apply (refused unless neutral)
     neutral_config: ClassVar[dict[str, tuple[Any, ...]]] = LLAMA_NEUTRAL_CONFIG
+    #: whether the family's unscaled ("default") RoPE rotates only ``partial_rotary_factor`` of
+    #: each head (Phi-3); Llama's ignores the factor and rotates the whole head, while
+    #: transformers' scaled types (linear, yarn, ...) read it in every family
+    default_rope_reads_partial_factor: ClassVar[bool] = False
 
     def check_supported(self, model: nn.Module) -> None:
         self.refuse_config_values(model.config, self.neutral_config)
@@ -120,12 +124,20 @@ class LlamaAdapter(FamilyAdapter):
             head_dim=head_dim,
             max_position_embeddings=config.max_position_embeddings,
             rope_theta=theta,
-            partial_rotary_factor=float(rope_setting(config, "partial_rotary_factor", 1.0)),
+            partial_rotary_factor=self.partial_rotary_factor(config),
             rope_scaling=native_rope_scaling(config),
             layers=tuple(
                 self.layer_geometry(config, i, head_dim, theta) for i in range(config.num_hidden_layers)
             ),
         )
+
+    def partial_rotary_factor(self, config: Any) -> float:
+        """The fraction of each head the native model rotates: the config's
+        ``partial_rotary_factor`` where the native rotary module reads it (a scaled type, or a
+        family whose default RoPE does), else the whole head."""
+        if native_rope_scaling(config) is None and not self.default_rope_reads_partial_factor:
+            return 1.0
+        return float(rope_setting(config, "partial_rotary_factor", 1.0))
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return [layer.self_attn for layer in self.base_model(model).layers]

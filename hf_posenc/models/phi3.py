@@ -26,6 +26,7 @@ class Phi3Adapter(LlamaAdapter):
     lora_targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     attention_classes = ("Phi3Attention",)
     config_class_name = "Phi3Config"
+    default_rope_reads_partial_factor = True  # Phi3RotaryEmbedding rotates head_dim * factor
 
     def check_supported(self, model: nn.Module) -> None:
         self.refuse_config_values(model.config, self.neutral_config)
