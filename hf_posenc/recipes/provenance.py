@@ -58,8 +58,10 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
-    """``{"versions": {...}, "git_commit", "date" (UTC, ISO 8601), "command", "python"}``."""
+    """``{"versions": {...}, "git_commit", "date" (UTC, ISO 8601), "command", "python", "threads"}``
+    (``threads``: torch's thread count and why, see :mod:`.threads`)."""
     from .._version import __version__
+    from .threads import current_choice
 
     versions = {name: _version(name) for name in PACKAGES}
     versions["hf-posenc"] = __version__
@@ -69,4 +71,5 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(argv),
         "python": sys.version.split()[0],
+        "threads": current_choice(),
     }

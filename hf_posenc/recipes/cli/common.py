@@ -96,3 +96,14 @@ def merge_settings(
 
 class DefaultsRawDescriptionHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """:class:`DefaultsHelpFormatter` keeping the description's line breaks."""
+
+
+def add_threads_argument(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads; default: OMP_NUM_THREADS if set, else 1 for a small model (< 20 M parameters) "
+        "or a busy machine, else torch's default (one per core); the choice is printed and recorded",
+    )

@@ -30,7 +30,7 @@ from typing import Any
 from ...errors import PositionRangeError
 from ..evaluation.errors import EvaluationError
 from ..evaluation.labels import encoding_label
-from .common import parse_encoding_params
+from .common import add_threads_argument, parse_encoding_params
 
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -201,6 +201,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
         write_report,
     )
     from ..provenance import provenance
+    from ..threads import check_threads, use_threads
 
     hf_logging.set_verbosity_error()
     # -- everything is checked before the first model is loaded --------------------------
@@ -216,6 +217,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
     ):
         if value is not None and value < 1:
             raise EvaluationError(f"{name} {value} is not allowed; allowed: >= 1")
+    check_threads(args.threads)
     params = parse_encoding_params(args.encoding_param)
     if args.encoding is not None:
         check_request(args.encoding, params)  # unknown name / bad value / a pattern refusing an entry
@@ -255,6 +257,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
         print(f"[{number}/{len(directories)}] {label}: {directory}, {budget} of {tokens.numel()} tokens")
         start = time.perf_counter()
         model = load_model(str(directory), args.encoding, params or None, dtype=dtype)
+        metadata["provenance"]["threads"] = use_threads(args.threads, model).as_dict()
         results[label] = evaluate_lengths(
             model,
             tokens,
@@ -351,6 +354,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the models")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    add_threads_argument(parser)
     parser.add_argument(
         "--output-dir",
         "--output",

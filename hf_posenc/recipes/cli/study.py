@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from ..study import StudyConfig, load_study_config, run_study
-from .common import merge_settings
+from .common import add_threads_argument, merge_settings
 
 
 def _defaults() -> argparse.Namespace:
@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="With no arguments: an offline study on the Python standard library's sources, with a tiny "
         "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe, "
         "plus evaluation-only rows: expe/exqpe at scaling factor 2 (the ExPE paper's Table 3) and RoPE with "
-        "position interpolation (about 10-15 minutes on 2 CPU cores).",
+        "position interpolation (how long it takes: README, 'How long the default study takes').",
     )
     parser.add_argument(
         "--config",
@@ -109,6 +109,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--num-layers", type=int, default=defaults.num_layers, help="embedded base model only"
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of data order and init")
+    add_threads_argument(parser)
     parser.add_argument(
         "--eval-only",
         nargs="*",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..training.config import TrainConfig
-from .common import add_encoding_arguments, merge_settings, parse_encoding_params
+from .common import add_encoding_arguments, add_threads_argument, merge_settings, parse_encoding_params
 
 #: TrainConfig's defaults, shown by --help (model and output_dir have none: they must be given)
 DEFAULTS = TrainConfig(model="-", output_dir="-")
@@ -120,7 +120,7 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """Number formats and memory."""
-    group = parser.add_argument_group("precision and memory")
+    group = parser.add_argument_group("precision, memory and threads")
     group.add_argument(
         "--dtype",
         default=DEFAULTS.dtype,
@@ -136,6 +136,7 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass"
     )
+    add_threads_argument(group)
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:

@@ -119,6 +119,7 @@ def evaluate_study(config: Any, finals: dict[str, Path]) -> tuple[dict[str, list
     from ...core.reconfiguration import reconfigure
     from ..data import read_documents, tokenize_documents
     from ..evaluation import check_model_length, evaluate_lengths, token_budget
+    from ..threads import use_threads
     from .spec import display_label
 
     base = Path(config.base_model) if config.base_model else finals.pop("base (RoPE pretraining)")
@@ -139,6 +140,7 @@ def evaluate_study(config: Any, finals: dict[str, Path]) -> tuple[dict[str, list
     results: dict[str, list] = {}
     for label, directory in runs.items():
         model = load_model(str(directory)).eval()
+        use_threads(config.threads, model)
         check_model_length(model, longest)
         print(f"[study] evaluating {label}")
         results[label] = evaluate_lengths(model, tokens, config.train_length, config.multiples, batch_size=8)
@@ -147,6 +149,7 @@ def evaluate_study(config: Any, finals: dict[str, Path]) -> tuple[dict[str, list
     for row in check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings)):
         label = row.label(config.train_length)
         model = load_model(str(finals[row.trained])).eval()
+        use_threads(config.threads, model)
         print(f"[study] evaluating {label} (evaluation only, no training)")
         rows = []
         for multiple in config.multiples:

@@ -40,6 +40,7 @@ def _base_settings(config: StudyConfig, out: Path):
         keep_checkpoints=1,
         seed=config.seed,
         data_cache=str(out / "data-cache"),
+        threads=config.threads,
     )
 
 
@@ -66,6 +67,7 @@ def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
         keep_checkpoints=1,
         seed=config.seed,
         data_cache=str(out / "data-cache"),
+        threads=config.threads,
     )
 
 

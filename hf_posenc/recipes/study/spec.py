@@ -41,6 +41,7 @@ class StudyConfig:
     #: rows evaluated without training (``TRAINED@{JSON}`` or ``TRAINED@interpolate``; see study_eval);
     #: None: expe/exqpe at factor 2 and rope@interpolate for those of them the study trains
     eval_only: list[str] | None = None
+    threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
 
     def __post_init__(self) -> None:
         for name in (
@@ -57,6 +58,9 @@ class StudyConfig:
                 raise InvalidParameterError(
                     f"study: {name}={value!r} is not allowed; allowed: an integer >= 1"
                 )
+        from ..threads import check_threads
+
+        check_threads(self.threads, flag="study: threads")
         if not self.multiples or any(not isinstance(m, int) or m < 1 for m in self.multiples):
             raise InvalidParameterError(
                 f"study: multiples={self.multiples!r} is not allowed; allowed: integers >= 1, e.g. 1 2 4 8 16"

@@ -52,6 +52,7 @@ class TrainConfig:
     report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers
     data_cache: str | None = None  # tokenised data (Arrow); default: OUTPUT_DIR/data-cache
     num_proc: int | None = None  # tokenisation workers
+    threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
 
     def __post_init__(self) -> None:
         positive = (
@@ -84,6 +85,9 @@ class TrainConfig:
             raise InvalidParameterError(
                 f"train: encoding_lr={self.encoding_lr!r} is not allowed; allowed: a finite number >= 0"
             )
+        from ..threads import check_threads
+
+        check_threads(self.threads, flag="train: threads")
         if self.num_proc is not None and self.num_proc < 1:
             raise InvalidParameterError(f"train: num_proc={self.num_proc!r} is not allowed; allowed: >= 1")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.end_lr_ratio <= 1:

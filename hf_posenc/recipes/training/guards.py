@@ -24,6 +24,7 @@ RESUMABLE_CHANGES = frozenset(
         "report_to",
         "data_cache",
         "num_proc",
+        "threads",
     }
 )
 

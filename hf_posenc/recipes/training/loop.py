@@ -21,6 +21,7 @@ from ...core.limits import position_limit
 from ...core.loading import load_model
 from ...core.patch import patch_info, patch_model
 from ...errors import InvalidParameterError
+from ..threads import use_threads
 from .batches import BatchOrder
 from .checkpoints import intact_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig, preflight
@@ -361,6 +362,7 @@ def train(
     )
     set_seed(config.seed)
     model, optimizer, scheduler = _prepared(config, _trainable_model(config, model), accelerator)
+    use_threads(config.threads, model)
     start, losses = _restore(accelerator, checkpoint) if checkpoint is not None else (0, [])
     if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(config.to_json())
