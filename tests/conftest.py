@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from encoding_cases import case_id, cases_of
+from encoding_cases import case_id, cases_of, serves
 from transformers.utils import logging as hf_logging
 
 import hf_posenc
@@ -154,6 +154,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             (name, case)
             for name in (ENCODING_FILE_FAMILIES if encoding_file else FAMILIES)
             for case in (CASES if name in ENCODING_FILE_FAMILIES else DEFAULT_CASES)
+            if serves(name in ROTARY_FAMILIES, case)
         ]
         metafunc.parametrize(("family", "case"), pairs, ids=[f"{f}-{case_id(c)}" for f, c in pairs])
     elif wants_family:

@@ -43,6 +43,16 @@ CASES_BY_ENCODING: dict[str, list[Case]] = {
         ),
         ("xpos", {"scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
     ],
+    # -- training-free extension of the checkpoint's RoPE (RoPE families only): the first case has
+    # a window short enough that the tests' inputs (12..48 tokens) reach the far keys; then the
+    # defaults (window: a quarter of the trained length) and a scaled RoPE under the split ----------
+    "selfextend": [
+        ("selfextend", {"group_size": 2, "window": 4}),
+        ("selfextend", {}),
+        ("selfextend", {"group_size": 3, "window": 5, "scaling": {"type": "linear", "factor": 2.0}}),
+    ],
+    "rerope": [("rerope", {"window": 3}), ("rerope", {})],
+    "leaky_rerope": [("leaky_rerope", {"window": 3, "leak": 4.0}), ("leaky_rerope", {})],
     "expe": [
         ("expe", {}),
         ("expe", {"override_value": True, "S": 0.5, "scaling": {"type": "linear", "factor": 2.0}}),
@@ -120,7 +130,21 @@ ALL_CASES: list[Case] = [case for cases in CASES_BY_ENCODING.values() for case i
 #: encodings without trainable parameters of their own (an optimizer step can only move the
 #: model's weights); checked against each patched encoding by test_invariants.py
 PARAMETER_FREE = frozenset(
-    {"nope", "sinusoidal", "alibi", "rope", "xpos", "expe", "exqpe", "sandwich", "sba", "rope2d"}
+    {
+        "nope",
+        "sinusoidal",
+        "alibi",
+        "rope",
+        "xpos",
+        "selfextend",
+        "rerope",
+        "leaky_rerope",
+        "expe",
+        "exqpe",
+        "sandwich",
+        "sba",
+        "rope2d",
+    }
 )
 
 #: where the formula reference of each parameter-free encoding lives: a test module whose
@@ -132,6 +156,9 @@ LAYER_REFERENCES = {
     "alibi": "test_reference",
     "rope": "test_reference",
     "xpos": "test_reference",
+    "selfextend": "test_window_split_encodings",
+    "rerope": "test_window_split_encodings",
+    "leaky_rerope": "test_window_split_encodings",
     "expe": "test_reference",
     "exqpe": "test_reference",
     "sandwich": "test_relative_bias_encodings",
@@ -140,8 +167,18 @@ LAYER_REFERENCES = {
 }
 
 #: encodings whose attention needs explicit scores (stage ``logits``, ``transform_scores`` or
-#: ``normalize``): every backend runs the same explicit-score core for them
-EXPLICIT_SCORE_ENCODINGS = frozenset({"cope", "sba", "cape"})
+#: ``normalize``): ``sdpa`` and ``eager`` run the same explicit-score core for them (the window-split
+#: ones have a block backend of their own under ``auto``, compared with eager in their test module)
+EXPLICIT_SCORE_ENCODINGS = frozenset({"cope", "sba", "cape", "selfextend", "rerope", "leaky_rerope"})
+
+#: encodings that extend the checkpoint's own RoPE: refused on families whose native encoding is
+#: not RoPE, so the shared tests run them on the rotary families only (see :func:`serves`)
+ROPE_CHECKPOINT_ONLY = frozenset({"selfextend", "rerope", "leaky_rerope"})
+
+
+def serves(rotary_family: bool, case: Case) -> bool:
+    """Whether a family (natively rotary or not) takes the case's encoding."""
+    return rotary_family or case[0] not in ROPE_CHECKPOINT_ONLY
 
 
 def has_explicit_scores(case: Case) -> bool:

@@ -207,6 +207,42 @@ def attention_layer(
     return output_projection(module, out.reshape(batch, length, -1))
 
 
+@torch.no_grad()
+def two_map_attention_layer(
+    module,
+    hidden: torch.Tensor,
+    *,
+    softmax_scale: float,
+    window: int | None,
+    rotation,
+    positions,
+) -> torch.Tensor:
+    """softmax_j((R(a) q_i) . (R(b) k_j) * softmax_scale) v_j with ``(a, b) = positions(i, j)``: RoPE
+    where the rotation of both query and key depends on the pair (SelfExtend, ReRoPE).
+    ``rotation(p) -> (D, D)`` is the RoPE matrix of position p (None: no rotation); allowed keys:
+    j <= i, and i - j < window when a sliding window is set."""
+    hidden = hidden.double()
+    batch, length, _ = hidden.shape
+    q, k, v = projections(module, hidden, hidden)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            for i in range(length):
+                keys = [j for j in range(i + 1) if window is None or i - j < window]
+                scores = []
+                for j in keys:
+                    qi, kj = q[b, i, h], k[b, j, g]
+                    if rotation is not None:
+                        a, p = positions(i, j)
+                        qi, kj = rotation(a) @ qi, rotation(p) @ kj
+                    scores.append(float(qi @ kj) * softmax_scale)
+                weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
+                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
+    return output_projection(module, out.reshape(batch, length, -1))
+
+
 def kerple_bias(params: dict, posenc, layer_idx: int):
     """KERPLE: log -r1*log(1 + r2*(i-j)), power -r1*(i-j)^r2; r1, r2 >= 0.01, power r2 <= 2."""
     row = 0 if params.get("shared_across_layers", True) else layer_idx

@@ -35,7 +35,7 @@ from ..core.layout import query_key_indices
 from ..core.memo import ForwardMemo
 from ..models.base import ModelGeometry
 from .block_bias import BlockBias
-from .call import ForwardCall, LayerCall, ScoreCall
+from .call import ForwardCall, LayerCall, NeighbourSplit, ScoreCall
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
 #: instance attribute holding values an encoding module keeps between forwards (not module state:
@@ -200,6 +200,14 @@ class Encoding(nn.Module, Generic[ConfigT]):
         at ``call.positions`` and ``call.key_positions``."""
         raise NotImplementedError
 
+    def neighbour_split(self, call: ScoreCall) -> NeighbourSplit:
+        """For a ``logits`` stage that is RoPE under one position map for the keys within a window
+        of the query and another for the keys beyond (SelfExtend, ReRoPE): q and k rotated under
+        both, so a backend can attend near and far keys in blocks (:mod:`hf_posenc.attention.neighbour`)
+        without the (Tq, Tk) logits. Encodings that implement it say so by overriding it
+        (:func:`splits_neighbours`)."""
+        raise NotImplementedError
+
     def score_bias(self, call: ScoreCall) -> BlockBias:
         """Additive logit bias of this call, fp32, in the most structured form that describes it
         (see :mod:`~hf_posenc.encodings.block_bias`); ``.full()`` is the (B|1, Hq, Tq, Tk) matrix.
@@ -241,6 +249,11 @@ class Encoding(nn.Module, Generic[ConfigT]):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.to_dict().items())
+
+
+def splits_neighbours(encoding: Encoding) -> bool:
+    """Whether ``encoding`` gives its logits as a :class:`NeighbourSplit`."""
+    return type(encoding).neighbour_split is not Encoding.neighbour_split
 
 
 def module_cache(module: nn.Module) -> dict[Any, Any]:

@@ -8,6 +8,9 @@
                   cache update), key positions and the mask                     ``transform_scores``,
                                                                                  ``normalize``
 
+:class:`NeighbourSplit` is what an encoding with two position maps (near keys / far keys:
+SelfExtend, ReRoPE) gives the block backend instead of scores (``Encoding.neighbour_split``).
+
 A narrower view is derived with :meth:`ScoreCall.rows` or :meth:`ScoreCall.with_allowed`,
 which return new objects.
 """
@@ -83,3 +86,24 @@ class ScoreCall(LayerCall):
             key_positions=None if self.key_positions is None else self.key_positions[:, :k_end],
             allowed=None if self.allowed is None else self.allowed[..., start:stop, :k_end],
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class NeighbourSplit:
+    """One attention call's queries and keys rotated under both position maps.
+
+    ``near_q``/``far_q`` (B, Hq, Tq, D), ``near_k``/``far_k`` (B, Hkv, Tk, D); a key j is a
+    neighbour of query i when ``q_positions[i] - k_positions[j] < window``."""
+
+    window: int
+    near_q: torch.Tensor
+    near_k: torch.Tensor
+    far_q: torch.Tensor
+    far_k: torch.Tensor
+    q_positions: torch.Tensor  # (B, Tq)
+    k_positions: torch.Tensor  # (B, Tk)
+
+    def is_near(self, q_slice: slice, k_slice: slice) -> torch.Tensor:
+        """(B, 1, rows, keys) bool: True where the key is a neighbour of the query."""
+        distance = self.q_positions[:, q_slice, None] - self.k_positions[:, None, k_slice]
+        return (distance < self.window)[:, None]

@@ -33,6 +33,7 @@ by the query's set; within L0 that is exactly the native model.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -192,7 +193,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @register_encoding
 class RoPE(Encoding[RoPEConfig]):
     name = "rope"
-    aliases = ("rotary", "roformer")
+    aliases: ClassVar[tuple[str, ...]] = ("rotary", "roformer")
     config_class = RoPEConfig
     paper = "Su et al. 2021, arXiv:2104.09864"
     summary = "rotates q/k dimension pairs by position-proportional angles; optional context scaling"

@@ -13,7 +13,15 @@ import logging
 import pytest
 import torch
 from capture import LENGTH, run_and_capture
-from conftest import ENCODING_FILE_FAMILIES, ENCODINGS, FAMILIES, make_model, patch, token_ids
+from conftest import (
+    ENCODING_FILE_FAMILIES,
+    ENCODINGS,
+    FAMILIES,
+    ROTARY_FAMILIES,
+    make_model,
+    patch,
+    token_ids,
+)
 from encoding_cases import (
     ALL_CASES,
     CASES_BY_ENCODING,
@@ -22,6 +30,7 @@ from encoding_cases import (
     Case,
     case_id,
     has_explicit_scores,
+    serves,
 )
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
@@ -41,10 +50,11 @@ def family_case_params(cases: list[Case]) -> list:
     its first case, on a family that rotates from encoding to encoding so every family is
     exercised; the rest is marked ``slow`` (CI runs all)."""
     encodings = list(dict.fromkeys(name for name, _ in cases))
-    quick = [
-        (FAMILIES[i % len(FAMILIES)], next(c for c in cases if c[0] == name))
-        for i, name in enumerate(encodings)
-    ]
+    first_of = {name: next(c for c in cases if c[0] == name) for name in encodings}
+    quick = []
+    for i, name in enumerate(encodings):
+        takers = [f for f in FAMILIES if serves(f in ROTARY_FAMILIES, first_of[name])]
+        quick.append((takers[i % len(takers)], first_of[name]))
     first_cases = [next(c for c in cases if c[0] == name) for name in encodings]
     return [
         pytest.param(
@@ -57,6 +67,7 @@ def family_case_params(cases: list[Case]) -> list:
         # the variants exercise encoding code, not family code: they run on the families of the
         # encoding-specific files; every other family runs each encoding's first case
         for case in (cases if family in ENCODING_FILE_FAMILIES else first_cases)
+        if serves(family in ROTARY_FAMILIES, case)
     ]
 
 

@@ -1,0 +1,75 @@
+"""ReRoPE and Leaky ReRoPE (Su, 2023, "Rectified Rotary Position Embeddings",
+https://kexue.fm/archives/9708, reference code bojone/rerope ``rerope_patch.py`` and
+``leaky_rerope_patch.py``).
+
+Relative positions are clipped at the window w: past it every key is seen at distance w
+(ReRoPE), or the distance grows with slope 1/k (Leaky ReRoPE, ``leak`` = k):
+
+    rerope:        i - j < w: RoPE at (i, j);  else RoPE at (w, 0)                  distance w
+    leaky_rerope:  i - j < w: RoPE at (i, j);  else RoPE at (i/k + w - w/k, j/k)    distance
+                                                                                     w + (i - j - w)/k
+
+as bojone's ``apply_rotary_pos_emb`` calls (the queries rotated by w, the keys unrotated; leaky:
+positions times 1/k, the queries shifted by w - w/k). Positions are the padding-aware token
+positions; neighbours and far keys are merged as in :mod:`.window_split`. Training-free: the
+checkpoint's own RoPE settings, every distance stays within [0, w] (ReRoPE) or grows k times
+slower than the text past w (Leaky).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..core.config import check_number
+from ..core.registry import register_encoding
+from .window_split import WindowSplitConfig, WindowSplitRoPE
+
+
+@dataclasses.dataclass
+class ReRoPEConfig(WindowSplitConfig):
+    encoding = "rerope"
+
+
+@register_encoding
+class ReRoPE(WindowSplitRoPE):
+    name = "rerope"
+    aliases = ("rectified_rope",)
+    config_class = ReRoPEConfig
+    paper = "Su 2023, kexue.fm/archives/9708 (bojone/rerope)"
+    summary = "training-free: relative positions clipped at window (far keys all at distance window)"
+
+    def far_positions(
+        self, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.config.window  # type: ignore[attr-defined]
+        return torch.full_like(q_positions, window), torch.zeros_like(k_positions)
+
+
+@dataclasses.dataclass
+class LeakyReRoPEConfig(WindowSplitConfig):
+    encoding = "leaky_rerope"
+    leak: float = 16.0  # k: past the window, distances grow with slope 1/k (k = 1: plain RoPE)
+
+    def validate(self) -> None:
+        super().validate()
+        check_number(self.encoding, "leak", self.leak, low=1.0)
+
+
+@register_encoding
+class LeakyReRoPE(WindowSplitRoPE):
+    name = "leaky_rerope"
+    aliases = ("leaky_rectified_rope",)
+    config_class = LeakyReRoPEConfig
+    paper = "Su 2023, kexue.fm/archives/9708 (bojone/rerope)"
+    summary = "training-free: relative positions grow with slope 1/leak past window"
+
+    def far_positions(
+        self, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        window, leak = self.config.window, self.config.leak  # type: ignore[attr-defined]
+        return (
+            q_positions.double() / leak + (window - window / leak),
+            k_positions.double() / leak,
+        )

@@ -1,0 +1,137 @@
+"""Training-free context extension of a RoPE checkpoint with two position maps: one for the keys
+near a query, one for the keys far from it (SelfExtend, ReRoPE, Leaky ReRoPE).
+
+For the query at position i and the key at position j (padding-aware token positions), the
+logit is RoPE's with positions that depend on the distance i - j:
+
+    i - j <  window:  (R_i q_i) . (R_j k_j)                 neighbours: the checkpoint's RoPE
+    i - j >= window:  (R_{a(i)} q_i) . (R_{b(j)} k_j)       far keys: a map that keeps every
+                                                            distance inside the trained range
+
+with the checkpoint's own RoPE settings (theta, partial rotary, scaling, per-layer theta; layers
+the native model leaves position-free stay so). Each method defines (a, b) in
+:meth:`WindowSplitRoPE.far_positions`. Keys are cached un-rotated (stage ``logits``) so every
+decoding step rotates them under both maps for its own queries.
+
+Two ways to compute it, equal up to rounding (tests compare both with an fp64 reference):
+
+- ``logits`` (the eager backend: ``backend="eager"`` / ``"sdpa"``): the (B, H, Tq, Tk) scores of
+  both maps, merged with ``where`` as LongLM's and ReRoPE's reference forwards do;
+- :meth:`WindowSplitRoPE.neighbour_split` (the default ``backend="auto"``, also ``"chunked"``
+  and ``"flex"``): the rotated queries and keys under both maps, from which the ``neighbour``
+  backend (:mod:`hf_posenc.attention.neighbour`) attends in blocks of queries: the neighbour
+  band and the far keys separately, merged by log-sum-exp as the papers' flash variants do; no
+  (Tq, Tk) tensor exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..core.config import check_number, fail
+from ..core.layout import expand_kv_heads
+from ..errors import InvalidParameterError
+from .call import NeighbourSplit, ScoreCall
+from .rope import RoPE, RoPEConfig, apply_rotary, cos_sin, model_layers
+from .rope_scaling import LENGTH_DEPENDENT, inverse_frequencies, resolve_scaling
+
+
+@dataclasses.dataclass
+class WindowSplitConfig(RoPEConfig):
+    """RoPE's settings (default: the checkpoint's own) plus the neighbour ``window``."""
+
+    #: keys closer than this many positions keep their RoPE distance; default: a quarter of the
+    #: model's trained length (max_position_embeddings); at most the trained length
+    window: int | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.window is not None:
+            check_number(self.encoding, "window", self.window, low=1, integer=True)
+
+    def resolve(self, geometry) -> WindowSplitConfig:
+        layers = model_layers(geometry)
+        if not any(layer.native_rotary for layer in layers):
+            raise InvalidParameterError(
+                f"{self.encoding}: the model's native positions are not RoPE ({geometry.family}: no layer "
+                f"rotates q/k); allowed: a model whose native encoding is RoPE ({self.encoding} extends the "
+                "checkpoint's own RoPE without training)"
+            )
+        out = super().resolve(geometry)
+        assert isinstance(out, WindowSplitConfig)  # RoPEConfig.resolve copies with dataclasses.replace
+        trained = int(geometry.max_position_embeddings)
+        if out.window is None:
+            out.window = max(1, trained // 4)
+        if out.window > trained:
+            raise fail(
+                self.encoding,
+                "window",
+                out.window,
+                f"an integer in [1, {trained}] (at most the model's trained length, max_position_embeddings)",
+            )
+        scalings = [out.scaling] if out.scaling != "model" else [layer.rope_scaling for layer in layers]
+        for scaling in scalings:
+            resolved = resolve_scaling(scaling, trained) if isinstance(scaling, dict) else None
+            if resolved is not None and resolved["type"] in LENGTH_DEPENDENT:
+                raise fail(
+                    self.encoding,
+                    "scaling",
+                    resolved["type"],
+                    "None, linear, ntk, yarn or llama3 (a RoPE whose frequencies do not change with the "
+                    "length; pass scaling=None or another scaling to replace the checkpoint's)",
+                )
+        return out
+
+
+class WindowSplitRoPE(RoPE):
+    """Base of the window-split encodings (not registered itself): subclasses give the far map."""
+
+    def active_stages(self) -> list[str]:
+        return ["logits"]  # keys cached un-rotated: each step rotates them under both maps
+
+    def far_positions(
+        self, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a(i) (B, Tq), b(j) (B, Tk)): the positions queries and keys rotate by for far pairs."""
+        raise NotImplementedError
+
+    def neighbour_split(self, call: ScoreCall) -> NeighbourSplit:
+        if call.key_positions is None:
+            raise ValueError(f"{self.name}: the logits stage needs the key positions")
+        q_pos, k_pos = call.positions, call.key_positions  # (B, Tq), (B, Tk)
+        window = int(self.config.window)  # type: ignore[attr-defined]
+        rotation = self.layer_rotations[call.layer_idx]
+        if rotation is None:  # a natively position-free layer: both maps are no rotation at all
+            return NeighbourSplit(window, call.q, call.k, call.q, call.k, q_pos, k_pos)
+        theta, scaling = rotation
+        inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=call.q.device)
+
+        def rotated(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            cos, sin = cos_sin(positions, inv_freq, factor, x.dtype)  # (B, 1, T, d_rot)
+            return apply_rotary(x, cos, sin)
+
+        far_q_pos, far_k_pos = self.far_positions(q_pos, k_pos)
+        return NeighbourSplit(
+            window,
+            near_q=rotated(call.q, q_pos),
+            near_k=rotated(call.k, k_pos),
+            far_q=rotated(call.q, far_q_pos),
+            far_k=rotated(call.k, far_k_pos),
+            q_positions=q_pos,
+            k_positions=k_pos,
+        )
+
+    def logits(self, call: ScoreCall) -> torch.Tensor:
+        """Both maps' (B, Hq, Tq, Tk) fp32 logits, the neighbours' where i - j < window."""
+        split = self.neighbour_split(call)
+        groups = call.q.shape[1] // call.k.shape[1]
+        dtype = torch.promote_types(call.q.dtype, torch.float32)
+
+        def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            k = expand_kv_heads(k, groups)  # (B, Hq, Tk, D)
+            return torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2))
+
+        near = split.is_near(slice(None), slice(None))  # (B, 1, Tq, Tk)
+        return torch.where(near, scores(split.near_q, split.near_k), scores(split.far_q, split.far_k))

@@ -1,0 +1,189 @@
+"""SelfExtend, ReRoPE and Leaky ReRoPE (training-free extension of a RoPE checkpoint): every
+attention layer equals an fp64 explicit-score reference written from the papers' position maps,
+with the neighbour block backend (the default) and the eager core; decoding with a KV cache over
+many steps with left padding; the degenerate settings that are plain RoPE; bad input; reconfigure.
+
+Position maps, from the papers (i: query position, j: key position, w: window):
+  selfextend (LongLM):  i - j < w: (i, j), else (i // G + w - w // G, j // G)
+  rerope (bojone):      i - j < w: (i, j), else (w, 0)
+  leaky_rerope:         i - j < w: (i, j), else (i / k + w - w / k, j / k)
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference as ref
+import torch
+from capture import LENGTH, run_and_capture
+from conftest import ROTARY_FAMILIES, make_model, native_window, patch, token_ids
+from encoding_cases import case_id, cases_of
+from test_reference import native_rope, reference_inv_freq
+from transformers import DynamicCache
+
+import hf_posenc
+import hf_posenc.attention.chunked as chunked
+
+CASES = cases_of("selfextend", "rerope", "leaky_rerope")
+
+
+@pytest.fixture(autouse=True)
+def tiny_blocks(monkeypatch):
+    """Blocks of 5 queries, so every input spans several (the default is 256)."""
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
+
+
+def position_map(name: str, params: dict, trained: int):
+    window = params.get("window", trained // 4)
+    group, leak = params.get("group_size", 8), params.get("leak", 16.0)
+
+    def positions(i: int, j: int) -> tuple[float, float]:
+        if i - j < window:
+            return i, j
+        if name == "selfextend":
+            return i // group + window - window // group, j // group
+        if name == "rerope":
+            return window, 0
+        return i / leak + window - window / leak, j / leak
+
+    return positions
+
+
+def layer_reference(name, params, module, hidden, model, layer_idx):
+    """One attention layer in fp64 from the position maps above, with the layer's native RoPE
+    (theta as the config states it; natively position-free layers stay so)."""
+    theta, rotates = native_rope(model, layer_idx)
+    rotation = None
+    if rotates:
+        inv_freq, factor = reference_inv_freq({**params, "theta": theta}, module.head_dim, seq_len=LENGTH)
+        rotation = lambda p: ref.rotation_matrix(p, inv_freq, module.head_dim, factor)  # noqa: E731
+    return ref.two_map_attention_layer(
+        module,
+        hidden,
+        softmax_scale=module.scaling,
+        window=native_window(model, layer_idx),
+        rotation=rotation,
+        positions=position_map(name, params, model.config.max_position_embeddings),
+    )
+
+
+@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+@pytest.mark.parametrize("case_", CASES, ids=[case_id(c) for c in CASES])
+def test_attention_equals_the_papers_position_maps(family, case_):
+    """Default backend (neighbour and far keys in blocks of 5, merged by log-sum-exp)."""
+    name, params = case_
+    model = patch(make_model(family), name, params)
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
+    for layer_idx, module in enumerate(attention):
+        hidden, output = records[layer_idx]
+        expected = layer_reference(name, params, module, hidden, model, layer_idx)
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case_", CASES, ids=[case_id(c) for c in CASES])
+def test_eager_core_equals_the_papers_position_maps(case_):
+    """backend="eager": the explicit (Tq, Tk) logits merged with ``where``."""
+    name, params = case_
+    model = patch(make_model("llama"), name, params, backend="eager")
+    records, attention = run_and_capture(model, token_ids(2, LENGTH))
+    for layer_idx, module in enumerate(attention):
+        hidden, output = records[layer_idx]
+        expected = layer_reference(name, params, module, hidden, model, layer_idx)
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("case_", [c for c in CASES if c[1]], ids=[case_id(c) for c in CASES if c[1]])
+def test_many_decoding_steps_with_left_padding_equal_the_full_forward(family, case_):
+    """A left-padded batch decoded 30 steps with a KV cache: every step's logits equal a full
+    forward over the sequence so far (the cached keys' near and far positions stay right)."""
+    name, params = case_
+    model = patch(make_model(family), name, params)
+    ids = token_ids(2, 36)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True)
+        for t in range(6, 36):
+            out = model(
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            full = model(ids[:, : t + 1], attention_mask=mask[:, : t + 1]).logits[:, -1]
+            torch.testing.assert_close(out.logits[:, -1], full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("selfextend", {"group_size": 1, "window": 3}),  # groups of one: every position its own
+        ("leaky_rerope", {"leak": 1.0, "window": 3}),  # slope 1 past the window: RoPE
+        ("rerope", {"window": 64}),  # every test distance inside the window
+    ],
+)
+def test_degenerate_settings_are_the_native_rope_model(name, params):
+    """Reference: the unpatched checkpoint (its own RoPE)."""
+    native = make_model("llama")
+    ids = token_ids(2, 20)
+    with torch.no_grad():
+        expected = native(ids).logits
+        patched = hf_posenc.patch_model(native, name, **params)
+        torch.testing.assert_close(patched(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_reconfigure_changes_the_window_and_group_in_place():
+    model = patch(make_model("llama"), "selfextend", {"group_size": 2, "window": 4})
+    fresh = patch(make_model("llama"), "selfextend", {"group_size": 3, "window": 6})
+    ids = token_ids(2, 20)
+    hf_posenc.reconfigure(model, group_size=3, window=6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits, atol=0, rtol=0)
+    assert hf_posenc.patch_info(model)["params"]["window"] == 6
+
+
+@pytest.mark.parametrize(
+    ("family", "name", "params", "match"),
+    [
+        ("gpt2", "selfextend", {}, "native positions are not RoPE"),
+        ("gpt2", "rerope", {}, "native positions are not RoPE"),
+        ("llama", "selfextend", {"group_size": 0}, "group_size=0"),
+        ("llama", "selfextend", {"window": 0}, "window=0"),
+        ("llama", "rerope", {"window": 65}, r"window=65 is not allowed; allowed: an integer in \[1, 64\]"),
+        ("llama", "leaky_rerope", {"leak": 0.5}, "leak=0.5"),
+        (
+            "llama",
+            "selfextend",
+            {"scaling": {"type": "dynamic", "factor": 2.0}},
+            "scaling='dynamic' is not allowed",
+        ),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_and_the_model_is_untouched(family, name, params, match):
+    model = make_model(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(hf_posenc.InvalidParameterError, match=match) as error:
+        hf_posenc.patch_model(model, name, **params)
+    assert "\n" not in str(error.value)
+    assert hf_posenc.patch_info(model) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_no_tensor_spans_every_query_and_key(monkeypatch):
+    """The default path never builds a (Tq, Tk) score matrix: with blocks of 5 queries over 40
+    tokens, every score tensor the block backend builds has at most 5 rows."""
+    import hf_posenc.attention.neighbour as neighbour
+
+    rows = []
+    original = neighbour._part
+
+    def spy(q, k, v, allowed, scale, dropout_p):
+        rows.append(q.shape[-2])
+        return original(q, k, v, allowed, scale, dropout_p)
+
+    monkeypatch.setattr(neighbour, "_part", spy)
+    model = patch(make_model("llama"), "selfextend", {"group_size": 2, "window": 4})
+    with torch.no_grad():
+        model(token_ids(1, 40))
+    assert rows and max(rows) <= 5
