@@ -8,7 +8,7 @@ itself is one :class:`~.backend.AttentionCall` that :func:`~.backend.dispatch` h
 first registered backend that serves it.
 
 One instance per attention module; it holds the module, its layer index, the family
-adapter and the shared :class:`~hf_posenc.core.runtime.PatchRuntime`.
+adapter and the shared :class:`~hf_posenc.core.runtime.PartRuntime`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from ..errors import InvalidParameterError
 from .backend import AttentionCall, dispatch, dispatch_with_stream
 
 if TYPE_CHECKING:
-    from ..core.runtime import PatchRuntime
+    from ..core.runtime import PartRuntime
 
 
 class PatchedAttentionForward:
     """Callable used as ``module.forward`` while a model is patched."""
 
     def __init__(
-        self, module: nn.Module, layer_idx: int, runtime: PatchRuntime, encoding_layer_idx: int | None = None
+        self, module: nn.Module, layer_idx: int, runtime: PartRuntime, encoding_layer_idx: int | None = None
     ) -> None:
         self.module = module
         #: the model's layer index (the KV cache's)

@@ -46,7 +46,10 @@ __all__ = ["HYBRID", "HYBRID_FORMAT_VERSION", "HybridEncoding", "HybridPlan", "p
 
 
 def part_geometry(geometry: ModelGeometry, layers: Sequence[int]) -> ModelGeometry:
-    """The geometry a part sees: only the layers it owns, renumbered ``0..len(layers)-1``."""
+    """The geometry a part sees: only the layers it owns, renumbered ``0..len(layers)-1`` (a part
+    that owns every layer, as a plain patch's does, sees the model's own geometry)."""
+    if list(layers) == list(range(geometry.num_layers)):
+        return geometry
     own = tuple(geometry.layer(index) for index in layers) if geometry.layers else ()
     return dataclasses.replace(geometry, num_layers=len(layers), layers=own)
 
@@ -88,3 +91,12 @@ class HybridEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layers={self.describe()!r}"
+
+
+def patch_module(parts: Sequence[Encoding], layers: Sequence[int]) -> Encoding | HybridEncoding:
+    """What ``model.posenc`` holds for a plan's parts: the encoding itself when there is one (its
+    tensors saved as ``posenc.<name>``, as every version wrote a plain patch), a
+    :class:`HybridEncoding` of them when there are several (``posenc.parts.<i>.<name>``)."""
+    if len(parts) == 1:
+        return parts[0]
+    return HybridEncoding(parts, layers)

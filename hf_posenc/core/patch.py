@@ -36,10 +36,19 @@ from ..encodings.base import Encoding
 from ..errors import AlreadyPatchedError, InvalidParameterError, NotPatchedError, UnsupportedModelError
 from ..models.base import RestoreAttribute, Undo, replace_forward
 from .config import EncodingConfig
-from .hybrid import HYBRID, HybridEncoding
-from .plan import MAPPING_KEYS, EncodingRequest, build_patch, check_format_version  # noqa: F401  (re-exported)
-from .registry import adapter_for, canonical_name
-from .runtime import HybridRuntime, PatchRuntime
+from .hybrid import HybridEncoding
+from .plan import BuiltPatch, build_patch
+from .registry import adapter_for
+from .request import (  # noqa: F401  (MAPPING_KEYS, check_format_version: re-exported)
+    HYBRID,
+    MAPPING_KEYS,
+    EncodingRequest,
+    check_format_version,
+    describe_patch,
+    saved_description,
+    saved_entry,
+)
+from .runtime import PatchRuntime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -51,25 +60,37 @@ CONFIG_KEY = "posenc"
 
 @dataclasses.dataclass
 class PatchRecord:
-    """What ``unpatch_model`` needs: the encoding, its config, and the undo actions.
+    """What ``unpatch_model``, ``reconfigure`` and ``patch_info`` need: the installed module, the
+    plan's parts (a plain patch has one), the runtime and the undo actions.
 
     Stored on the model itself, and every undo action is an object that refers to the
     model's own modules (no closures), so ``copy.deepcopy``/pickling a patched model gives
     an independent patched model whose record points at the copy."""
 
+    #: ``model.posenc``: the one part's encoding, or a hybrid's :class:`HybridEncoding`
     encoding: Encoding | HybridEncoding
-    #: the resolved config (a hybrid's: that of its first part; see ``parts``)
-    config: EncodingConfig
-    runtime: PatchRuntime | HybridRuntime
+    #: the parts' encoding modules and resolved configs, and the part of every layer
+    parts: list[Encoding]
+    configs: list[EncodingConfig]
+    layers: list[int]
+    runtime: PatchRuntime
     undo: list[Undo]
-    #: a hybrid patch's resolved part configs (None for a plain patch)
-    parts: list[EncodingConfig] | None = None
+
+    @property
+    def config(self) -> EncodingConfig:
+        """The resolved config of the first part (a plain patch's only one)."""
+        return self.configs[0]
+
+    def names(self) -> list[str]:
+        return [part.name for part in self.parts]
+
+    def entry(self) -> dict[str, Any]:
+        """The ``config.posenc`` entry of what runs now."""
+        return saved_entry(self.names(), self.configs, self.layers)
 
     def describe(self) -> str:
-        """The encoding's name, or a hybrid's per-layer text form (``rope*3+nope``)."""
-        if isinstance(self.encoding, HybridEncoding):
-            return f"hybrid {self.encoding.describe()}"
-        return canonical_name(self.config.encoding)
+        """The encoding's name, or a hybrid's per-layer text form (``hybrid rope*3+nope``)."""
+        return describe_patch(self.names(), self.layers)
 
 
 class PopModule:
@@ -199,9 +220,26 @@ def apply_patch(
 ) -> nn.Module:
     """:func:`patch_model`; ``initialise=False`` (reloading) skips ``initialise_from_model``
     (e.g. copying a native table), since the saved tensors are loaded next."""
-    # adapter_for accepts only transformers models of a supported family
     target = cast("PreTrainedModel", transformers_model(model))
-    adapter = adapter_for(target)
+    adapter = _check_patchable(target, backend)
+    built = build_patch(target, adapter, encoding, params, backend)
+    _place_module(target, built, adapter, initialise)
+    undo: list[Undo] = []
+    try:
+        _install(target, built, adapter, initialise, undo)
+    except BaseException:
+        for action in reversed(undo):
+            action()
+        raise
+    record = PatchRecord(built.module, built.parts, built.configs, built.layers, built.runtime, undo)
+    setattr(target, PATCH_ATTRIBUTE, record)
+    return model
+
+
+def _check_patchable(target: PreTrainedModel, backend: str) -> Any:
+    """The family adapter of ``target``; refuse a model that is unsupported, already patched or
+    has a ``posenc`` attribute of its own, and an unknown backend."""
+    adapter = adapter_for(target)  # only transformers models of a supported family
     adapter.check_supported(target)
     existing: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if existing is not None:
@@ -215,63 +253,90 @@ def apply_patch(
         raise UnsupportedModelError(
             f"the model already has an attribute {MODULE_NAME!r}; cannot attach the encoding"
         )
+    return adapter
 
-    built = build_patch(target, adapter, encoding, params, backend)
-    module, runtime = built.module, built.runtime
+
+def _place_module(target: PreTrainedModel, built: BuiltPatch, adapter: Any, initialise: bool) -> None:
+    """Move the encoding module to the model's dtype and device, and (when patching rather than
+    reloading) let it read what it starts from off the model."""
     dtype, device = _model_dtype_device(target)
-    module.to(device=device, dtype=dtype)
+    built.module.to(device=device, dtype=dtype)
     if initialise:
-        module.initialise_from_model(target, adapter)
+        built.module.initialise_from_model(target, adapter)
 
+
+def _install(
+    target: PreTrainedModel, built: BuiltPatch, adapter: Any, initialise: bool, undo: list[Undo]
+) -> None:
+    """Make every change of the patch, recording its undo action in ``undo`` as it goes."""
+    _own_config(target)
+    _attach_module(target, built, adapter, initialise, undo)
+    _hook_decoder_stack(target, built.runtime, adapter, undo)
+    undo.extend(adapter.neutralize_native_positions(target))
+    _replace_attention_forwards(target, built, adapter, undo)
+    _adapt_generation(target, built, undo)
+    _select_attention_implementation(target, undo)
+    setattr(target.config, CONFIG_KEY, built.entry)
+    undo.append(RemoveConfigEntry(target, CONFIG_KEY))
+    undo.append(built.runtime.reset)
+
+
+def _attach_module(
+    target: PreTrainedModel, built: BuiltPatch, adapter: Any, initialise: bool, undo: list[Undo]
+) -> None:
+    """``model.posenc``, and the model's ``_init_weights`` giving it its own designed init."""
+    target.add_module(MODULE_NAME, built.module)
+    undo.append(PopModule(target, MODULE_NAME))
+    undo.append(RestoreAttribute(target, "_init_weights"))
+    target._init_weights = InitWeights(target, built.module, adapter, initialise)  # type: ignore[method-assign]
+
+
+def _hook_decoder_stack(
+    target: PreTrainedModel, runtime: PatchRuntime, adapter: Any, undo: list[Undo]
+) -> None:
+    """The runtime's hooks on the decoder stack (and on the token embeddings for an ``embed`` stage):
+    bound methods of the runtime, not closures, so copies of the model get their own runtime."""
     base = adapter.base_model(target)
-    undo: list[Undo] = []
-    try:
-        _own_config(target)
-        target.add_module(MODULE_NAME, module)
-        undo.append(PopModule(target, MODULE_NAME))
-        undo.append(RestoreAttribute(target, "_init_weights"))
-        target._init_weights = InitWeights(target, module, adapter, initialise)  # type: ignore[method-assign]
-        # bound methods of the runtime (not closures): copies of the model get their own runtime
-        handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
-        undo.append(handle.remove)
-        undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
-        if (
-            isinstance(runtime, PatchRuntime) and "embed" in runtime.stages
-        ):  # never in a hybrid (refused there)
-            undo.append(runtime.hook_embedding(target.get_input_embeddings()))
-        undo.extend(adapter.neutralize_native_positions(target))
-        for layer_idx, attention in enumerate(adapter.attention_modules(target)):
-            layer_runtime, encoding_layer = built.layers[layer_idx]
-            patched_forward = PatchedAttentionForward(attention, layer_idx, layer_runtime, encoding_layer)
-            undo.append(replace_forward(attention, patched_forward))
-        if any(cls.stateful or "score_bias" in cls.stages() for cls in built.classes) and hasattr(
-            type(target), "_valid_auto_compile_criteria"
-        ):
-            # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
-            # failing under transformers' compiled decoding on an H100): generate() stays eager
-            undo.append(NoAutoCompile.install(target))
-        if any(cls.takes_coordinates for cls in built.classes) and hasattr(
-            type(target), "_validate_model_kwargs"
-        ):
-            undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
-        # The patched forwards read sdpa's boolean and eager's additive masks alike, so the
-        # user's choice stays visible (config._attn_implementation, output_attentions rules);
-        # other implementations (flash-attention's unpadded masks) get hf_posenc's, which
-        # builds sdpa-style masks.
-        previous_impl = get_attn_implementation(target.config)
-        if previous_impl not in MASK_COMPATIBLE_IMPLEMENTATIONS:
-            register_attention_implementation()
-            undo.append(RestoreAttnImplementation(target, previous_impl))
-            set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
-        setattr(target.config, CONFIG_KEY, built.entry)
-        undo.append(RemoveConfigEntry(target, CONFIG_KEY))
-        undo.append(runtime.reset)
-    except BaseException:
-        for action in reversed(undo):
-            action()
-        raise
-    setattr(target, PATCH_ATTRIBUTE, PatchRecord(module, built.config, runtime, undo, built.parts))
-    return model
+    handle = base.register_forward_pre_hook(runtime.before_base_forward, with_kwargs=True, prepend=True)
+    undo.append(handle.remove)
+    undo.append(base.register_forward_hook(runtime.after_base_forward).remove)
+    if "embed" in runtime.stages:
+        undo.append(runtime.hook_embedding(target.get_input_embeddings()))
+
+
+def _replace_attention_forwards(
+    target: PreTrainedModel, built: BuiltPatch, adapter: Any, undo: list[Undo]
+) -> None:
+    """Each attention module runs its layer's part (per-instance forwards)."""
+    for layer_idx, attention in enumerate(adapter.attention_modules(target)):
+        part_runtime, encoding_layer = built.layer_runtimes[layer_idx]
+        patched_forward = PatchedAttentionForward(attention, layer_idx, part_runtime, encoding_layer)
+        undo.append(replace_forward(attention, patched_forward))
+
+
+def _adapt_generation(target: PreTrainedModel, built: BuiltPatch, undo: list[Undo]) -> None:
+    """What ``generate()`` must know of the parts: compiled decoding off for stateful and score-bias
+    encodings, the ``position_coordinates`` keyword accepted for those that take coordinates."""
+    classes = [type(part) for part in built.parts]
+    if any(cls.stateful or "score_bias" in cls.stages() for cls in classes) and hasattr(
+        type(target), "_valid_auto_compile_criteria"
+    ):
+        # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
+        # failing under transformers' compiled decoding on an H100): generate() stays eager
+        undo.append(NoAutoCompile.install(target))
+    if any(cls.takes_coordinates for cls in classes) and hasattr(type(target), "_validate_model_kwargs"):
+        undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
+
+
+def _select_attention_implementation(target: PreTrainedModel, undo: list[Undo]) -> None:
+    """The patched forwards read sdpa's boolean and eager's additive masks alike, so the user's
+    choice stays visible (config._attn_implementation, output_attentions rules); other
+    implementations (flash-attention's unpadded masks) get hf_posenc's, which builds sdpa-style masks."""
+    previous_impl = get_attn_implementation(target.config)
+    if previous_impl not in MASK_COMPATIBLE_IMPLEMENTATIONS:
+        register_attention_implementation()
+        undo.append(RestoreAttnImplementation(target, previous_impl))
+        set_attn_implementation(target.config, ATTN_IMPLEMENTATION)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -300,15 +365,15 @@ def patch_info(model: nn.Module) -> dict[str, Any] | None:
     """``{'encoding': name, 'params': {...}}`` of a patched model, or None.
 
     A hybrid gives ``{'encoding': 'hybrid', 'pattern': 'rope*3+nope+...', 'params': {'parts':
-    [{'encoding': ..., 'params': ...}, ...], 'layers': [part index per layer]}}``."""
+    [{'encoding': ..., 'params': ...}, ...], 'layers': [part index per layer]}}``: the pattern
+    and the part of every layer as they run."""
     target = transformers_model(model)
     record: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if record is None:
         return None
-    if isinstance(record.encoding, HybridEncoding):
-        return {
-            "encoding": HYBRID,
-            "pattern": record.encoding.describe(),
-            "params": copy.deepcopy(getattr(target.config, CONFIG_KEY)["params"]),
-        }
-    return {"encoding": canonical_name(record.config.encoding), "params": record.config.to_dict()}
+    entry = record.entry()
+    info: dict[str, Any] = {"encoding": entry["encoding"]}
+    if entry["encoding"] == HYBRID:
+        info["pattern"] = saved_description(entry)
+    info["params"] = entry["params"]
+    return info

@@ -18,16 +18,14 @@ Refused, with the model left exactly as it was:
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._version import __version__
 from ..encodings.base import Encoding, clear_module_caches
 from ..errors import InvalidParameterError, NotPatchedError
-from .config import FORMAT_VERSION, EncodingConfig
+from .config import EncodingConfig
 
 #: instance attributes an ``nn.Module`` manages itself: never copied from the fresh module
 _MODULE_INTERNALS = frozenset({"training"})
@@ -49,11 +47,11 @@ def _changed(old: EncodingConfig, new: EncodingConfig) -> list[str]:
     return [name for name in after if before.get(name) != after[name]]
 
 
-def new_configuration(record: Any, params: dict[str, Any]) -> EncodingConfig:
-    """The resolved config of ``record``'s encoding with ``params`` changed, checked against its
-    learned tensors; raises :class:`InvalidParameterError` when the change cannot be made in place."""
-    encoding: Encoding = record.encoding
-    cls, current = type(encoding), record.config
+def new_configuration(encoding: Encoding, current: EncodingConfig, params: dict[str, Any]) -> EncodingConfig:
+    """The resolved config of ``encoding`` (now configured as ``current``) with ``params`` changed,
+    checked against its learned tensors; raises :class:`InvalidParameterError` when the change cannot
+    be made in place."""
+    cls = type(encoding)
     config = cls.config_class.from_params({**current.to_dict(), **params}).resolve(encoding.geometry)
     changed = _changed(current, config)
     if not changed:
@@ -110,67 +108,24 @@ def _derived_state(live: Encoding, fresh: Encoding) -> list[tuple[Any, str, Any,
     return changes
 
 
-class _PartRecord:
-    """What :func:`new_configuration` reads, for one part of a hybrid patch."""
-
-    def __init__(self, encoding: Encoding, config: EncodingConfig) -> None:
-        self.encoding, self.config = encoding, config
-
-
-def _hybrid_changes(record: Any, params: dict[str, Any]) -> list[tuple[int, EncodingConfig]]:
-    """(part index, new config) for every part of a hybrid that has one of ``params``."""
-    parts = list(record.encoding.parts)
-    known = {name for part in parts for name in type(part).config_class.parameter_names()}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        names = "+".join(type(part).name for part in parts)
+def _part_params(record: Any, params: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """(part index, its parameters) for every part that has one of ``params``. A parameter no part
+    has is refused: a single encoding's own refusal lists its parameters; a hybrid's names it."""
+    classes = [type(part) for part in record.parts]
+    known = {name for cls in classes for name in cls.config_class.parameter_names()}
+    unknown = set(params) - known
+    if unknown and len(classes) > 1:
         raise InvalidParameterError(
-            f"reconfigure: no encoding of the hybrid {names} has parameter(s) {', '.join(map(repr, unknown))}; "
-            "allowed: parameters of its encodings (each goes to every part that has it)"
+            f"reconfigure: no encoding of the hybrid {'+'.join(cls.name for cls in classes)} has "
+            f"parameter(s) {', '.join(map(repr, sorted(unknown)))}; allowed: parameters of its encodings "
+            "(each goes to every part that has it)"
         )
     out = []
-    for index, (part, config) in enumerate(zip(parts, record.parts, strict=True)):
-        own = {k: v for k, v in params.items() if k in type(part).config_class.parameter_names()}
-        if own:
-            out.append((index, new_configuration(_PartRecord(part, config), own)))
+    for index, cls in enumerate(classes):
+        own = {k: v for k, v in params.items() if k in unknown or k in cls.config_class.parameter_names()}
+        if own or len(classes) == 1:
+            out.append((index, own))
     return out
-
-
-def _reconfigure_hybrid(target: nn.Module, record: Any, params: dict[str, Any], config_key: str) -> None:
-    """:func:`reconfigure` of a hybrid patch: each parameter goes to every part that has it."""
-    new = _hybrid_changes(record, params)
-    parts = list(record.encoding.parts)
-    changes = [
-        change
-        for index, config in new
-        for change in _derived_state(parts[index], _fresh(type(parts[index]), config, parts[index].geometry))
-    ]
-    old_entry, old_parts = getattr(target.config, config_key), list(record.parts)
-    old_stages = [runtime.stages for runtime in record.runtime.parts]
-    entry = copy.deepcopy(old_entry)
-    configs = list(record.parts)
-    for index, config in new:
-        configs[index] = config
-        entry["params"]["parts"][index]["params"] = config.to_dict()
-    entry["hf_posenc_version"] = __version__
-    try:
-        for container, key, _, value in changes:
-            container[key] = value
-        record.parts, record.config = configs, configs[0]
-        setattr(target.config, config_key, entry)
-        for index, _ in new:
-            record.runtime.parts[index].refresh_stages()
-    except BaseException:
-        for container, key, old, _ in reversed(changes):
-            container[key] = old
-        record.parts, record.config = old_parts, old_parts[0]
-        for runtime, stages in zip(record.runtime.parts, old_stages, strict=True):
-            runtime.stages = stages
-        setattr(target.config, config_key, old_entry)
-        raise
-    for index, _ in new:
-        clear_module_caches(parts[index])
-    record.runtime.reset()
 
 
 def reconfigure(model: nn.Module, /, **params: Any) -> nn.Module:
@@ -194,35 +149,37 @@ def reconfigure(model: nn.Module, /, **params: Any) -> nn.Module:
             f"{type(model).__name__} is not patched by hf_posenc; reconfigure changes a patched model "
             "(call hf_posenc.patch_model first)"
         )
-    if record.parts is not None:
-        _reconfigure_hybrid(target, record, params, CONFIG_KEY)
-        return model
-    config = new_configuration(record, params)
-    encoding: Encoding = record.encoding
-    changes = _derived_state(encoding, _fresh(type(encoding), config, encoding.geometry))
-    entry = {
-        "encoding": type(encoding).name,
-        "params": config.to_dict(),
-        "format_version": FORMAT_VERSION,
-        "hf_posenc_version": __version__,
-    }
-    old_entry, old_config, old_stages = (
-        getattr(target.config, CONFIG_KEY),
-        record.config,
-        record.runtime.stages,
-    )
+    parts: list[Encoding] = record.parts
+    new = [
+        (index, new_configuration(parts[index], record.configs[index], own))
+        for index, own in _part_params(record, params)
+    ]
+    changes = [
+        change
+        for index, config in new
+        for change in _derived_state(parts[index], _fresh(type(parts[index]), config, parts[index].geometry))
+    ]
+    old_entry, old_configs = getattr(target.config, CONFIG_KEY), list(record.configs)
+    old_stages = [runtime.stages for runtime in record.runtime.parts]
+    configs = list(record.configs)
+    for index, config in new:
+        configs[index] = config
     try:
-        for container, key, _, new in changes:
-            container[key] = new
-        record.config = config
-        setattr(target.config, CONFIG_KEY, entry)
-        record.runtime.refresh_stages()
+        for container, key, _, value in changes:
+            container[key] = value
+        record.configs = configs
+        setattr(target.config, CONFIG_KEY, record.entry())
+        for index, _ in new:
+            record.runtime.parts[index].refresh_stages()
     except BaseException:
         for container, key, old, _ in reversed(changes):
             container[key] = old
-        record.config, record.runtime.stages = old_config, old_stages
+        record.configs = old_configs
+        for runtime, stages in zip(record.runtime.parts, old_stages, strict=True):
+            runtime.stages = stages
         setattr(target.config, CONFIG_KEY, old_entry)
         raise
-    clear_module_caches(encoding)
+    for index, _ in new:
+        clear_module_caches(parts[index])
     record.runtime.reset()
     return model

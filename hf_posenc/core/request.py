@@ -231,8 +231,6 @@ def _per_layer_entries(encoding: Any, num_layers: int) -> list[Any]:
         if not encoding:
             raise InvalidParameterError("an encoding pattern needs at least one entry; got an empty list")
         return [encoding[layer % len(encoding)] for layer in range(num_layers)]
-    if isinstance(encoding, Mapping) and encoding.get("encoding") == HYBRID:
-        return _serialised_entries(encoding, num_layers)
     assert isinstance(encoding, Mapping)
     layers = {key: value for key, value in encoding.items() if key != DEFAULT_KEY}
     outside = sorted(layer for layer in layers if not 0 <= layer < num_layers)
@@ -250,7 +248,12 @@ def _per_layer_entries(encoding: Any, num_layers: int) -> list[Any]:
     return [layers.get(layer, encoding.get(DEFAULT_KEY)) for layer in range(num_layers)]
 
 
-def _serialised_entries(encoding: Mapping[str, Any], num_layers: int) -> list[Any]:
+def _serialised_parts(
+    encoding: Mapping[str, Any], num_layers: int
+) -> tuple[list[tuple[type[Encoding], EncodingConfig]], list[int]]:
+    """The parts and layers a hybrid ``config.posenc`` lists, as written: never merged, so a saved
+    model's tensors (``posenc.parts.<i>.``) are exactly what its plan expects, even when
+    ``reconfigure`` made two parts' parameters equal."""
     params = encoding.get("params")
     parts = params.get("parts") if isinstance(params, Mapping) else None
     layers = params.get("layers") if isinstance(params, Mapping) else None
@@ -266,7 +269,13 @@ def _serialised_entries(encoding: Mapping[str, Any], num_layers: int) -> list[An
             f"a hybrid config.posenc's 'layers' must give one part index (0 .. {len(parts) - 1}) per layer "
             f"of the model ({num_layers}); got {layers!r}"
         )
-    return [parts[i] for i in layers]
+    idle = [index for index in range(len(parts)) if index not in layers]
+    if idle:
+        raise InvalidParameterError(
+            f"a hybrid config.posenc lists part(s) {idle} that no layer runs (layers {layers!r}); allowed: "
+            "every part runs in at least one layer"
+        )
+    return [entry_config(part) for part in parts], list(layers)
 
 
 def _with_shared_params(
@@ -279,13 +288,34 @@ def _with_shared_params(
     return cls, cls.config_class.from_params({**config.to_dict(), **own})
 
 
+def _merge_equal(
+    entries: list[tuple[type[Encoding], EncodingConfig]], layers: list[int]
+) -> list[tuple[type[Encoding], EncodingConfig]]:
+    """One part per distinct (class, parameters), in order of first layer; ``layers`` gets the part
+    of every entry."""
+    parts: list[tuple[type[Encoding], EncodingConfig]] = []
+    for cls, config in entries:
+        index = next(
+            (i for i, (c, k) in enumerate(parts) if c is cls and k.to_dict() == config.to_dict()), None
+        )
+        if index is None:
+            index = len(parts)
+            parts.append((cls, config))
+        layers.append(index)
+    return parts
+
+
 def plan_hybrid(encoding: Any, num_layers: int, params: Mapping[str, Any] | None = None) -> PatchPlan:
     """The plan of a hybrid request for a model with ``num_layers`` layers.
 
     ``params`` (keywords of ``patch_model``) go to every entry whose encoding has that parameter;
     one that no entry has is refused. Embed-stage and cross-layer encodings are refused when the
-    plan mixes encodings."""
-    entries = [entry_config(entry) for entry in _per_layer_entries(encoding, num_layers)]
+    plan mixes encodings. The saved form keeps the parts it lists; other forms merge equal entries."""
+    saved = isinstance(encoding, Mapping) and encoding.get("encoding") == HYBRID
+    if saved:
+        entries, layers = _serialised_parts(encoding, num_layers)
+    else:
+        entries, layers = [entry_config(entry) for entry in _per_layer_entries(encoding, num_layers)], []
     params = dict(params or {})
     if params:
         known = {name for cls, _ in entries for name in cls.config_class.parameter_names()}
@@ -297,16 +327,7 @@ def plan_hybrid(encoding: Any, num_layers: int, params: Mapping[str, Any] | None
                 "(name, params) pairs"
             )
         entries = [_with_shared_params(entry, params) for entry in entries]
-    parts: list[tuple[type[Encoding], EncodingConfig]] = []
-    layers: list[int] = []
-    for cls, config in entries:
-        index = next(
-            (i for i, (c, k) in enumerate(parts) if c is cls and k.to_dict() == config.to_dict()), None
-        )
-        if index is None:
-            index = len(parts)
-            parts.append((cls, config))
-        layers.append(index)
+    parts = entries if saved else _merge_equal(entries, layers)
     if len(parts) > 1:
         for cls, _ in parts:
             check_mixable(cls)
@@ -323,6 +344,42 @@ def check_mixable(cls: type[Encoding]) -> None:
     reason = cls.mixing_refusal()
     if reason is not None:
         raise InvalidParameterError(f"encoding {cls.name!r} is not allowed in a per-layer pattern: {reason}")
+
+
+# -- the saved form (``config.posenc``) ---------------------------------------------------------------
+def saved_entry(
+    names: Sequence[str], configs: Sequence[EncodingConfig], layers: Sequence[int]
+) -> dict[str, Any]:
+    """The ``config.posenc`` entry of a patch whose parts are the encodings ``names`` with resolved
+    ``configs``, ``layers`` giving the part of every layer: one part is written as earlier versions
+    wrote a plain patch (format 1, tensors under ``posenc.``), several as a hybrid (format 2, tensors
+    under ``posenc.parts.<i>.``). :func:`plan_request` reads either back into the same parts."""
+    if len(names) == 1:
+        return {
+            "encoding": names[0],
+            "params": configs[0].to_dict(),
+            "format_version": FORMAT_VERSION,
+            "hf_posenc_version": __version__,
+        }
+    return {
+        "encoding": HYBRID,
+        "params": {
+            "parts": [
+                {"encoding": name, "params": config.to_dict()}
+                for name, config in zip(names, configs, strict=True)
+            ],
+            "layers": list(layers),
+        },
+        "format_version": HYBRID_FORMAT_VERSION,
+        "hf_posenc_version": __version__,
+    }
+
+
+def describe_patch(names: Sequence[str], layers: Sequence[int]) -> str:
+    """What runs, as messages name it: the encoding, or ``hybrid`` and the per-layer text form."""
+    if len(names) == 1:
+        return names[0]
+    return f"{HYBRID} {pattern_text([names[owner] for owner in layers])}"
 
 
 # -- the text form in the recipes (``--encoding rope*3+nope``, lm-eval ``encoding=rope*3+nope``) --------

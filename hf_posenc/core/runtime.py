@@ -1,8 +1,10 @@
-"""State shared by the pieces of one patch: encoding, adapter, memo and positions.
+"""State shared by the pieces of one patch: encodings, adapter, memos and positions.
 
-``before_base_forward`` runs as a forward pre-hook on the decoder stack: it computes the
-positions once (see :mod:`hf_posenc.core.positions`), hands them to the model as
-``position_ids`` so every layer receives the same tensor, and applies the ``embed`` stage.
+One :class:`PatchRuntime` per patch, plain or hybrid: its ``before_base_forward`` runs as a forward
+pre-hook on the decoder stack, computes the positions once (see :mod:`hf_posenc.core.positions`),
+hands them to the model as ``position_ids`` so every layer receives the same tensor, gives them to
+every part (one :class:`PartRuntime` per distinct encoding; a plain patch has one) and applies the
+``embed`` stage.
 """
 
 from __future__ import annotations
@@ -26,20 +28,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-class PatchRuntime:
-    """The encoding, adapter and per-forward memo of one patched model.
+class PartRuntime:
+    """What the attention forwards of one part's layers read: its encoding, adapter, backend,
+    per-forward memo and context, active stages and decoding-state token. A plain patch has one
+    part; a hybrid one per distinct encoding.
 
-    Its hooks are bound methods (``before_base_forward``, ``after_base_forward``) so that
-    ``copy.deepcopy`` and pickling a patched model give the copy its own runtime; transient
-    per-forward values (memo, context, pending embedding) are not copied or pickled."""
+    Transient per-forward values (memo, context) are not copied or pickled."""
 
-    def __init__(
-        self, encoding: Encoding, adapter: FamilyAdapter, base: nn.Module, backend: str, token: str
-    ) -> None:
+    def __init__(self, encoding: Encoding, adapter: FamilyAdapter, backend: str, token: str) -> None:
         self.encoding = encoding
         self.adapter = adapter
         self.backend = backend
-        #: identifies this patch's decoding state on a shared KV cache
+        #: identifies this part's decoding state on a shared KV cache
         self.token = token
         #: attention backends that failed on this model (e.g. a FlexAttention compile error) and
         #: are not asked again; per model, so one model's failure never affects another
@@ -48,8 +48,6 @@ class PatchRuntime:
         self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
-        #: positional parameter names of the decoder stack's forward (``self`` dropped)
-        self.base_names = positional_names(inspect.signature(type(base).forward))[1:]
         self._transient()
 
     def _stages(self) -> frozenset[str]:
@@ -69,11 +67,10 @@ class PatchRuntime:
     def _transient(self) -> None:
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
-        self.pending_embedding: torch.Tensor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("memo", "context", "pending_embedding"):
+        for key in ("memo", "context"):
             state.pop(key, None)
         return state
 
@@ -81,70 +78,10 @@ class PatchRuntime:
         self.__dict__.update(state)
         self._transient()
 
-    def before_base_forward(self, base: PreTrainedModel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
-        prepared = prepare_forward(
-            self.base_names,
-            base,
-            args,
-            kwargs,
-            encodings=[self.encoding],
-            want_key_positions="logits" in self.stages,
-        )
-        if prepared is None:
-            return args, kwargs  # let the model raise its own error
-        call, context, batch, length = prepared
-        inputs_embeds, input_ids = call.get("inputs_embeds"), call.get("input_ids")
-        call["position_ids"] = context.positions
+    def start(self, context: ForwardContext) -> None:
+        """Take the positions of the forward that begins."""
         self.context = context
         self.memo.start(context.positions)
-        if "embed" in self.stages:
-            forward = ForwardCall(
-                positions=context.positions, memo=self.memo, coordinates=context.coordinates
-            )
-            added = self.encoding.embed(forward)  # (B, T, hidden) fp32
-            embedding = base.get_input_embeddings()
-            if inputs_embeds is None and self._embedding_hook_on(embedding):
-                # added to the token embeddings by the hook on the embedding module, so the model
-                # sees its own input_ids (any leading shape: GPT2DoubleHeadsModel's (B, choices, T))
-                self.pending_embedding = added
-            else:
-                if inputs_embeds is None:
-                    assert input_ids is not None  # one of the two is given (returned early otherwise)
-                    inputs_embeds = embedding(input_ids.reshape(batch, length))  # (B, T, hidden)
-                    call["input_ids"] = None
-                call["inputs_embeds"] = inputs_embeds + added.reshape(inputs_embeds.shape).to(
-                    device=inputs_embeds.device, dtype=inputs_embeds.dtype
-                )
-        return (), call
-
-    def after_base_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Forward hook: once the decoder stack has run, drop the forward's shared tensors
-        (biases, cos/sin, folded masks) instead of holding them until the next forward."""
-        self.memo.release()
-        self.pending_embedding = None
-        if torch.compiler.is_compiling():
-            # a compiled forward's tensors may be CUDA-graph outputs that the next replay
-            # overwrites; kept on the runtime, dynamo's guards would read them on the next call
-            self.context = None
-            self.memo.clear()
-
-    def hook_embedding(self, embedding: nn.Module):
-        """Install :meth:`add_embedding` on the token-embedding module; return the undo."""
-        self.embedding_module = embedding
-        return embedding.register_forward_hook(self.add_embedding).remove
-
-    def _embedding_hook_on(self, embedding: nn.Module) -> bool:
-        # a model whose embeddings were replaced after patching (resize_token_embeddings) falls
-        # back to passing inputs_embeds
-        return getattr(self, "embedding_module", None) is embedding
-
-    def add_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        """Forward hook on the token embeddings: add the ``embed`` stage's vectors of this forward."""
-        added, self.pending_embedding = self.pending_embedding, None
-        if added is None:
-            return None
-        return output + added.reshape(output.shape).to(device=output.device, dtype=output.dtype)
 
     def context_for(self, position_ids: torch.Tensor | None, hidden: torch.Tensor) -> ForwardContext:
         """The context of the running forward; rebuilt from ``position_ids`` when called outside it."""
@@ -167,26 +104,51 @@ class PatchRuntime:
             cache, self.token, layer_idx, self.encoding.state_sequence_dims, owner=self.encoding.name
         )
 
+    def finish(self) -> None:
+        """Once the decoder stack has run: drop the forward's shared tensors (biases, cos/sin,
+        folded masks) instead of holding them until the next forward."""
+        self.memo.release()
+        if torch.compiler.is_compiling():
+            # a compiled forward's tensors may be CUDA-graph outputs that the next replay
+            # overwrites; kept on the runtime, dynamo's guards would read them on the next call
+            self.context = None
+            self.memo.clear()
+
     def reset(self) -> None:
         self.context = None
         self.memo.clear()
 
 
-class HybridRuntime:
-    """The runtimes of a hybrid patch's parts (one :class:`PatchRuntime` each: own memo, stages,
-    decoding-state token and failed backends) behind one pair of hooks on the decoder stack:
-    the positions are computed once per forward and handed to every part."""
+class PatchRuntime:
+    """The runtime of one patch, plain or hybrid: its parts (one :class:`PartRuntime` each) behind
+    one pair of hooks on the decoder stack. The positions are computed once per forward and handed
+    to every part; a part with an ``embed`` stage adds its vectors to the token embeddings.
 
-    def __init__(self, parts: list[PatchRuntime], base: nn.Module) -> None:
+    Its hooks are bound methods (``before_base_forward``, ``after_base_forward``) so that
+    ``copy.deepcopy`` and pickling a patched model give the copy its own runtime; the pending
+    embedding of a forward is not copied or pickled."""
+
+    def __init__(self, parts: list[PartRuntime], base: nn.Module) -> None:
         self.parts = parts
+        #: positional parameter names of the decoder stack's forward (``self`` dropped)
         self.base_names = positional_names(inspect.signature(type(base).forward))[1:]
+        self.pending_embedding: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("pending_embedding", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.pending_embedding = None
 
     @property
     def stages(self) -> frozenset[str]:
         """Every stage some part runs."""
         return frozenset().union(*(part.stages for part in self.parts))
 
-    def before_base_forward(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def before_base_forward(self, base: PreTrainedModel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook (``with_kwargs=True``) on the decoder stack."""
         prepared = prepare_forward(
             self.base_names,
@@ -198,16 +160,64 @@ class HybridRuntime:
         )
         if prepared is None:
             return args, kwargs  # let the model raise its own error
-        call, context, _, _ = prepared
+        call, context, batch, length = prepared
         call["position_ids"] = context.positions
         for part in self.parts:
-            part.context = context
-            part.memo.start(context.positions)
+            part.start(context)
+        for part in self.parts:
+            if "embed" in part.stages:  # never in a hybrid (refused there)
+                self._add_embed_stage(base, call, part, context, batch, length)
         return (), call
 
+    def _add_embed_stage(
+        self,
+        base: PreTrainedModel,
+        call: dict[str, Any],
+        part: PartRuntime,
+        context: ForwardContext,
+        batch: int,
+        length: int,
+    ) -> None:
+        """Add ``part``'s ``embed`` stage to the token embeddings of this forward."""
+        inputs_embeds, input_ids = call.get("inputs_embeds"), call.get("input_ids")
+        forward = ForwardCall(positions=context.positions, memo=part.memo, coordinates=context.coordinates)
+        added = part.encoding.embed(forward)  # (B, T, hidden) fp32
+        embedding = base.get_input_embeddings()
+        if inputs_embeds is None and self._embedding_hook_on(embedding):
+            # added to the token embeddings by the hook on the embedding module, so the model
+            # sees its own input_ids (any leading shape: GPT2DoubleHeadsModel's (B, choices, T))
+            self.pending_embedding = added
+            return
+        if inputs_embeds is None:
+            assert input_ids is not None  # one of the two is given (returned early otherwise)
+            inputs_embeds = embedding(input_ids.reshape(batch, length))  # (B, T, hidden)
+            call["input_ids"] = None
+        call["inputs_embeds"] = inputs_embeds + added.reshape(inputs_embeds.shape).to(
+            device=inputs_embeds.device, dtype=inputs_embeds.dtype
+        )
+
     def after_base_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook: once the decoder stack has run, every part drops the forward's tensors."""
+        self.pending_embedding = None
         for part in self.parts:
-            part.after_base_forward(module, args, output)
+            part.finish()
+
+    def hook_embedding(self, embedding: nn.Module):
+        """Install :meth:`add_embedding` on the token-embedding module; return the undo."""
+        self.embedding_module = embedding
+        return embedding.register_forward_hook(self.add_embedding).remove
+
+    def _embedding_hook_on(self, embedding: nn.Module) -> bool:
+        # a model whose embeddings were replaced after patching (resize_token_embeddings) falls
+        # back to passing inputs_embeds
+        return getattr(self, "embedding_module", None) is embedding
+
+    def add_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook on the token embeddings: add the ``embed`` stage's vectors of this forward."""
+        added, self.pending_embedding = self.pending_embedding, None
+        if added is None:
+            return None
+        return output + added.reshape(output.shape).to(device=output.device, dtype=output.dtype)
 
     def reset(self) -> None:
         for part in self.parts:

@@ -306,6 +306,6 @@ def test_fox_pro_state_follows_the_sliding_window_in_long_decoding():
         out = model(ids[:, :3], use_cache=True)
         for t in range(3, 30):
             out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-        state = model._hf_posenc_patch.runtime.layer_state(out.past_key_values, 0)
+        state = model._hf_posenc_patch.runtime.parts[0].layer_state(out.past_key_values, 0)
         assert state["fox_cumulative_log_forget"].shape[-1] == 8
         torch.testing.assert_close(out.logits[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=0)
