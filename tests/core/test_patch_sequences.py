@@ -59,9 +59,7 @@ def _sequences(draw):
     name = draw(st.sampled_from(ENCODINGS))
     pattern = draw(st.lists(st.sampled_from(range(len(SCALINGS))), min_size=1, max_size=LAYERS))
     steps = draw(
-        st.lists(
-            st.one_of(st.sampled_from(range(len(SCALINGS))), st.just("reload")), min_size=1, max_size=4
-        )
+        st.lists(st.one_of(st.sampled_from(range(len(SCALINGS))), st.just("reload")), min_size=1, max_size=4)
     )
     return name, pattern, steps
 
@@ -82,3 +80,50 @@ def test_any_sequence_of_patch_reconfigure_save_and_load_reloads_the_same_patch(
             model = _reload(model, folder / str(index))
         else:
             hf_posenc.reconfigure(model, scaling=SCALINGS[step])
+
+
+#: ``config.posenc`` entries as hf_posenc 0.1.0 wrote them (literal, not produced by this version)
+OLD_ENTRIES = {
+    "format 1": {
+        "encoding": "t5",
+        "params": {"num_buckets": 32, "max_distance": 128, "shared_across_layers": True, "scaling": None},
+        "format_version": 1,
+        "hf_posenc_version": "0.1.0",
+    },
+    "format 2": {
+        "encoding": "hybrid",
+        "params": {
+            "parts": [
+                {
+                    "encoding": "t5",
+                    "params": {
+                        "num_buckets": 8,
+                        "max_distance": 128,
+                        "shared_across_layers": True,
+                        "scaling": None,
+                    },
+                },
+                {"encoding": "nope", "params": {}},
+            ],
+            "layers": [0, 0, 0, 1],
+        },
+        "format_version": 2,
+        "hf_posenc_version": "0.1.0",
+    },
+}
+
+
+@pytest.mark.parametrize("form", list(OLD_ENTRIES))
+def test_config_posenc_of_earlier_versions_loads(form, tmp_path):
+    """A folder whose ``config.posenc`` is an entry written by an earlier version (format 1: one
+    encoding, tensors under ``posenc.``; format 2: a hybrid, tensors under ``posenc.parts.<i>.``)
+    reloads with its tensors, and this version writes the same entry back."""
+    entry = OLD_ENTRIES[form]
+    model = make_model("llama", num_layers=LAYERS)
+    hf_posenc.patch_model(model, entry)
+    _randomize(model.posenc)
+    hybrid = entry["encoding"] == "hybrid"
+    assert all(key.startswith("parts.") == hybrid for key in model.posenc.state_dict())
+    written = {k: v for k, v in model.config.posenc.items() if k != "hf_posenc_version"}
+    assert written == {k: v for k, v in entry.items() if k != "hf_posenc_version"}
+    _reload(model, tmp_path / "saved")
