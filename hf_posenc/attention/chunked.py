@@ -12,7 +12,8 @@ and column stride 1) of one (Hq, Tq + Tk - 1) vector per call. Attention does no
 the order of the keys, and gradients reach the distance table through the view.
 
 Other biases (and any padding mask) are written out one (B|1, Hq, block, keys) block at a
-time; with gradients, each block is recomputed in backward (activation checkpointing), so
+time, over the keys from the first one a query of the block may attend: the other documents
+of a packed sequence (and left padding) before it are skipped, not computed and masked; with gradients, each block is recomputed in backward (activation checkpointing), so
 training keeps no more than one block either.
 
 Registered as backend ``chunked``: calls with a score bias and no explicit-score stage, under
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.layout import causal_keys, causal_mask, expand_kv_heads, fold_mask
+from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, DistanceBias
 from .backend import AUTO, AttentionCall, Backend, register_backend
 
@@ -73,10 +75,12 @@ def attend_chunked(
     softmax_scale: float,
     dropout_p: float = 0.0,
     block: int | None = None,
+    memo: ForwardMemo | None = None,
 ) -> torch.Tensor:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), a causal ``mask`` (B|1,1,Tq,Tk) bool or None -> (B,Tq,Hq,D).
 
-    ``block``: queries per SDPA call (default :data:`QUERY_BLOCK`, read at call time).
+    ``block``: queries per SDPA call (default :data:`QUERY_BLOCK`, read at call time). Keys
+    before a block's first allowed key are skipped (:func:`block_first_keys`).
     """
     block = block or QUERY_BLOCK
     groups = q.shape[1] // k.shape[1]
@@ -107,30 +111,52 @@ def attend_chunked(
             )
         return torch.cat(outputs, dim=2).transpose(1, 2)
 
-    def one_block(q_block: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
         k_end, rows = causal_keys(q_len, k_len, stop), stop - start
-        values = bias.rows(start, stop, k_end).to(q.dtype)  # (B|1, Hq, rows, keys)
-        # (B|1, 1, rows, keys): the block's causal keys are the first k_end (bottom-right aligned)
-        allowed = causal_mask(rows, k_end, q.device) if mask is None else mask[..., start:stop, :k_end]
+        if k_start == 0:
+            values = bias.rows(start, stop, k_end).to(q.dtype)  # (B|1, Hq, rows, keys)
+        else:
+            values = bias.span(start, stop, k_start, k_end).to(q.dtype)
+        # (B|1, 1, rows, keys): the block's causal keys are k_start .. k_end-1 (bottom-right aligned)
+        allowed = causal_mask(rows, k_end, q.device) if mask is None else mask[..., start:stop, k_start:k_end]
         folded = fold_mask(values, allowed)
         return F.scaled_dot_product_attention(
             q_block,
-            k[:, :, :k_end],
-            v[:, :, :k_end],
+            k[:, :, k_start:k_end],
+            v[:, :, k_start:k_end],
             attn_mask=folded,
             dropout_p=dropout_p,
             scale=softmax_scale,
         )
 
+    firsts = [0] * len(spans) if mask is None else block_first_keys(mask, spans, memo)
     recompute = torch.is_grad_enabled() and len(spans) > 1
     outputs = []
-    for start, stop in spans:
+    for (start, stop), k_start in zip(spans, firsts, strict=True):
         q_block = q[:, :, start:stop]
         if recompute:
-            outputs.append(checkpoint(one_block, q_block, start, stop, use_reentrant=False))
+            outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
         else:
-            outputs.append(one_block(q_block, start, stop))
+            outputs.append(one_block(q_block, start, stop, k_start))
     return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def block_first_keys(mask: torch.Tensor, spans: list[tuple[int, int]], memo: ForwardMemo | None) -> list[int]:
+    """For each query block, the first key one of its queries may attend: the keys before it
+    (other documents of a packed sequence, left padding) are skipped, not computed and masked.
+    A block with a query that may attend nothing starts at 0 (as a whole masked call would).
+
+    ``mask`` (B|1, 1, Tq, Tk) bool; computed once per forward when ``memo`` is given (every
+    layer receives the same mask)."""
+
+    def compute() -> list[int]:
+        allowed = mask.any(dim=-1)  # (B|1, 1, Tq): the query may attend some key
+        first = torch.where(allowed, mask.int().argmax(dim=-1), 0).amin(dim=(0, 1))  # (Tq,)
+        return [int(first[start:stop].min()) for start, stop in spans]
+
+    if memo is None or torch.compiler.is_compiling():  # id() cannot be traced; no memo there
+        return compute()
+    return memo.get(("block_first_keys", id(mask), tuple(spans)), compute)
 
 
 @register_backend
@@ -144,4 +170,4 @@ class ChunkedBackend(Backend):
         return call.bias is not None and not call.explicit and not call.want_weights
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return attend_chunked(**call.bias_arguments(), dropout_p=call.dropout_p), None
+        return attend_chunked(**call.bias_arguments(), dropout_p=call.dropout_p, memo=call.score.memo), None

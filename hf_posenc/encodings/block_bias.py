@@ -45,6 +45,11 @@ class BlockBias:
         """Bias of queries ``start .. stop-1`` and keys ``0 .. k_end-1``: (B|1, Hq, stop-start, k_end) fp32."""
         raise NotImplementedError
 
+    def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
+        """Bias of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``: (B|1, Hq, rows, k_end-k_start)
+        fp32 (the chunked backend skips keys no query of a block may attend: other packed documents)."""
+        return self.rows(start, stop, k_end)[..., k_start:]
+
     def full(self) -> torch.Tensor:
         """The whole (B|1, Hq, Tq, Tk) bias."""
         return self.rows(0, self.q_len, self.k_len)
@@ -62,6 +67,11 @@ class DistanceBias(BlockBias):
         queries, keys = query_key_indices(self.q_len, self.k_len, self.table.device, start, stop)
         distance = (queries[:, None] - keys[None, :k_end]).clamp_(min=0)  # (rows, k_end)
         return self.table[:, distance][None]  # (1, Hq, rows, k_end)
+
+    def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
+        queries, keys = query_key_indices(self.q_len, self.k_len, self.table.device, start, stop)
+        distance = (queries[:, None] - keys[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
+        return self.table[:, distance][None]  # (1, Hq, rows, k_end - k_start)
 
     def elementwise(self) -> ElementwiseBias:
         table, offset = self.table, self.k_len - self.q_len
@@ -91,6 +101,9 @@ class SeparableBias(BlockBias):
 
     def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
         return self.query_term[..., start:stop, None] - self.key_term[..., None, :k_end]
+
+    def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
+        return self.query_term[..., start:stop, None] - self.key_term[..., None, k_start:k_end]
 
     def elementwise(self) -> ElementwiseBias:
         query_term, key_term = self.query_term, self.key_term

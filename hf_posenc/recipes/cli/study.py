@@ -111,6 +111,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of data order and init")
     add_threads_argument(parser)
     parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="train every run with documents packed per block, positions restarting per document",
+    )
+    parser.add_argument(
         "--eval-only",
         nargs="*",
         default=None,

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..training.config import TrainConfig
 from .common import add_encoding_arguments, add_threads_argument, merge_settings, parse_encoding_params
+from .long_context import add_long_context_arguments
 
 #: TrainConfig's defaults, shown by --help (model and output_dir have none: they must be given)
 DEFAULTS = TrainConfig(model="-", output_dir="-")
@@ -213,6 +214,7 @@ ARGUMENT_STEPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_tracking_arguments,
     add_distributed_arguments,
     add_lora_arguments,
+    add_long_context_arguments,
 ]
 
 

@@ -41,6 +41,7 @@ def _base_settings(config: StudyConfig, out: Path):
         seed=config.seed,
         data_cache=str(out / "data-cache"),
         threads=config.threads,
+        packing=config.packing,
     )
 
 
@@ -68,6 +69,7 @@ def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
         seed=config.seed,
         data_cache=str(out / "data-cache"),
         threads=config.threads,
+        packing=config.packing,
     )
 
 

@@ -38,6 +38,8 @@ class StudyConfig:
     hidden_size: int = 128  # embedded default only
     num_layers: int = 4  # embedded default only
     seed: int = 0
+    #: train with documents packed per block, positions restarting per document (train --packing)
+    packing: bool = False
     #: rows evaluated without training (``TRAINED@{JSON}`` or ``TRAINED@interpolate``; see study_eval);
     #: None: expe/exqpe at factor 2 and rope@interpolate for those of them the study trains
     eval_only: list[str] | None = None

@@ -40,10 +40,18 @@ class BatchOrder:
             self._epoch = epoch
         return self._order
 
-    def micro_batch(self, micro_step: int) -> torch.Tensor:
-        """(per_process, L) blocks this process trains on at ``micro_step``."""
+    def global_indices(self, micro_step: int) -> torch.Tensor:
+        """(per_process * num_processes,) the blocks every process trains on at ``micro_step``, rank by rank."""
         global_size = self.per_process * self.num_processes
         per_epoch = self.blocks.shape[0] // global_size  # whole global batches per epoch
         epoch, index = divmod(micro_step, per_epoch)
-        start = index * global_size + self.rank * self.per_process
-        return self.blocks[self._epoch_order(epoch)[start : start + self.per_process]]
+        return self._epoch_order(epoch)[index * global_size : (index + 1) * global_size]
+
+    def indices(self, micro_step: int) -> torch.Tensor:
+        """(per_process,) the blocks this process trains on at ``micro_step``."""
+        start = self.rank * self.per_process
+        return self.global_indices(micro_step)[start : start + self.per_process]
+
+    def micro_batch(self, micro_step: int) -> torch.Tensor:
+        """(per_process, L) blocks this process trains on at ``micro_step``."""
+        return self.blocks[self.indices(micro_step)]

@@ -53,6 +53,7 @@ class TrainConfig:
     data_cache: str | None = None  # tokenised data (Arrow); default: OUTPUT_DIR/data-cache
     num_proc: int | None = None  # tokenisation workers
     threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
+    packing: bool = False  # positions restart per document, attention stays inside it (see feed.py)
 
     def __post_init__(self) -> None:
         positive = (

@@ -10,7 +10,9 @@ memory-mapped.
    the tokenizer's full definition: a second run, or another process, reuses it.
 3. :class:`TokenBlocks` reads the concatenated token stream as ``(N, seq_len)`` blocks straight
    from the memory-mapped Arrow buffers: the remainder of the stream is dropped, exactly as
-   packing one in-memory tensor would, and memory does not grow with the corpus.
+   packing one in-memory tensor would, and memory does not grow with the corpus. With
+   ``--packing`` it also gives each token's position within its document (from the Arrow
+   list offsets: where each document starts), see :mod:`.feed`.
 """
 
 from __future__ import annotations
@@ -180,6 +182,11 @@ class TokenBlocks:
         self._chunks = [np.asarray(chunk.flatten()) for chunk in column.chunks if len(chunk)]
         sizes = np.array([c.shape[0] for c in self._chunks], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])
+        # where each document (one row of the token dataset) starts in the stream, for packing
+        offsets = [np.asarray(chunk.offsets, dtype=np.int64) for chunk in column.chunks if len(chunk)]
+        self._document_starts = np.concatenate(
+            [[0], *(start + o[:-1] - o[0] for start, o in zip(self._starts[:-1], offsets, strict=True))]
+        )
         self.total_tokens = int(self._starts[-1])
         self._count = self.total_tokens // length
         if self._count == 0:
@@ -208,6 +215,14 @@ class TokenBlocks:
             position += take
             chunk += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def positions(self, index: int) -> np.ndarray:
+        """(length,) each token's position in its document, restarting at 0 where a document
+        starts and at the block's first token (a document continued from the previous block)."""
+        start = index * self.length
+        tokens = np.arange(start, start + self.length, dtype=np.int64)
+        last = np.searchsorted(self._document_starts, tokens, side="right") - 1
+        return tokens - np.maximum(self._document_starts[last], start)
 
     def __getitem__(self, indices) -> torch.Tensor:
         rows = [self.block(int(i)) for i in torch.as_tensor(indices).reshape(-1)]

@@ -3,6 +3,7 @@ process world of a launch, and finite losses and weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -11,6 +12,7 @@ from typing import Any
 
 from ...errors import InvalidParameterError, PosencError
 from .checkpoints import PREFIX, checkpoint_dirs
+from .config import TrainConfig
 
 #: settings that may change between an interrupted run and its ``--resume`` (they do not
 #: change what is trained: logging, checkpoint cadence, where caches live, trackers)
@@ -83,6 +85,11 @@ def _canonical(config: dict[str, Any]) -> dict[str, Any]:
 
 def resume_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key=new (was old)`` for each setting that differs from the interrupted run's."""
+    # a setting added after the run was saved (e.g. packing) counts as its default
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING
+    }
+    saved = {k: v for k, v in defaults.items() if k not in saved and k in current} | saved
     before, after = _canonical(saved), _canonical(current)
     keys = sorted((set(before) | set(after)) - RESUMABLE_CHANGES)
     return [f"{k}={after.get(k)!r} (was {before.get(k)!r})" for k in keys if before.get(k) != after.get(k)]

@@ -26,6 +26,7 @@ from .batches import BatchOrder
 from .checkpoints import intact_checkpoint, read_state, save_checkpoint
 from .config import TrainConfig, preflight
 from .corpus import training_blocks
+from .feed import Feed
 from .guards import (
     TrainingError,
     check_finite_loss,
@@ -145,7 +146,7 @@ class _Run:
     model: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    order: BatchOrder
+    feed: Feed
     losses: list[tuple[int, float]]
     bar: Any = None
 
@@ -245,9 +246,9 @@ def _optimizer_step(run: _Run, step: int) -> float:
     config, accelerator, model = run.config, run.accelerator, run.model
     step_loss = torch.zeros((), device=accelerator.device)
     for micro in range(config.grad_accum):
-        batch = run.order.micro_batch(step * config.grad_accum + micro).to(accelerator.device)
+        inputs = run.feed.inputs(step * config.grad_accum + micro, accelerator.device)
         with accelerator.accumulate(model):
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(**inputs).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients and config.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -368,7 +369,8 @@ def train(
         (output_dir / "train_config.json").write_text(config.to_json())
     if config.report_to:
         accelerator.init_trackers("hf-posenc", config=_tracker_config(config))
-    run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, order, losses)
+    feed = Feed(blocks, order, packing=config.packing, grad_accum=config.grad_accum)
+    run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, feed, losses)
     run.bar = tqdm(
         total=config.max_steps,
         initial=start,
