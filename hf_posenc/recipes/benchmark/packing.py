@@ -68,7 +68,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokens = token_dataset(documents, tokenizer, cache)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     order = BatchOrder(blocks, args.batch_size, 1, 0, seed=0)
-    feeds = {
+    feeds: dict[str, list[dict[str, Any]]] = {
         "blocks": [
             {"input_ids": b, "labels": b} for b in (order.micro_batch(s) for s in range(args.steps + 1))
         ],
