@@ -78,10 +78,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         "padding": _padded_batches(tokens, args.seq_len, args.batch_size, pad_id)[: args.steps + 1],
     }
     device = torch.device(args.device)
-    model = (
-        hf_posenc.load_model(args.model, args.encoding, {"backend": args.backend}) if args.encoding else None
-    )
-    if model is None:
+    model: Any
+    if args.encoding:
+        model = hf_posenc.load_model(args.model, args.encoding, {"backend": args.backend})
+    else:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model)
