@@ -15,6 +15,7 @@ from torch import nn
 from ..encodings.base import Encoding
 from .config import EncodingConfig
 from .hybrid import HybridEncoding, part_geometry, patch_module
+from .interpolation import check_scaled_range
 from .request import (  # noqa: F401  (MAPPING_KEYS, EncodingRequest, check_format_version: re-exported)
     MAPPING_KEYS,
     EncodingRequest,
@@ -56,6 +57,7 @@ def build_patch(
         own = part_geometry(geometry, plan.owned(index))
         configs.append(config.resolve(own))
         parts.append(cls(configs[-1], own))
+        check_scaled_range(cls.name, parts[-1].scaled_range())
     runtimes = [PartRuntime(part, adapter, backend, token=uuid.uuid4().hex) for part in parts]
     layer_runtimes = [
         (runtimes[owner], plan.layers[:layer].count(owner)) for layer, owner in enumerate(plan.layers)

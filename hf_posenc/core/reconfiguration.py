@@ -26,6 +26,7 @@ from torch import nn
 from ..encodings.base import Encoding, clear_module_caches
 from ..errors import InvalidParameterError, NotPatchedError
 from .config import EncodingConfig
+from .interpolation import check_scaled_range
 
 #: instance attributes an ``nn.Module`` manages itself: never copied from the fresh module
 _MODULE_INTERNALS = frozenset({"training"})
@@ -82,6 +83,9 @@ def new_configuration(encoding: Encoding, current: EncodingConfig, params: dict[
             "which a patched model already holds; allowed: inference-time parameters (unpatch_model and "
             "patch_model again to re-initialise)"
         )
+    # the bound on a scaling factor reads the tensors as trained (e.g. LieRE's generators)
+    fresh.load_state_dict(encoding.state_dict())
+    check_scaled_range(cls.name, fresh.scaled_range())
     return config
 
 

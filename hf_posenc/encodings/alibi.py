@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..core.config import EncodingConfig
-from ..core.interpolation import PositionInterpolation
+from ..core.interpolation import FLOAT32_MAX, FLOAT32_RANGE, PositionInterpolation, ScaledRange
 from ..core.registry import register_encoding
 from .base import Encoding
 from .block_bias import LinearDistanceBias
@@ -54,6 +54,15 @@ class ALiBi(Encoding[ALiBiConfig]):
     config_class = ALiBiConfig
     paper = "Press et al. 2022, arXiv:2108.12409"
     summary = "fixed per-head linear penalty on query-key distance"
+
+    def scaled_range(self) -> ScaledRange | None:
+        """The slopes m / f are float32 numbers: past its range a slope is inf and inf * 0 (the
+        diagonal's distance) is NaN. Distances times a finite slope may overflow to -inf: a
+        zero attention weight, which is what the bias means there."""
+        if self.config.factor == 1.0:
+            return None
+        largest = float(alibi_slopes(self.geometry.num_heads).max())
+        return ScaledRange(self.config.factor, "slopes m / f", largest, FLOAT32_MAX, FLOAT32_RANGE)
 
     def score_bias(self, call: ScoreCall) -> LinearDistanceBias:
         q_len, k_len, device = call.q_len, call.k_len, call.device

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..core.config import FORMAT_VERSION, EncodingConfig
+from ..core.interpolation import ScaledRange
 from ..core.layout import query_key_indices
 from ..core.memo import ForwardMemo
 from ..models.base import ModelGeometry
@@ -169,6 +170,12 @@ class Encoding(nn.Module, Generic[ConfigT]):
     def mixable(cls) -> bool:
         """Whether this encoding may run in some layers only (see :meth:`mixing_refusal`)."""
         return cls.mixing_refusal() is None
+
+    def scaled_range(self) -> ScaledRange | None:
+        """What this encoding's linear scaling factor divides and how large it may grow (the
+        bound :func:`hf_posenc.core.interpolation.check_scaled_range` enforces when patching and
+        reconfiguring); None: unscaled, or no factor makes it unrepresentable."""
+        return None
 
     def active_stages(self) -> list[str]:
         """Stages this instance runs; an encoding whose parameters switch paths overrides it."""

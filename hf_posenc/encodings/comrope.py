@@ -39,7 +39,13 @@ import torch
 from torch import nn
 
 from ..core.config import EncodingConfig, check_choice, check_number, resolved
-from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.interpolation import (
+    MATRIX_EXP_FINITE,
+    PositionInterpolation,
+    ScaledRange,
+    interpolate,
+    positional_range,
+)
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
 from .base import Encoding
@@ -128,6 +134,26 @@ class ComRoPE(Encoding[ComRoPEConfig]):
             self.axis_scale = nn.Parameter(one_hot.expand(layers, -1, -1).clone())  # (L, N, m)
         else:
             self.register_buffer("axis_mask", one_hot, persistent=False)  # (N, m)
+
+    def scaled_range(self) -> ScaledRange | None:
+        """exp(x / f B) in ``matrix_exp_dtype``: finite while |x B / f| (spectral norm) is below
+        :data:`~hf_posenc.core.interpolation.MATRIX_EXP_FINITE`, for the generators as they are now."""
+        if self.config.factor == 1.0:
+            return None
+        dtype = self.config.matrix_exp_dtype
+        with torch.no_grad():
+            norm = max(
+                float(torch.linalg.matrix_norm(self.skew(i), ord=2).max() * self.coefficients(i).abs().max())
+                for i in range(self.generator.shape[0])
+            )
+        return positional_range(
+            self.config.factor,
+            self.geometry.max_position_embeddings,
+            "generators |x B / f|",
+            norm,
+            MATRIX_EXP_FINITE[dtype],
+            f"where {dtype} matrix_exp stays finite",
+        )
 
     def coefficients(self, layer_idx: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(N, m) coefficients c_aj: B_aj = c_aj S_j."""

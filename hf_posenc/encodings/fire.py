@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import EncodingConfig, check_bool, check_number
-from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
 from ..core.layout import query_key_distance
 from ..core.registry import register_encoding
 from .base import Encoding, module_cache
@@ -192,6 +192,20 @@ class FIRE(Encoding[FIREConfig]):
     def function(self, layer_idx: int) -> FIREFunction:
         # __init__ fills self.functions with FIREFunction modules only
         return cast(FIREFunction, self.functions[0 if self.config.shared_across_layers else layer_idx])
+
+    def scaled_range(self) -> ScaledRange | None:
+        """psi(x) = log(c x + 1) of distances x = (i - j) / f in float32: x and c x must stay
+        finite (inf / inf in the normalisation is NaN), for the largest |c| of the layers."""
+        with torch.no_grad():
+            largest_c = max(
+                float(self.function(i).c.detach().float().abs()) for i in range(len(self.functions))
+            )
+        return positional_range(
+            self.config.factor,
+            self.geometry.max_position_embeddings,
+            "distances (i - j) / f and c (i - j) / f",
+            max(1.0, largest_c),
+        )
 
     def score_bias(self, call: ScoreCall) -> RowBias:
         q_len, k_len, device = call.q_len, call.k_len, call.device

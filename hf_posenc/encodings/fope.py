@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..core.config import EncodingConfig, check_bool, check_number, resolved
-from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
 from ..core.layout import expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..core.registry import register_encoding
@@ -122,6 +122,15 @@ class FoPE(Encoding[FoPEConfig]):
             eye + torch.randn(shape, generator=generator) * std
         )  # (L, H, n_in, pairs)
         self.sin_coef = nn.Parameter(eye + torch.randn(shape, generator=generator) * std)
+
+    def scaled_range(self) -> ScaledRange | None:
+        """Angles p / f * frequency in float32, for the largest frequency of the grid."""
+        return positional_range(
+            self.config.factor,
+            self.geometry.max_position_embeddings,
+            "Fourier angles p * frequency / f",
+            float(self.frequencies.abs().max()),
+        )
 
     def cos_sin(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo):
         """positions (B,T) -> cos, sin (B, heads, T, d_rot) fp32."""

@@ -38,6 +38,7 @@ from typing import ClassVar
 import torch
 
 from ..core.config import EncodingConfig, check_number, resolved
+from ..core.interpolation import ScaledRange, positional_range
 from ..core.layout import expand_kv_heads
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
@@ -221,6 +222,19 @@ class RoPE(Encoding[RoPEConfig]):
         self.per_query = any(
             r is not None and r[1] is not None and r[1]["type"] in LENGTH_DEPENDENT
             for r in self.layer_rotations
+        )
+
+    def scaled_range(self) -> ScaledRange | None:
+        """Angles p * omega / f in float32 (the largest omega is 1) under a linear scaling."""
+        factors = [
+            r[1]["factor"]
+            for r in self.layer_rotations
+            if r is not None and r[1] and r[1]["type"] == "linear"
+        ]
+        if not factors:
+            return None
+        return positional_range(
+            float(min(factors)), self.geometry.max_position_embeddings, "rotation angles p * omega / f", 1.0
         )
 
     def active_stages(self) -> list[str]:

@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from ..core.config import EncodingConfig, check_number, resolved
-from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
 from .base import Encoding
@@ -110,6 +110,12 @@ class RoPE2D(Encoding[RoPE2DConfig]):
         super().__init__(config, geometry)
         fraction = resolved(config.partial_rotary_factor, self.name, "partial_rotary_factor")
         self.dim = rotary_dim(self.name, geometry.head_dim, fraction)
+
+    def scaled_range(self) -> ScaledRange | None:
+        """Angles x / f * omega in float32 (the largest omega is 1) for coordinates up to the horizon."""
+        return positional_range(
+            self.config.factor, self.geometry.max_position_embeddings, "rotation angles x * omega / f", 1.0
+        )
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import EncodingConfig, check_number, resolved
-from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
 from ..core.layout import expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..core.registry import register_encoding
@@ -136,6 +136,12 @@ class TAPE(Encoding[TAPEConfig]):
         with torch.no_grad():  # raw U(-1, 1): nn.Linear's default init of W
             self.up.uniform_(-1.0, 1.0)
             self.x_proj.uniform_(-1.0, 1.0)
+
+    def scaled_range(self) -> ScaledRange | None:
+        """The initial stream's angles p / f * omega in float32 (the largest omega is 1)."""
+        return positional_range(
+            self.config.factor, self.geometry.max_position_embeddings, "rotation angles p * omega / f", 1.0
+        )
 
     def active_stages(self) -> list[str]:
         return ["adjust_qkv", "adjust_output"]
