@@ -30,6 +30,10 @@ class EncodingConfig:
     #: why this encoding refuses ``scaling`` (position interpolation), for encodings without a
     #: ``scaling`` field whose positions are not numbers; see :mod:`hf_posenc.core.interpolation`
     scaling_refusal: ClassVar[str] = ""
+    #: the encoding whose trained checkpoints this one evaluates without training, taking over
+    #: the parameters they share (selfextend and rerope extend ``rope``); "" for none. A checkpoint
+    #: saved with that encoding may be loaded as this one (:func:`hf_posenc.load_model`)
+    extends: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -126,13 +126,19 @@ def load_model(
     ones, as :func:`hf_posenc.reconfigure`: e.g. a position-interpolation ``scaling``);
     otherwise ``encoding`` (if given) is applied to the loaded model with ``encoding_params``.
 
-    Asking for an encoding different from the one a checkpoint was saved with is an error.
+    Asking for an encoding different from the one a checkpoint was saved with is an error, unless
+    the asked one extends it without training (``EncodingConfig.extends``: ``selfextend`` on a
+    checkpoint saved with ``rope``): then the saved encoding's parameters that the asked one
+    shares (RoPE's theta, partial rotary, scaling) are carried over, ``encoding_params`` on top.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     saved = getattr(AutoConfig.from_pretrained(path, **hub_kwargs), CONFIG_KEY, None)
     if saved:
+        extension = extension_of(encoding, saved)
+        if extension is not None:
+            return _load_extended(path, extension, encoding_params, **kwargs)
         if encoding is not None and not matches_saved(encoding, saved):
             raise ValueError(
                 f"{path!r} was saved with encoding {saved_description(saved)!r}; cannot load it as {encoding!r} "
@@ -144,4 +150,38 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if encoding is not None:
         patch_model(model, encoding, **(encoding_params or {}))
+    return model
+
+
+def extension_of(encoding: str | None, saved: Mapping[str, Any]) -> str | None:
+    """The canonical name of ``encoding`` when it extends the (plain) encoding a saved
+    ``config.posenc`` names (``EncodingConfig.extends``), else None."""
+    if encoding is None:
+        return None
+    from ..errors import UnknownEncodingError
+    from .registry import canonical_name, get_encoding
+
+    try:
+        name = canonical_name(encoding)
+    except UnknownEncodingError:
+        return None  # a pattern or an unknown name: matches_saved decides
+    extends = get_encoding(name).config_class.extends
+    return name if extends and saved.get("encoding") == extends and name != extends else None
+
+
+def _load_extended(
+    path: str, encoding: str, encoding_params: Mapping[str, Any] | None, **kwargs: Any
+) -> PreTrainedModel:
+    """Load a checkpoint with its saved encoding, then switch to ``encoding``, which extends it."""
+    from .patch import patch_info, unpatch_model
+    from .registry import get_encoding
+
+    config_class = get_encoding(encoding).config_class
+    config_class.from_params(dict(encoding_params or {}))  # bad values: one line before loading
+    model = from_pretrained(path, **kwargs)
+    info = patch_info(model) or {}
+    shared = set(config_class.parameter_names())
+    carried = {key: value for key, value in info.get("params", {}).items() if key in shared}
+    unpatch_model(model)
+    patch_model(model, encoding, **{**carried, **(encoding_params or {})})
     return model

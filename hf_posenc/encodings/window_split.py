@@ -42,6 +42,8 @@ from .rope_scaling import LENGTH_DEPENDENT, inverse_frequencies, resolve_scaling
 class WindowSplitConfig(RoPEConfig):
     """RoPE's settings (default: the checkpoint's own) plus the neighbour ``window``."""
 
+    extends = "rope"  # a checkpoint trained with rope loads as these, with its RoPE settings
+
     #: keys closer than this many positions keep their RoPE distance; default: a quarter of the
     #: model's trained length (max_position_embeddings); at most the trained length
     window: int | None = None

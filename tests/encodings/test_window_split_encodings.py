@@ -187,3 +187,24 @@ def test_no_tensor_spans_every_query_and_key(monkeypatch):
     with torch.no_grad():
         model(token_ids(1, 40))
     assert rows and max(rows) <= 5
+
+
+def test_a_rope_checkpoint_loads_as_selfextend_with_its_rope_settings(tmp_path):
+    """load_model(rope run, "selfextend"): the run's RoPE settings (here a linear scaling) carried
+    over; reference: the same weights patched with selfextend and that scaling from the start.
+    A checkpoint saved with another encoding is refused in one line."""
+    scaling = {"type": "linear", "factor": 2.0}
+    model = patch(make_model("llama"), "rope", {"scaling": scaling}, randomize=False)
+    model.save_pretrained(tmp_path / "rope")
+    loaded = hf_posenc.load_model(str(tmp_path / "rope"), "selfextend", {"group_size": 2, "window": 4})
+    assert hf_posenc.patch_info(loaded)["params"]["scaling"] == scaling
+    expected = patch(make_model("llama"), "selfextend", {"group_size": 2, "window": 4, "scaling": scaling})
+    ids = token_ids(2, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected(ids).logits, atol=1e-6, rtol=0)
+    patch(make_model("llama"), "alibi").save_pretrained(tmp_path / "alibi")
+    with pytest.raises(
+        ValueError, match="saved with encoding 'alibi'; cannot load it as 'selfextend'"
+    ) as error:
+        hf_posenc.load_model(str(tmp_path / "alibi"), "selfextend")
+    assert "\n" not in str(error.value)

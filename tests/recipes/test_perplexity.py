@@ -317,6 +317,7 @@ def workspace(tmp_path_factory):
         "expe": hf_posenc.patch_model(
             tiny_model("llama", vocab_size=len(tokenizer), seed=2), "expe", theta=0.25
         ),
+        "rope": hf_posenc.patch_model(tiny_model("llama", vocab_size=len(tokenizer), seed=3), "rope"),
     }
     for name, model in models.items():
         model.save_pretrained(root / name)
@@ -488,6 +489,35 @@ def test_cli_overrides_a_saved_checkpoints_scaling_for_the_evaluation_only(works
         # a random tiny model barely uses positions: the change is small but far above the tolerance
         assert abs(row["loss"] - unscaled_row["loss"]) > 1e-5
     assert json.loads((root / "expe" / "config.json").read_text())["posenc"] == on_disk
+
+
+@pytest.mark.slow  # multi-second; CI runs it
+def test_cli_evaluates_a_rope_run_with_selfextend_without_training(workspace, tmp_path):
+    """--encoding selfextend on a checkpoint saved with rope (an evaluation-only switch: selfextend
+    extends rope): the row says so, its losses equal the manual window loop on the same weights
+    patched with selfextend from the start, and the checkpoint on disk is unchanged."""
+    root, tokenizer = workspace
+    on_disk = json.loads((root / "rope" / "config.json").read_text())["posenc"]
+    out = tmp_path / "report"
+    params = ["--encoding-param", "window=4", "--encoding-param", "group_size=2"]
+    argv = ["--model", str(root / "rope"), "--encoding", "selfextend", *params, "--multiples", "1", "2"]
+    assert run_cli(root, *argv, "--output", str(out)) == 0
+    report = json.loads((out / "results.json").read_text())
+    (label,) = report["results"]
+    assert label == "rope (selfextend, group_size=2, window=4 at eval)"
+    model = hf_posenc.from_pretrained(str(root / "rope")).eval()
+    hf_posenc.unpatch_model(model)
+    hf_posenc.patch_model(model, "selfextend", window=4, group_size=2)
+    texts = [(root / "valid.txt").read_text()]
+    texts += [json.loads(line)["text"] for line in (root / "valid.jsonl").read_text().splitlines()]
+    tokens = torch.tensor(
+        [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    )
+    budget = len(tokens) // 32 * 32
+    for row in report["results"][label]:
+        expected, count = manual_loss(model, tokens, row["length"], budget)
+        assert row["tokens"] == count and row["loss"] == pytest.approx(expected, abs=1e-6)
+    assert json.loads((root / "rope" / "config.json").read_text())["posenc"] == on_disk
 
 
 @pytest.mark.slow  # multi-second; CI runs it

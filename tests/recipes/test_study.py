@@ -54,7 +54,10 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     interpolated = results["rope (PI at eval, factor = length/16)"]
     assert interpolated[0]["loss"] == results["rope"][0]["loss"]
     assert all(a["loss"] != b["loss"] for a, b in zip(interpolated[1:], results["rope"][1:], strict=True))
-    assert report["metadata"]["eval_only_rows"] == ["rope (PI at eval, factor = length/16)"]
+    # and RoPE + SelfExtend, no training: window 16/2 = 8, group size ceil((64 - 8)/(16 - 8)) + 1 = 8
+    selfextend = "rope (selfextend window=8, group_size=8, no training)"
+    assert report["metadata"]["eval_only_rows"] == ["rope (PI at eval, factor = length/16)", selfextend]
+    assert len(results[selfextend]) == len(MINI["multiples"])
     assert "evaluation only, no training" in out
 
 
@@ -88,6 +91,35 @@ def test_eval_only_rows_evaluate_trained_runs_at_other_parameters(tmp_path, caps
     tokens = tokens[: token_budget(tokens.numel(), lengths, MINI["eval_tokens"])]
     expected = evaluate_lengths(model, tokens, 16, MINI["multiples"], batch_size=8, progress=False)
     assert [r["loss"] for r in row] == pytest.approx([r.loss for r in expected], abs=1e-9)
+
+
+@pytest.mark.slow  # multi-second; CI runs it
+def test_selfextend_row_evaluates_the_trained_rope_run_without_training(tmp_path):
+    """``rope@selfextend{...}`` equals the trained rope weights patched with selfextend from the start
+    (the run's RoPE settings), evaluated on the same tokens; nothing new is trained."""
+    from transformers import AutoTokenizer
+
+    from hf_posenc.recipes.data import read_documents, tokenize_documents
+    from hf_posenc.recipes.evaluation import evaluate_lengths, token_budget
+
+    mini = {**MINI, "encodings": ["rope"], "eval_only": ['rope@selfextend{"group_size": 2, "window": 4}']}
+    report = json.loads(run_study(StudyConfig(output_dir=str(tmp_path), **mini))["json"].read_text())
+    label = "rope (selfextend group_size=2, window=4, no training)"
+    assert report["metadata"]["eval_only_rows"] == [label]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["rope"]
+
+    model = hf_posenc.from_pretrained(str(tmp_path / "runs" / "rope" / "final"))
+    hf_posenc.unpatch_model(model)
+    hf_posenc.patch_model(model, "selfextend", group_size=2, window=4)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "base" / "final"))
+    documents = read_documents(["builtin:stdlib"], split="validation")
+    lengths = [16 * m for m in MINI["multiples"]]
+    tokens = tokenize_documents(documents, tokenizer, max_tokens=max(MINI["eval_tokens"], max(lengths)))
+    tokens = tokens[: token_budget(tokens.numel(), lengths, MINI["eval_tokens"])]
+    expected = evaluate_lengths(model, tokens, 16, MINI["multiples"], batch_size=8, progress=False)
+    assert [r["loss"] for r in report["results"][label]] == pytest.approx(
+        [r.loss for r in expected], abs=1e-9
+    )
 
 
 def _recorded_steps(run: Path) -> int:
@@ -198,6 +230,12 @@ def test_encoding_specs_parse_names_aliases_and_json():
             ["--encodings", "alibi", "--eval-only", 'alibi@{"max_distance": 3}'],
             "has no parameter 'max_distance'",
         ),
+        (
+            ["--encodings", "alibi", "--eval-only", "alibi@selfextend"],
+            "selfextend does not evaluate alibi runs",
+        ),
+        (["--encodings", "rope", "--eval-only", 'rope@selfextend{"group_size": 0}'], "group_size=0"),
+        (["--encodings", "rope", "--eval-only", "rope@selfextnd"], "unknown encoding 'selfextnd'"),
     ],
 )
 def test_bad_input_is_refused_before_any_training(tmp_path, capsys, argv, message):

@@ -11,7 +11,13 @@ position interpolation of a model trained unscaled::
 
     hf-posenc perplexity --model runs/expe/final --encoding-param scaling='{"type":"linear","factor":2}' ...
 
-and its row is labelled ``final (expe, x0.5 at eval)``. Every input is checked (model directories and
+and its row is labelled ``final (expe, x0.5 at eval)``. ``--encoding`` naming an encoding that
+extends the saved one without training evaluates the run with it, its RoPE settings carried over::
+
+    hf-posenc perplexity --model runs/rope/final --encoding selfextend --encoding-param window=64 \
+        --encoding-param group_size=32 ...
+
+(``final (selfextend, group_size=32, window=64 at eval)``). Every input is checked (model directories and
 tokenizers, data sources, the output directory, encoding parameters, enough tokens, learned
 tables, or a family's native limit, long enough) before any model is loaded. Prints the table
 and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--output``.
@@ -79,7 +85,8 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit."""
     from transformers import AutoConfig
 
-    from ...core.registry import adapter_for_config
+    from ...core.loading import extension_of
+    from ...core.registry import adapter_for_config, get_encoding
     from ...core.request import canonical_request, check_overrides, matches_saved, saved_description
 
     config = AutoConfig.from_pretrained(directory)
@@ -88,6 +95,13 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
     name: str | None
     if saved:
         name = saved_description(saved)
+        extension = extension_of(encoding, saved)
+        if extension is not None:  # e.g. selfextend on a rope run: no training, the run's RoPE settings
+            config_class = get_encoding(extension).config_class
+            shared = set(config_class.parameter_names())
+            carried = {k: v for k, v in dict(saved.get("params") or {}).items() if k in shared}
+            config_class.from_params({**carried, **params})  # bad values: one line, nothing loaded
+            return Plan(extension, {**carried, **params}, dict(params))
         if encoding is not None and not matches_saved(encoding, saved):
             raise EvaluationError(
                 f"{directory!r} was saved with encoding {name!r}; cannot evaluate it as {encoding!r} "

@@ -26,8 +26,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="patch a base model with each encoding, continue pretraining, report loss vs length",
         description="With no arguments: an offline study on the Python standard library's sources, with a tiny "
         "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe, "
-        "plus evaluation-only rows: expe/exqpe at scaling factor 2 (the ExPE paper's Table 3) and RoPE with "
-        "position interpolation (how long it takes: README, 'How long the default study takes').",
+        "plus evaluation-only rows: expe/exqpe at scaling factor 2 (the ExPE paper's Table 3), RoPE with "
+        "position interpolation and RoPE with SelfExtend, no training (how long it takes: README, 'How long "
+        "the default study takes').",
     )
     parser.add_argument(
         "--config",
@@ -120,9 +121,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         nargs="*",
         default=None,
         metavar="ROW",
-        help="rows evaluated without training: TRAINED@{JSON overrides} or TRAINED@interpolate (factor = "
-        "length / train length), TRAINED one of --encodings (default: expe and exqpe at scaling factor 2, "
-        "rope@interpolate; give --eval-only alone for none)",
+        help="rows evaluated without training: TRAINED@{JSON overrides}, TRAINED@interpolate (factor = "
+        "length / train length) or TRAINED@ENCODING{JSON} (an encoding extending it: "
+        '\'rope@selfextend{"group_size": 32, "window": 64}\', rope@rerope; window/group_size left out '
+        "are chosen from the study), TRAINED one of --encodings (default: expe and exqpe at scaling factor 2, "
+        "rope@interpolate, rope@selfextend; give --eval-only alone for none)",
     )
     parser.add_argument(
         "--overwrite",

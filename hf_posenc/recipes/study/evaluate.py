@@ -8,7 +8,13 @@ et al. 2023, arXiv:2306.15595). A row is written ``TRAINED@OVERRIDES``:
 
 - ``'expe@{"scaling": {"type": "linear", "factor": 2}}'`` — the overrides (JSON) at every length;
 - ``rope@interpolate`` — linear interpolation with factor = evaluation length / training length
-  at each length (1 at 1x, 16 at 16x), so every length maps onto the trained positions.
+  at each length (1 at 1x, 16 at 16x), so every length maps onto the trained positions;
+- ``'rope@selfextend{"group_size": 32, "window": 64}'`` — another encoding that extends the
+  trained one without training (``EncodingConfig.extends``: selfextend, rerope, leaky_rerope on a
+  rope run), with the trained run's shared parameters (RoPE's theta, scaling) and these; a
+  ``window`` or ``group_size`` left out is chosen from the study: window = training length / 2,
+  and the smallest group size whose grouped distances stay inside the training length at the
+  longest evaluated length (LongLM's rule (L - w) * G + w >= the target length, plus one).
 
 ``TRAINED`` is one of the study's ``encodings`` specs, written the same way.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +32,9 @@ from ...errors import InvalidParameterError
 #: evaluation-only rows added by default for each of these trained specs (when the study trains
 #: it): the ExPE paper's Table 3 (ExPE/ExQPE evaluated at factor 2) and RoPE PI at inference
 DEFAULT_EVAL_ONLY = {
-    "expe": 'expe@{"scaling": {"type": "linear", "factor": 2}}',
-    "exqpe": 'exqpe@{"scaling": {"type": "linear", "factor": 2}}',
-    "rope": "rope@interpolate",
+    "expe": ['expe@{"scaling": {"type": "linear", "factor": 2}}'],
+    "exqpe": ['exqpe@{"scaling": {"type": "linear", "factor": 2}}'],
+    "rope": ["rope@interpolate", "rope@selfextend"],
 }
 INTERPOLATE = "interpolate"
 
@@ -35,7 +42,7 @@ INTERPOLATE = "interpolate"
 def eval_only_rows(eval_only: list[str] | None, trained_specs: list[str]) -> list[str]:
     """The rows to evaluate: ``eval_only`` as given, or (None) the default rows of the trained specs."""
     if eval_only is None:
-        return [row for spec, row in DEFAULT_EVAL_ONLY.items() if spec in trained_specs]
+        return [row for spec, rows in DEFAULT_EVAL_ONLY.items() if spec in trained_specs for row in rows]
     return list(eval_only)
 
 
@@ -46,6 +53,22 @@ class EvalOnly:
     spec: str
     trained: str
     overrides: dict[str, Any] | None  # None: per-length interpolation (``@interpolate``)
+    #: another encoding that extends the trained one (``TRAINED@NAME{...}``; overrides: its parameters)
+    encoding: str | None = None
+
+    def switch_params(self, train_length: int, longest: int) -> dict[str, Any]:
+        """The parameters of :attr:`encoding`: the given ones, plus a ``window`` (training length / 2)
+        and ``group_size`` (grouped distances inside the training length at ``longest``) left out."""
+        from ...core.registry import get_encoding
+
+        params = dict(self.overrides or {})
+        names = get_encoding(str(self.encoding)).config_class.parameter_names()
+        if "window" in names:
+            params.setdefault("window", max(1, train_length // 2))
+        if "group_size" in names and "group_size" not in params:
+            window = params["window"]
+            params["group_size"] = max(1, math.ceil((longest - window) / max(1, train_length - window)) + 1)
+        return params
 
     def overrides_at(self, multiple: int) -> dict[str, Any]:
         """The parameters to set when evaluating at ``multiple`` x the training length."""
@@ -57,7 +80,10 @@ class EvalOnly:
         from ..evaluation.labels import eval_override_text
         from .spec import display_label
 
-        if self.overrides is None:
+        if self.encoding is not None:
+            params = ", ".join(f"{k}={v}" for k, v in (self.overrides or {}).items())
+            text = f"{self.encoding}{' ' + params if params else ''}, no training"
+        elif self.overrides is None:
             text = f"PI at eval, factor = length/{train_length}"
         else:
             text = eval_override_text(self.overrides)
@@ -73,6 +99,8 @@ def parse_eval_only(spec: str, trained_specs: list[str]) -> EvalOnly:
         trained, rest = spec[:index].strip(), spec[index + 1 :].strip()
         if rest == INTERPOLATE:
             return EvalOnly(spec, trained, None)
+        if rest and not rest.startswith("{"):
+            return _switch_row(spec, trained, rest)
         try:
             overrides = json.loads(rest)
         except json.JSONDecodeError as error:
@@ -86,9 +114,34 @@ def parse_eval_only(spec: str, trained_specs: list[str]) -> EvalOnly:
             )
         return EvalOnly(spec, trained, overrides)
     raise InvalidParameterError(
-        f"study: eval-only {spec!r} is not allowed; allowed: TRAINED@{{JSON overrides}} or "
-        f"TRAINED@{INTERPOLATE}, where TRAINED is one of the study's encodings: {', '.join(trained_specs)}"
+        f"study: eval-only {spec!r} is not allowed; allowed: TRAINED@{{JSON overrides}}, "
+        f"TRAINED@{INTERPOLATE} or TRAINED@ENCODING{{JSON}} (an encoding that extends it, e.g. rope@selfextend), "
+        f"where TRAINED is one of the study's encodings: {', '.join(trained_specs)}"
     )
+
+
+def _switch_row(spec: str, trained: str, rest: str) -> EvalOnly:
+    """``TRAINED@NAME{JSON}``: NAME must extend TRAINED's encoding (checked without a model)."""
+    from ...core.registry import get_encoding
+    from .spec import parse_encoding_spec
+
+    name, params = parse_encoding_spec(rest)  # unknown names and bad JSON: one line
+    trained_name, trained_params = parse_encoding_spec(trained)
+    from ...core.registry import encoding_names
+
+    config_class = get_encoding(name).config_class
+    if config_class.extends != trained_name or not config_class.extends:
+        takers = [n for n in encoding_names() if get_encoding(n).config_class.extends == trained_name]
+        raise InvalidParameterError(
+            f"study: eval-only {spec!r} is not allowed: {name} does not evaluate {trained_name} runs "
+            f"without training; allowed after {trained_name}@: {', '.join(takers) or 'none'}"
+        )
+    shared = set(config_class.parameter_names())
+    try:
+        config_class.from_params({**{k: v for k, v in trained_params.items() if k in shared}, **params})
+    except InvalidParameterError as error:
+        raise InvalidParameterError(f"study: eval-only {spec!r}: {error}") from None
+    return EvalOnly(spec, trained, params, encoding=name)
 
 
 def check_eval_only(specs: list[str], trained_specs: list[str]) -> list[EvalOnly]:
@@ -98,6 +151,8 @@ def check_eval_only(specs: list[str], trained_specs: list[str]) -> list[EvalOnly
 
     rows = [parse_eval_only(spec, trained_specs) for spec in specs]
     for row in rows:
+        if row.encoding is not None:
+            continue  # checked by _switch_row
         name, params = parse_encoding_spec(row.trained)
         overrides = row.overrides if row.overrides is not None else row.overrides_at(2)
         check_overrides(
@@ -147,6 +202,19 @@ def evaluate_study(config: Any, finals: dict[str, Path]) -> tuple[dict[str, list
         del model
     eval_only: list[str] = []
     for row in check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings)):
+        if row.encoding is not None:  # another encoding on the trained run, the same at every length
+            params = row.switch_params(config.train_length, longest)
+            row = dataclasses.replace(row, overrides=params)
+            label = row.label(config.train_length)
+            model = load_model(str(finals[row.trained]), row.encoding, params).eval()
+            check_model_length(model, longest)
+            print(f"[study] evaluating {label} (evaluation only, no training)")
+            results[label] = evaluate_lengths(
+                model, tokens, config.train_length, config.multiples, batch_size=8
+            )
+            eval_only.append(label)
+            del model
+            continue
         label = row.label(config.train_length)
         model = load_model(str(finals[row.trained])).eval()
         use_threads(config.threads, model)
