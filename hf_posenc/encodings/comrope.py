@@ -15,9 +15,15 @@ depend only on relative position. Per layer and KV head, with trainable P_j (b x
 Both are ``B_aj = c_aj S_j`` with S_j = P_j - P_j^T and a coefficient matrix c (N, m): the
 fixed one-hot ``[j mod N == a]`` for ap, trainable for ld. Blocks commute because, for each
 block, every axis uses a multiple of the same S_j. The exponentials are taken per block
-(``torch.linalg.matrix_exp``) in fp32 by default; its rounding error grows with |x| * |S|
-(R^T R - I is ~2e-4 at position 512 and ~2e-3 at 4096 for |S| = 1), so long contexts can ask
-for ``matrix_exp_dtype="float64"`` (exact to ~1e-12; the result is used in fp32).
+as RoPE's rotation in each generator's eigenbasis: S_j = V_j J(mu_j) V_j^T once per forward
+(``skew_rotation``, fp64 ``eigh``), then exp(w S_j) x = V_j rot(w mu_j) V_j^T x with
+w = sum_a x_a c_aj, angles in fp64: no per-position matrix, RoPE's cost plus two (b x b)
+products. Where a block's eigenvalues are not separated (a repeated or null frequency) that
+forward falls back to ``torch.linalg.matrix_exp`` per distinct position, in fp32 by default; its
+rounding error grows with |x| * |S| (R^T R - I is ~2e-4 at position 512 and ~2e-3 at 4096 for
+|S| = 1), so long contexts can ask for ``matrix_exp_dtype="float64"`` (exact to ~1e-12; the
+result is used in fp32), which also computes the eigenbasis path's angles w mu in fp64
+(fp32 by default: an angle error of order |w mu| * eps, as RoPE's fp32 angles).
 
 Layout: block j holds dims (j, j + m, .., j + (b-1) m) of the first d_rot dims, so with
 b = 2 the blocks are Llama's RoPE pairs (i, i + d_rot/2). Initialisation reproduces RoPE
@@ -52,6 +58,7 @@ from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 from .rope2d import axial_frequencies, check_axes, token_coordinates
+from .skew_rotation import dense_basis, eigenbasis, rotate_pairs
 
 VARIANTS = ("ap", "ld")
 EXP_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -173,8 +180,41 @@ class ComRoPE(Encoding[ComRoPEConfig]):
         exponent = weight[:, None, :, None, None] * self.skew(layer_idx, dtype)[None]  # (U, Hkv, m, b, b)
         return torch.linalg.matrix_exp(exponent).float()
 
+    def decomposed(self, layer_idx: int, memo) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's S_j in their eigenbasis: (W (Hkv, d_rot, d_rot) fp32, rows in the dims'
+        order, mu (Hkv, m, b/2) fp64; see :mod:`.skew_rotation`), or None when some block's
+        eigenvalues are not separated."""
+
+        def compute():
+            decomposed = eigenbasis(self.skew(layer_idx))  # (Hkv, m, b, b)
+            if decomposed is None:
+                return None
+            basis, mu = decomposed
+            heads, m, b = basis.shape[:3]
+            dense = dense_basis(basis)  # rows: block j, member r -> dim r m + j
+            dense = dense.reshape(heads, m, b, -1).transpose(1, 2).reshape(heads, m * b, -1)
+            return dense.float(), mu
+
+        if torch.is_grad_enabled() and self.generator.requires_grad:
+            return compute()
+        return memo.get(("comrope-eigenbasis", layer_idx), compute)
+
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
+        decomposed = self.decomposed(call.layer_idx, call.memo)
+        if decomposed is not None:
+            dense, mu = decomposed  # (Hkv, d_rot, d_rot), (Hkv, m, b/2)
+            coords = token_coordinates(self.name, call.coordinates, call.positions, cfg.axes)  # (B|1, T, N)
+            # angles w mu in matrix_exp_dtype (fp32 by default, as RoPE's p omega)
+            dtype = EXP_DTYPES[cfg.matrix_exp_dtype]
+            coords = interpolate(coords, cfg.factor).to(dtype)  # x / f
+            weight = coords @ self.coefficients(call.layer_idx, dtype)  # (B|1, T, m): w_j
+            angles = (weight[:, None, :, :, None] * mu.to(dtype)[None, :, None]).flatten(
+                -2
+            )  # (B|1, Hkv, T, d_rot/2)
+            cos, sin = angles.cos().float(), angles.sin().float()
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # RoPE's layout
+            return rotate_pairs(q, self.dim, dense, cos, sin), rotate_pairs(k, self.dim, dense, cos, sin)
 
         def distinct() -> tuple[torch.Tensor, torch.Tensor]:
             coords = token_coordinates(self.name, call.coordinates, call.positions, cfg.axes)  # (B, T, N)

@@ -20,12 +20,15 @@ pretrained model, so here each block starts as RoPE's generator: pair i carries
 omega_i = theta^(-2i/d_rot) in its 2x2 [[0, -1], [1, 0]] slot, zeros elsewhere, and the
 patched model starts exactly as RoPE (the paper's "LieRE generalises RoPE" special case).
 
-Cost. exp(p A) is computed with ``torch.linalg.matrix_exp`` in fp32, once per distinct
-position in the batch (reused across the layers that share generators when no gradient
-is needed). exp(pA) of a skew-symmetric A is orthogonal, but matrix_exp's fp32 error grows
-like |p| * |A| * eps (for p in the thousands, ~1e-3); two Newton-Schulz polar steps
-R <- R (3I - R^T R) / 2 restore orthogonality to fp32 rounding (~1e-6). What remains is an error in the
-rotation angle of order p * |A| * eps, the same as RoPE's fp32 angle p * omega.
+Cost. Each block's generator is decomposed once per forward (``skew_rotation``:
+A = V J(mu) V^T, fp64 ``eigh``), and exp(p A) x = V rot(p mu) V^T x is RoPE's rotation with
+the angles p mu between two (b x b) products: no per-position matrix is formed, and the
+rotation is orthogonal by construction (angles in fp64). Where a block's eigenvalues are not
+separated (a repeated or null frequency), that forward falls back to ``torch.linalg.matrix_exp``
+in fp32, once per distinct position in the batch (reused across the layers that share
+generators when no gradient is needed): its fp32 error grows like |p| * |A| * eps (for p in
+the thousands, ~1e-3), and two Newton-Schulz polar steps R <- R (3I - R^T R) / 2 restore
+orthogonality to fp32 rounding (~1e-6).
 
 Position interpolation, ``scaling={'type': 'linear', 'factor': f}``: R(p / f) = exp(p / f A).
 """
@@ -47,6 +50,7 @@ from ..errors import InvalidParameterError
 from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
+from .skew_rotation import dense_basis, eigenbasis, rotate_pairs
 
 
 @dataclasses.dataclass
@@ -194,7 +198,34 @@ class LieRE(Encoding[LieREConfig]):
         out = out[..., self.inverse_perm].to(x.dtype)
         return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
 
+    def decomposed(self, layer_idx: int, memo: ForwardMemo) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's generators in their eigenbasis: (W (heads, d_rot, d_rot) fp32 with rows in
+        Llama's dim order, mu (heads, d_rot/2) fp64 in W's column order; see :mod:`.skew_rotation`),
+        or None when some block's eigenvalues are not separated."""
+
+        def compute():
+            decomposed = eigenbasis(self.skew(layer_idx)[:, 0])  # axes == 1: (H, nb, b, b)
+            if decomposed is None:
+                return None
+            basis, mu = decomposed  # (H, nb, b, b), (H, nb, b/2)
+            dense = dense_basis(basis)[:, self.inverse_perm].float()  # rows: pair layout -> dims
+            return dense, mu.flatten(-2)
+
+        if torch.is_grad_enabled() and self.generators.requires_grad:
+            return compute()
+        key = 0 if self.config.shared_across_layers else layer_idx
+        return memo.get(("liere-eigenbasis", key), compute)
+
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        decomposed = self.decomposed(call.layer_idx, call.memo)
+        if decomposed is not None:
+            dense, mu = decomposed  # (Hkv|1, d_rot, d_rot), (Hkv|1, d_rot/2)
+            # fp32 angles p mu, as RoPE's p omega (fp64 cos/sin would cost more than the rotation)
+            p = interpolate(call.positions, self.config.factor).float()  # (B, T) p / f
+            angles = p[:, None, :, None] * mu.float()[None, :, None]  # (B, Hkv|1, T, d_rot/2)
+            cos, sin = angles.cos().float(), angles.sin().float()
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # RoPE's layout
+            return rotate_pairs(q, self.dim, dense, cos, sin), rotate_pairs(k, self.dim, dense, cos, sin)
         rotation = self.rotations(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, nb, b, b)
         k_rot = self.apply_rotation(k, rotation)
         if rotation.shape[1] > 1:  # query head h uses the generators of its KV head h // group

@@ -1,0 +1,194 @@
+"""LieRE and ComRoPE rotate by exp(w S) of skew-symmetric blocks through each generator's
+eigenbasis (hf_posenc/encodings/skew_rotation.py) instead of a matrix exponential per position
+(issue 21.5). Checked here against ``torch.linalg.matrix_exp`` of generators assembled in fp64
+from the encodings' raw parameters with the papers' formulas: the rotation for any skew block
+and scalar (hypothesis), the encodings' rotated q and k and their gradients with respect to
+every parameter (autograd through the reference, fp32 1e-5), and the fallback for generators
+whose eigenvalues are not separated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, patch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_posenc.core.memo import ForwardMemo
+from hf_posenc.encodings.base import probe_layer_call
+from hf_posenc.encodings.skew_rotation import eigenbasis, rotate_blocks
+
+SETTINGS = settings(max_examples=20, deadline=None)
+
+
+@SETTINGS
+@given(
+    block=st.sampled_from([2, 4, 8]),
+    scale=st.floats(1e-3, 3.0),
+    seed=st.integers(0, 2**16),
+    far=st.booleans(),
+)
+def test_eigenbasis_rotation_equals_the_matrix_exponential(block, scale, seed, far):
+    """For random skew-symmetric S (heads x blocks) and scalars w (positions up to 4096 when
+    ``far``), V rot(w mu) V^T x equals matrix_exp(w S) x computed in fp64, within fp32 rounding."""
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randn(2, 3, block, block, generator=generator, dtype=torch.float64) * scale
+    skew = raw - raw.transpose(-1, -2)  # (H, m, b, b)
+    decomposed = eigenbasis(skew)
+    assert decomposed is not None  # random generators have distinct eigenvalues
+    basis, mu = decomposed
+    w = torch.rand(1, 1, 5, 3, generator=generator, dtype=torch.float64) * (4096.0 / scale if far else 8.0)
+    x = torch.randn(1, 2, 5, 3, block, generator=generator, dtype=torch.float64)
+    got = rotate_blocks(x, basis, w[..., None] * mu[None, :, None])  # (1, H, T, m, b)
+    rotation = torch.linalg.matrix_exp(w[..., None, None] * skew[None, :, None])  # (1, H, T, m, b, b)
+    want = (rotation @ x[..., None]).squeeze(-1)
+    # exact in fp64 up to the rounding of the angle w * mu (relative 1e-16 of |w mu| <= 1e5)
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+def test_unseparated_eigenvalues_fall_back():
+    """A block with a repeated frequency or a null one has no unique eigenbasis: None."""
+    repeated = torch.zeros(1, 1, 4, 4, dtype=torch.float64)
+    repeated[..., 0, 1], repeated[..., 2, 3] = 0.5, 0.5
+    repeated = repeated - repeated.transpose(-1, -2)
+    assert eigenbasis(repeated) is None
+    assert eigenbasis(torch.zeros(1, 1, 2, 2)) is None
+
+
+# -- the encodings against matrix_exp of their generators, assembled from the raw parameters ------
+
+
+def liere_generator(raw: torch.Tensor, head_dim: int, rotary: int) -> torch.Tensor:
+    """LieRE's (D, D) generator A = U - U^T of one head: raw (nb, b, b), strict upper triangle U
+    per block; block n's index a is rotary pair (n b + a) // 2, member (n b + a) % 2 -> dim i or
+    i + d_rot/2 (Llama's pair layout)."""
+    upper = torch.triu(raw, diagonal=1)
+    blocks = torch.block_diag(*(upper - upper.transpose(-1, -2)))  # (d_rot, d_rot), adjacent pairs
+    index = torch.tensor([i // 2 + (i % 2) * (rotary // 2) for i in range(rotary)])
+    out = raw.new_zeros(head_dim, head_dim)
+    return out.index_put((index[:, None], index[None, :]), blocks)
+
+
+def comrope_generator(raw: torch.Tensor, coefficients: torch.Tensor, x: torch.Tensor, head_dim: int):
+    """ComRoPE's sum_a x_a A_a of one head: raw P (m, b, b), B_aj = c_aj (P_j - P_j^T) on the dims
+    (j, j + m, .., j + (b-1) m); x (N,), coefficients c (N, m)."""
+    m, b = raw.shape[0], raw.shape[-1]
+    weight = x @ coefficients  # (m,)
+    out = raw.new_zeros(head_dim, head_dim)
+    for j in range(m):
+        index = torch.arange(b) * m + j
+        out = out.index_put(
+            (index[:, None], index[None, :]), weight[j] * (raw[j] - raw[j].T), accumulate=True
+        )
+    return out
+
+
+def rotated(name: str, posenc, layer: int, positions: torch.Tensor, q, k, params) -> tuple:
+    """The reference's rotated q (fp64) and k: R_t = matrix_exp(A(t)) per token, per KV head."""
+    d = q.shape[-1]
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for x, per_query in ((q, True), (k, False)):
+        rows = []
+        for h in range(x.shape[1]):
+            g = h // groups if per_query else h
+            per_token = []
+            for t in range(x.shape[2]):
+                p = float(positions[0, t])
+                if name == "liere":
+                    cfg = posenc.config
+                    raw = params["generators"][0 if cfg.shared_across_layers else layer]
+                    raw = raw[0 if cfg.shared_across_heads else g, 0]
+                    generator = p * liere_generator(raw, d, posenc.dim)
+                else:
+                    coefficients = (
+                        params["axis_scale"][layer] if "axis_scale" in params else posenc.axis_mask.double()
+                    )
+                    coords = torch.tensor([p] + [0.0] * (posenc.config.axes - 1), dtype=torch.float64)
+                    generator = comrope_generator(params["generator"][layer, g], coefficients, coords, d)
+                per_token.append(torch.linalg.matrix_exp(generator) @ x[0, h, t].double())
+            rows.append(torch.stack(per_token))
+        outs.append(torch.stack(rows)[None])
+    return outs
+
+
+ENCODINGS = [
+    ("liere", {}),
+    ("liere", {"shared_across_heads": True, "block_size": 4}),
+    ("comrope", {}),
+    ("comrope", {"variant": "ld", "block_size": 2}),
+]
+
+
+@pytest.mark.parametrize(("name", "params"), ENCODINGS, ids=lambda v: str(v))
+def test_rotation_and_gradients_equal_matrix_exp_reference(name, params):
+    """Rotated q and k, and the gradients of a random linear function of them with respect to
+    every parameter of the encoding, equal autograd through per-position matrix_exp (fp64) of
+    the generators assembled from the raw parameters; the decomposed path is the one taken."""
+    model = patch(make_model("llama"), name, params, randomize=False)
+    posenc = model.posenc
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in posenc.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    layer = 1
+    assert posenc.decomposed(layer, ForwardMemo()) is not None
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    d = model.config.hidden_size // heads
+    positions = torch.tensor([[0, 1, 2, 5, 9, 17, 40]])
+    q = torch.randn(1, heads, positions.shape[1], d, generator=generator)
+    k = torch.randn(1, kv_heads, positions.shape[1], d, generator=generator)
+    grad_q, grad_k = torch.randn(q.shape, generator=generator), torch.randn(k.shape, generator=generator)
+
+    q_rot, k_rot = posenc.rotate(probe_layer_call(positions, layer), q, k)
+    ((q_rot * grad_q).sum() + (k_rot * grad_k).sum()).backward()
+    got = {n: p.grad for n, p in posenc.named_parameters()}
+
+    params64 = {n: p.detach().double().requires_grad_() for n, p in posenc.named_parameters()}
+    want_q, want_k = rotated(name, posenc, layer, positions, q, k, params64)
+    ((want_q * grad_q.double()).sum() + (want_k * grad_k.double()).sum()).backward()
+    torch.testing.assert_close(q_rot.double(), want_q.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot.double(), want_k.detach(), atol=1e-5, rtol=1e-5)
+    for n, p in params64.items():
+        scale = float(p.grad.abs().max().clamp_min(1.0))
+        torch.testing.assert_close(got[n].double(), p.grad, atol=1e-5 * scale, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("name", ["liere", "comrope"])
+def test_a_generator_with_a_repeated_frequency_takes_the_matrix_exp_path(name):
+    """Generators whose eigenvalues coincide (every block the same 2x2 rotation) have no unique
+    eigenbasis: the layer falls back to matrix_exp, still equals the reference, gradients finite."""
+    params = {"block_size": 4} if name == "liere" else {"block_size": 4}
+    model = patch(make_model("llama"), name, params, randomize=False)
+    posenc = model.posenc
+    with torch.no_grad():
+        weights = posenc.generators if name == "liere" else posenc.generator
+        weights.zero_()
+        weights[..., 0, 1] = 0.2
+        weights[..., 2, 3] = 0.2
+    assert posenc.decomposed(0, ForwardMemo()) is None
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    d = model.config.hidden_size // heads
+    positions = torch.arange(5)[None]
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, heads, 5, d, generator=generator)
+    k = torch.randn(1, kv_heads, 5, d, generator=generator)
+    q_rot, k_rot = posenc.rotate(probe_layer_call(positions, 0), q, k)
+    (q_rot.sum() + k_rot.sum()).backward()
+    params64 = {n: p.detach().double() for n, p in posenc.named_parameters()}
+    want_q, want_k = rotated(name, posenc, 0, positions, q, k, params64)
+    torch.testing.assert_close(q_rot.double(), want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot.double(), want_k, atol=1e-5, rtol=1e-5)
+    assert all(torch.isfinite(p.grad).all() for p in posenc.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", ["liere", "comrope"])
+@pytest.mark.parametrize("theta", [10_000.0, 500_000.0])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_initial_generators_are_decomposed(name, theta, head_dim):
+    """At initialisation (RoPE's frequencies, down to ~1e-6 for theta 5e5) the eigenbasis path
+    serves, so a patched pretrained model gets RoPE's cost from its first step."""
+    model = make_model("llama", hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1)
+    posenc = patch(model, name, {"theta": theta}, randomize=False).posenc
+    assert posenc.decomposed(0, ForwardMemo()) is not None
