@@ -7,6 +7,7 @@ independent of the generator in hf_posenc.recipes.longeval — and stand-in mode
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import re
 
@@ -48,6 +49,7 @@ def char_level_tokenizer(characters: str | None = None):
     return _fast(tokenizer, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
 
 
+@functools.cache
 def bpe_tokenizer():
     """A byte-level BPE of 600 tokens trained on a few standard-library files."""
     from hf_posenc.recipes.data import stdlib_documents
@@ -56,6 +58,7 @@ def bpe_tokenizer():
     return train_bpe_tokenizer(itertools.islice(stdlib_documents(), 8), vocab_size=600)
 
 
+@functools.cache
 def longeval_tokenizers():
     """``{"bpe": trained BPE, "byte": byte-level with BOS, "char": character-level}``."""
     return {"bpe": bpe_tokenizer(), "byte": byte_level_tokenizer(), "char": char_level_tokenizer()}

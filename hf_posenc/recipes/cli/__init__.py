@@ -17,6 +17,7 @@ from ...errors import PosencError
 from . import bench as bench_command
 from . import inspect as inspect_commands
 from . import lm_eval as lm_eval_command
+from . import longeval as longeval_command
 from . import perplexity as perplexity_command
 from . import study as study_command
 from . import train as train_command
@@ -29,6 +30,7 @@ COMMAND_MODULES = [
     train_command,
     lm_eval_command,
     perplexity_command,
+    longeval_command,
     bench_command,
 ]
 #: errors that come from the user's input or environment: one line, no traceback

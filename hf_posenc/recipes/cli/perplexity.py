@@ -81,8 +81,15 @@ def _learned_limit(max_positions: int, params: dict[str, Any]) -> int:
     return covered_positions(max_positions, factor)
 
 
-def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest: int) -> Plan:
-    """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit."""
+def _plan(
+    directory: str,
+    encoding: str | None,
+    params: dict[str, Any],
+    longest: int,
+    shorten: str = "--multiples / --train-length",
+) -> Plan:
+    """How a model will be evaluated; fails early on a conflict, a bad override or a too-short limit
+    (``shorten``: the flags the error message suggests lowering)."""
     from transformers import AutoConfig
 
     from ...core.loading import extension_of
@@ -124,15 +131,15 @@ def _plan(directory: str, encoding: str | None, params: dict[str, Any], longest:
         if longest > limit:
             raise PositionRangeError(
                 f"{directory!r}: evaluation length {longest} is longer than the learned position table "
-                f"(max_positions={rows}) covers ({limit} positions at this scaling); lower --multiples / "
-                f"--train-length to at most {limit} tokens"
+                f"(max_positions={rows}) covers ({limit} positions at this scaling); lower {shorten} "
+                f"to at most {limit} tokens"
             )
     adapter = adapter_for_config(config)
     native_limit = adapter.native_position_limit(config) if name is None and adapter is not None else None
     if native_limit is not None and longest > native_limit[0]:
         raise PositionRangeError(
             f"{directory!r}: evaluation length {longest} is longer than {native_limit[1].format(native_limit[0])}"
-            "; lower --multiples / --train-length, or add --encoding "
+            f"; lower {shorten}, or add --encoding "
             "(e.g. alibi) to patch it with an encoding that extrapolates"
         )
     return Plan(name or "native", dict(resolved) if name else None, overrides)

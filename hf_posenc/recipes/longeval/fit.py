@@ -114,7 +114,9 @@ def fit_prompt(
     for size in (s for d in range(1, SCAN) for s in (low - d, low + d) if s >= 0):  # lengths not monotone
         if length(size) == target:
             return size, 0, render(size, 0)
+    below = max((n for n in cache.values() if n < target), default=shortest)
+    above = min((n for n in cache.values() if n > target), default=target + 1)
     raise PromptLengthError(
-        f"{what}: no prompt of exactly {target} tokens (closest: {length(low)}); this tokenizer's lengths "
-        "jump over the target"
+        f"{what}: no prompt has exactly {target} tokens for this tokenizer (one character more jumps from "
+        f"{below} to {above} tokens); use another length, e.g. {above}"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ class SampleResult:
     sample: Sample
     output: str
     score: float
+    seconds: float = 0.0  # the generate call's wall time divided by its batch size
 
 
 def _generate(
@@ -84,9 +86,13 @@ def evaluate_samples(
         members = list(group)
         for start in range(0, len(members), batch_size):
             batch = members[start : start + batch_size]
+            began = time.perf_counter()
             outputs = _generate(model, tokenizer, batch, generation_budget(task, tokenizer, batch), device)
+            seconds = (time.perf_counter() - began) / len(batch)
             for sample, output in zip(batch, outputs, strict=True):
-                results.append(SampleResult(sample, output, score(task.metric, output, sample.answers)))
+                results.append(
+                    SampleResult(sample, output, score(task.metric, output, sample.answers), seconds)
+                )
             if progress is not None:
                 progress(len(batch))
     return results
@@ -102,6 +108,7 @@ class Cell:
     accuracy: float
     samples: int
     prompt_tokens: int
+    seconds_per_sample: float = 0.0  # prefill + decode wall time per prompt (batched)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,10 +121,9 @@ def summarize(results: Sequence[SampleResult]) -> list[Cell]:
     for (task, length), group in itertools.groupby(keyed, key=lambda r: (r.sample.task, r.sample.length)):
         members = list(group)
         depths = sorted({r.sample.depth for r in members if r.sample.depth is not None})
-        for depth in depths:
-            at = [r for r in members if r.sample.depth == depth]
-            cells.append(Cell(task, length, depth, sum(r.score for r in at) / len(at), len(at), length))
-        cells.append(
-            Cell(task, length, None, sum(r.score for r in members) / len(members), len(members), length)
-        )
+        for depth in [*depths, None]:
+            at = [r for r in members if depth is None or r.sample.depth == depth]
+            accuracy = sum(r.score for r in at) / len(at)
+            seconds = round(sum(r.seconds for r in at) / len(at), 4)
+            cells.append(Cell(task, length, depth, accuracy, len(at), length, seconds))
     return cells
