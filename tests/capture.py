@@ -8,8 +8,9 @@ from conftest import attention_modules
 LENGTH = 12  # longer than Mistral's sliding window of 8
 
 
-def run_and_capture(model, ids):
-    """Run a forward and record (hidden input, output) of every attention module and the input of layer 0."""
+def run_and_capture(model, ids, **kwargs):
+    """Run a forward (with ``kwargs``) and record (hidden input, output) of every attention module
+    and the input of layer 0."""
     records, handles = {}, []
     attention = attention_modules(model)
     first_layer = next(m for m in model.modules() if any(c is attention[0] for c in m.children()))
@@ -29,7 +30,7 @@ def run_and_capture(model, ids):
     handles.append(first_layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            model(ids)
+            model(ids, **kwargs)
     finally:
         for handle in handles:
             handle.remove()

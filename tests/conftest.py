@@ -81,21 +81,6 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return adapter_for(model).attention_modules(model)
 
 
-def native_window(model: torch.nn.Module, layer: int = 0) -> int | None:
-    """The sliding window of ``layer`` as the config states it (``layer_types`` when present)."""
-    config = model.config
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[layer] != "sliding_attention":
-        return None
-    return getattr(config, "sliding_window", None)
-
-
-def num_query_heads(model: torch.nn.Module) -> int:
-    """Query heads per layer, as the config states them."""
-    config = model.config
-    return getattr(config, "num_attention_heads", None) or config.n_head
-
-
 def randomize_encoding(model: torch.nn.Module, seed: int = 1) -> None:
     """Give the encoding's parameters random values (they start at zero for t5/learned)."""
     generator = torch.Generator().manual_seed(seed)

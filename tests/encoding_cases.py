@@ -72,7 +72,7 @@ CASES_BY_ENCODING: dict[str, list[Case]] = {
     # CAPE at its default width 32 with the tests' N(0, 0.5) random weights amplifies the fp32
     # rounding of q.k (blocked differently in a decoding step and a full forward) to ~1e-5 on
     # the logits, the invariants' tolerance; a narrower MLP keeps the same code path. The
-    # default width is checked against the formula reference in test_contextual_encodings.py.
+    # default width is checked against the formula reference (REFERENCE_CASES below).
     "cape": [
         ("cape", {"hidden": 8}),
         ("cape", {"base": "kerple", "base_params": {"variant": "power"}, "hidden": 8}),
@@ -147,24 +147,17 @@ PARAMETER_FREE = frozenset(
     }
 )
 
-#: where the formula reference of each parameter-free encoding lives: a test module whose
-#: ``layer_reference(name, params, module, hidden, model, layer_idx)`` gives one
-#: attention layer's output in fp64 from loops over the formula (tests/reference.py)
-LAYER_REFERENCES = {
-    "nope": "test_reference",
-    "sinusoidal": "test_reference",
-    "alibi": "test_reference",
-    "rope": "test_reference",
-    "xpos": "test_reference",
-    "selfextend": "test_window_split_encodings",
-    "rerope": "test_window_split_encodings",
-    "leaky_rerope": "test_window_split_encodings",
-    "expe": "test_reference",
-    "exqpe": "test_reference",
-    "sandwich": "test_relative_bias_encodings",
-    "sba": "test_contextual_encodings",
-    "rope2d": "test_coordinate_rotary_encodings",
-}
+#: the cases each encoding's formula reference (tests/references/) is checked on by
+#: tests/encodings/test_formula_references.py: every registered case, plus variants whose formula
+#: differs; TAPE runs one narrow PE layer (its reference loops over the stream of every layer)
+REFERENCE_CASES: list[Case] = [
+    *(case for name, cases in CASES_BY_ENCODING.items() if name != "tape" for case in cases),
+    ("sandwich", {"dim": 16}),
+    ("kerple", {"variant": "power"}),
+    ("cape", {}),  # CAPE at its default MLP width (the cases above narrow it for the invariants)
+    ("fope", {"clip": False, "frequencies_per_dim": 3}),
+    ("tape", {"position_size": 3}),
+]
 
 #: encodings whose attention needs explicit scores (stage ``logits``, ``transform_scores`` or
 #: ``normalize``): ``sdpa`` and ``eager`` run the same explicit-score core for them (the window-split

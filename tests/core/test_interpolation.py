@@ -1,8 +1,7 @@
 """Linear position interpolation, ``scaling={'type': 'linear', 'factor': f}``, for every encoding
 whose positions or distances are numbers, and its refusal by the others.
 
-References are written from the papers (tests/reference.py and the formula references of the
-encoding test modules), evaluated at the interpolated positions i/f, j/f; nothing from hf_posenc
+References are written from the papers (tests/references/), evaluated at the interpolated positions i/f, j/f; nothing from hf_posenc
 computes them. Position interpolation (Chen et al. 2023) means exactly that: the encoding of
 positions (i, j) at factor f is the unscaled encoding of (i/f, j/f).
 """
@@ -13,10 +12,17 @@ import math
 
 import numpy as np
 import pytest
-import reference as ref
 import torch
 from capture import LENGTH, run_and_capture
 from conftest import make_model, no_grad_logits, patch, token_ids
+from references.alibi import alibi_slopes
+from references.attention import attention_layer
+from references.fire import fire_bias
+from references.kerple import kerple_bias
+from references.rope import rotation_matrix
+from references.sandwich import sandwich_bias
+from references.sinusoidal import sinusoidal_vector
+from references.t5 import t5_bucket
 
 import hf_posenc
 from hf_posenc.core.memo import ForwardMemo
@@ -36,18 +42,18 @@ def linear(factor: float = F) -> dict:
 def bias_reference(name: str, params: dict, model, layer_idx: int, heads: int, factor: float):
     """bias(h, i, j) at factor f, from the papers."""
     if name == "alibi":  # Al-Khateeb et al. 2023: slopes m_h / f
-        slopes = ref.alibi_slopes(heads)
+        slopes = alibi_slopes(heads)
         return lambda h, i, j: -slopes[h] / factor * (i - j)
     if name == "t5":  # bucket(floor((i - j) / f)): floor as T5's truncation; see hf_posenc/encodings/t5.py
         table = model.posenc.tables[0].weight.detach().double()
         b, d = params.get("num_buckets", 32), params.get("max_distance", 128)
-        return lambda h, i, j: float(table[ref.t5_bucket(math.floor((i - j) / factor), b, d), h])
+        return lambda h, i, j: float(table[t5_bucket(math.floor((i - j) / factor), b, d), h])
     if name == "kerple":
-        unscaled = ref.kerple_bias(params, model.posenc, layer_idx)
+        unscaled = kerple_bias(params, model.posenc, layer_idx)
     elif name == "sandwich":
-        unscaled = ref.sandwich_bias(params, heads)
+        unscaled = sandwich_bias(params, heads)
     else:
-        unscaled = ref.fire_bias(params, model.posenc, layer_idx)
+        unscaled = fire_bias(params, model.posenc, layer_idx)
     return lambda h, i, j: unscaled(h, i / factor, j / factor)  # positions i/f, j/f
 
 
@@ -72,7 +78,7 @@ def test_score_bias_at_a_factor_equals_the_formula_at_interpolated_positions(nam
         hidden, output = records[layer_idx]
         heads = module.config.num_attention_heads
         bias = bias_reference(name, params, model, layer_idx, heads, F)
-        expected = ref.attention_layer(module, hidden, softmax_scale=module.scaling, bias=bias)
+        expected = attention_layer(module, hidden, softmax_scale=module.scaling, bias=bias)
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -97,7 +103,7 @@ def test_sinusoidal_at_a_factor_is_the_table_at_n_over_f():
     positions = torch.arange(20)[None]
     added = model.posenc.embed(ForwardCall(positions=positions, memo=ForwardMemo()))[0].double()
     d = added.shape[-1]
-    expected = torch.tensor([ref.sinusoidal_vector(n / F, d) for n in range(20)], dtype=torch.float64)
+    expected = torch.tensor([sinusoidal_vector(n / F, d) for n in range(20)], dtype=torch.float64)
     torch.testing.assert_close(added, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -144,8 +150,8 @@ def test_rotary_encodings_at_a_factor_rotate_by_n_over_f(name, params):
     for layer_idx, module in enumerate(attention):
         hidden, output = records[layer_idx]
         inv_freq = axial_inv_freq(module.head_dim, theta, params.get("axes", 1))
-        matrices = [ref.rotation_matrix(t / F, inv_freq, module.head_dim) for t in range(LENGTH)]
-        expected = ref.attention_layer(
+        matrices = [rotation_matrix(t / F, inv_freq, module.head_dim) for t in range(LENGTH)]
+        expected = attention_layer(
             module, hidden, softmax_scale=module.scaling, rotation=lambda t, i, m=matrices: m[t]
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)

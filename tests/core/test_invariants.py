@@ -7,7 +7,6 @@ checks that the registry covers every encoding hf_posenc registers.
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import pytest
@@ -25,13 +24,13 @@ from conftest import (
 from encoding_cases import (
     ALL_CASES,
     CASES_BY_ENCODING,
-    LAYER_REFERENCES,
     PARAMETER_FREE,
     Case,
     case_id,
     has_explicit_scores,
     serves,
 )
+from references import attention_outputs
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
@@ -274,12 +273,10 @@ def test_optimizer_step_trains_the_encoding(family, case):
     for n, p in trainable.items():
         assert not torch.equal(p, before[n]), n
     if name in PARAMETER_FREE:
-        reference = importlib.import_module(LAYER_REFERENCES[name]).layer_reference
         records, attention = run_and_capture(model.eval(), token_ids(2, LENGTH))
-        for layer_idx, module in enumerate(attention):
-            hidden, output = records[layer_idx]
-            expected = reference(name, params, module, hidden, model, layer_idx)
-            torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+        expected = attention_outputs(name, params, model, attention, records)
+        for layer_idx, want in enumerate(expected):
+            torch.testing.assert_close(records[layer_idx][1].double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("name", "has_parameters"), [(n, n in ("t5", "learned")) for n in ENCODINGS])
@@ -335,7 +332,7 @@ def test_eager_backend_equals_sdpa_backend(family, case):
     Left out: the cases of ``has_explicit_scores`` (cope, sba, cape and RoPE with causal dynamic
     NTK). Their attention needs explicit scores, so both backends run the same eager core and
     the comparison would be eager with itself; they are checked instead against their fp64
-    formula references (test_contextual_encodings.py, test_reference.py) and, in query
+    formula references (tests/encodings/test_formula_references.py) and, in query
     blocks, against eager in test_backends.py."""
     name, params = case
     ids = token_ids(2, 12)

@@ -6,24 +6,24 @@ have no parameters, which need explicit scores) are checked against the package 
 
 from __future__ import annotations
 
-import importlib
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import conftest
 import pytest
-import test_invariants
 from encoding_cases import (
     ALL_CASES,
     CASES_BY_ENCODING,
-    LAYER_REFERENCES,
     PARAMETER_FREE,
+    REFERENCE_CASES,
     case_id,
     case_ids,
     has_explicit_scores,
     serves,
 )
+from references import REFERENCES
 
 import hf_posenc
 from hf_posenc.attention.backend import backend_choices
@@ -41,6 +41,15 @@ BACKEND_TESTS = {
 }
 
 
+def module_constant(module: str, name: str):
+    """The literal value a test module assigns to ``name``, read from its source (tests never import
+    test modules)."""
+    for node in ast.parse((TESTS / module).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{module} assigns no {name}")
+
+
 def registered_backends() -> set[str]:
     """The backend names ``patch_model(backend=...)`` accepts (the registry's selectable backends
     plus ``auto``); kernels that only serve calls ``auto`` hands them (flash-attn, fla, rows) are
@@ -49,11 +58,15 @@ def registered_backends() -> set[str]:
 
 
 def test_every_registered_encoding_has_cases_and_no_case_is_unregistered():
+    """Every registered encoding has cases, a formula reference (tests/references/) and reference
+    cases (those test_formula_references.py runs), and nothing else is there."""
     registered = {info.name for info in hf_posenc.list_encodings()}
     assert set(CASES_BY_ENCODING) == registered
     for key, cases in CASES_BY_ENCODING.items():
         assert cases, key
         assert {canonical_name(name) for name, _ in cases} == {key}
+    assert set(REFERENCES) == registered
+    assert {name for name, _ in REFERENCE_CASES} == registered
 
 
 @pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
@@ -106,7 +119,7 @@ def test_every_backend_is_compared_with_eager_by_a_named_module():
     for backend, module in BACKEND_TESTS.items():
         source = (TESTS / module).read_text()
         assert f'"{backend}"' in source, f"{module} never names backend {backend!r}"
-    assert set(test_invariants.FULL_BACKENDS) == {
+    assert set(module_constant("core/test_invariants.py", "FULL_BACKENDS")) == {
         b for b, m in BACKEND_TESTS.items() if m == "core/test_invariants.py"
     }
 
@@ -118,7 +131,7 @@ def test_parameter_free_encodings_are_the_ones_without_parameters(name):
     model = conftest.patch(conftest.make_model("llama"), name, randomize=False)
     assert (not list(model.posenc.parameters())) == (name in PARAMETER_FREE)
     if name in PARAMETER_FREE:
-        assert callable(importlib.import_module(LAYER_REFERENCES[name]).layer_reference)
+        assert callable(REFERENCES[name].layer_reference)
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=case_ids(ALL_CASES))

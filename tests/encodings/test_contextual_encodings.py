@@ -1,10 +1,6 @@
-"""CoPE, stick-breaking attention (SBA) and CAPE: formula references, the generic invariants,
-and their own properties.
-
-The references below are written from the papers' formulas (and the reference repositories:
-facebookresearch/RAM ``projects/cope``, shawntan/stickbreaking-attention ``sb_ref.py``,
-chuanyang-Zheng/DAPE ``CAPE.py``) with plain loops in fp64, using only the model's weights
-and the encoding's parameters; nothing of the package's attention code is used.
+"""CoPE, stick-breaking attention (SBA) and CAPE: their starting points and own properties,
+parameter validation. Their formula references (tests/references/cope.py, sba.py, cape.py) are
+checked against every patched layer by tests/encodings/test_formula_references.py.
 """
 
 from __future__ import annotations
@@ -13,11 +9,8 @@ import functools
 import math
 
 import pytest
-import reference as ref
 import torch
-from capture import run_and_capture
-from conftest import make_model, native_window, patch, token_ids
-from encoding_cases import case_id, cases_of
+from conftest import make_model, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,121 +19,7 @@ from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.cope import contextual_positions, interpolate_position_logits
 from hf_posenc.encodings.sba import stick_breaking_weights
 
-CASES = cases_of("cope", "sba", "cape")
-REFERENCE_CASES = [*CASES, ("cape", {})]
-
-
-LENGTH = 12  # longer than Mistral's sliding window of 8
 SETTINGS = settings(max_examples=40, deadline=None)
-
-
-# -- formula references ---------------------------------------------------------------------
-
-
-def sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
-
-
-def cope_row(q, keys_k, keys, i, table, npos_max, scale):
-    """CoPE logits of query i over ``keys`` (ascending) for one head: q . k_j * scale plus the
-    interpolated q . e[p_ij] * scale, p_ij = min(sum_{t in keys, t >= j} sigmoid(q . k_t * scale), npos_max - 1)."""
-    raw = [float(q @ keys_k[j]) * scale for j in keys]
-    gates = [sigmoid(x) for x in raw]
-    out = []
-    for a in range(len(keys)):
-        p = min(sum(gates[a:]), npos_max - 1)
-        lo, hi = math.floor(p), math.ceil(p)
-        w = p - lo
-        z = lambda n: float(q @ table[n])  # noqa: E731
-        out.append(raw[a] + ((1 - w) * z(lo) + w * z(hi)) * scale)
-    return torch.softmax(torch.tensor(out, dtype=torch.float64), 0).tolist()
-
-
-def sba_row(q, keys_k, keys, i, scale, attend_current, remainder):
-    """Stick-breaking weights of query i: beta_j * prod_{k > j on the stick} (1 - beta_k); the
-    stick excludes key i unless ``attend_current``; the leftover mass goes to key i or is dropped."""
-    stick = [j for j in keys if attend_current or j != i]
-    beta = {j: sigmoid(float(q @ keys_k[j]) * scale) for j in stick}
-    weights = {j: 0.0 for j in keys}
-    for j in stick:
-        weights[j] = beta[j] * math.prod(1 - beta[k] for k in stick if k > j)
-    if remainder == "current":
-        weights[i] += 1 - sum(weights.values())
-    return [weights[j] for j in keys]
-
-
-@torch.no_grad()
-def layer_reference(name, params, module, hidden, model, layer_idx):
-    """Patched attention layer output, (B, T, hidden) fp64, from loops over batch, query, head, key."""
-    hidden = hidden.double()
-    batch, length, _ = hidden.shape
-    q, k, v = ref.projections(module, hidden, hidden)  # (B, T, H, D)
-    heads, kv_heads, d = q.shape[2], k.shape[2], q.shape[3]
-    scale = module.scaling  # the family's softmax scale (1/sqrt(d); Gemma 3: query_pre_attn_scalar**-0.5)
-    window = native_window(model, layer_idx)
-    out = torch.zeros(batch, length, heads, d, dtype=torch.float64)
-    if name == "cope":
-        npos_max = params.get("npos_max", 64)
-        tables = model.posenc.embeddings.detach().double()
-        table = tables[0 if params.get("shared_across_layers", False) else layer_idx]
-    if name == "cape":
-        slopes = ref.alibi_slopes(heads)
-        if params.get("base", "alibi") == "alibi":
-            base = lambda h, i, j: -slopes[h] * (i - j)  # noqa: E731
-        else:  # a learned base bias (KERPLE, FIRE: checked against their formulas in their own tests)
-            context = probe_call(model.posenc.geometry, length, layer_idx=layer_idx)
-            learned = (
-                model.posenc.base.score_bias(context).full().detach().double().reshape(heads, length, length)
-            )
-            base = lambda h, i, j: float(learned[h, i, j])  # noqa: E731
-        mixer = model.posenc.mixers[layer_idx]
-        w1, b1 = mixer.inner.weight.detach().double(), mixer.inner.bias.detach().double()
-        w2, b2 = mixer.outer.weight.detach().double(), mixer.outer.bias.detach().double()
-    for b in range(batch):
-        for i in range(length):
-            keys = [j for j in range(i + 1) if window is None or i - j < window]
-            group = lambda h: h // (heads // kv_heads)  # noqa: E731  KV head of query head h
-            rows = {}
-            if name == "cape":
-                x = [[float(q[b, i, h] @ k[b, j, group(h)]) * scale for j in keys] for h in range(heads)]
-                bias = [[base(h, i, j) for j in keys] for h in range(heads)]
-                logits = [[0.0] * len(keys) for _ in range(heads)]
-                for a in range(len(keys)):
-                    u = torch.tensor([x[h][a] for h in range(heads)] + [bias[h][a] for h in range(heads)])
-                    f = w2 @ torch.nn.functional.leaky_relu(w1 @ u.double() + b1, 0.01) + b2
-                    for h in range(heads):
-                        logits[h][a] = x[h][a] + bias[h][a] + float(f[h])
-                for h in range(heads):
-                    rows[h] = torch.softmax(torch.tensor(logits[h], dtype=torch.float64), 0).tolist()
-            for h in range(heads):
-                keys_k = {j: k[b, j, group(h)] for j in keys}
-                if name == "cope":
-                    rows[h] = cope_row(q[b, i, h], keys_k, keys, i, table, npos_max, scale)
-                elif name == "sba":
-                    rows[h] = sba_row(
-                        q[b, i, h],
-                        keys_k,
-                        keys,
-                        i,
-                        scale,
-                        params.get("attend_current", False),
-                        params.get("remainder", "current"),
-                    )
-                out[b, i, h] = sum(w * v[b, j, group(h)] for w, j in zip(rows[h], keys, strict=True))
-    return ref.output_projection(module, out.reshape(batch, length, -1))
-
-
-@pytest.mark.parametrize("case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
-def test_patched_attention_equals_formula_reference(family, case):
-    """Every patched attention layer equals the fp64 loop reference of its encoding's formula
-    (random encoding parameters; Mistral's sliding window included)."""
-    name, params = case
-    model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, token_ids(2, LENGTH))
-    for layer_idx, module in enumerate(attention):
-        hidden, output = records[layer_idx]
-        expected = layer_reference(name, params, module, hidden, model, layer_idx)
-        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 # -- starting points --------------------------------------------------------------------------

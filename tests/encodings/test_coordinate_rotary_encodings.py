@@ -1,21 +1,23 @@
-"""rope2d (axial RoPE over N-D coordinates) and ComRoPE (ap, ld): formula references, the
-generic invariants, N-D coordinates through forward/generate, hypothesis properties,
-parameter validation.
+"""rope2d (axial RoPE over N-D coordinates) and ComRoPE (ap, ld): attention on caller
+coordinates against the formula references, the RoPE start, N-D coordinates through
+forward/generate, hypothesis properties, parameter validation.
 
-References are explicit rotation matrices built here from the papers' formulas in fp64
-(ComRoPE: the full d x d generators from the raw trainable parameters, exponentiated as one
-matrix); nothing from hf_posenc computes them.
+The references (tests/references/rope2d.py, comrope.py: explicit rotation matrices in fp64;
+ComRoPE's full d x d generators from the raw trainable parameters, exponentiated as one matrix)
+are checked on text by tests/encodings/test_formula_references.py and on coordinates here.
 """
 
 from __future__ import annotations
 
 import pytest
-import reference as ref
 import torch
-from conftest import ONE_ROTATION_FAMILIES, attention_modules, make_model, native_window, patch, token_ids
+from capture import run_and_capture
+from conftest import ONE_ROTATION_FAMILIES, make_model, patch, token_ids
 from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import REFERENCES
+from references.comrope import comrope_generators, comrope_matrix
 from transformers import DynamicCache
 
 import hf_posenc
@@ -38,136 +40,7 @@ def coordinates(batch: int, length: int, axes: int, seed: int = 3) -> torch.Tens
     return torch.randint(0, 30, (batch, length, axes), generator=generator)
 
 
-# -- formula references (explicit matrices, fp64) -------------------------------------------------
-
-
-def rope2d_matrix(x: list[float], head_dim: int, rotary: int, theta: float) -> torch.Tensor:
-    """Axial RoPE: pair p = (p, p + rotary/2) turns by x[p mod N] * theta^(-2 floor(p/N) / (rotary/N))."""
-    axes, half = len(x), rotary // 2
-    matrix = torch.eye(head_dim, dtype=torch.float64)
-    for p in range(half):
-        angle = x[p % axes] * theta ** (-2 * (p // axes) / (rotary / axes))
-        c, s = (
-            torch.cos(torch.tensor(angle, dtype=torch.float64)),
-            torch.sin(torch.tensor(angle, dtype=torch.float64)),
-        )
-        matrix[p, p], matrix[p, p + half] = c, -s
-        matrix[p + half, p], matrix[p + half, p + half] = s, c
-    return matrix
-
-
-def comrope_generators(posenc, layer: int, kv_head: int) -> torch.Tensor:
-    """(N, D, D) fp64 generators A_a: block j on dims (j, j+m, ..), B_aj = c_aj (P_j - P_j^T),
-    c_aj = [j mod N == a] for ap, the trainable scale s_aj for ld."""
-    cfg, d = posenc.config, posenc.geometry.head_dim
-    b, axes = cfg.block_size, cfg.axes
-    rotary = int(d * cfg.partial_rotary_factor)
-    m = rotary // b
-    P = posenc.generator[layer, kv_head].double()  # noqa: N806  (m, b, b)
-    out = torch.zeros(axes, d, d, dtype=torch.float64)
-    for a in range(axes):
-        for j in range(m):
-            coef = (
-                float(posenc.axis_scale[layer, a, j].detach())
-                if cfg.variant == "ld"
-                else float(j % axes == a)
-            )
-            skew = P[j] - P[j].T
-            for r in range(b):
-                for c in range(b):
-                    out[a, j + r * m, j + c * m] = coef * skew[r, c]
-    return out
-
-
-def comrope_matrix(posenc, layer: int, kv_head: int, x: list[float]) -> torch.Tensor:
-    gens = comrope_generators(posenc, layer, kv_head)
-    return torch.linalg.matrix_exp(sum(xa * g for xa, g in zip(x, gens, strict=True)))
-
-
-@torch.no_grad()
-def attention_reference(module, hidden, rotation, window=None) -> torch.Tensor:
-    """softmax_j((R_i q_i) . (R_j k_j) * scaling) v_j over j <= i (and the window); rotation(b, t, kv_head)."""
-    hidden = hidden.double()
-    batch, length, _ = hidden.shape
-    q, k, v = ref.projections(module, hidden, hidden)  # (B, T, H, D)
-    heads, kv_heads = q.shape[2], k.shape[2]
-    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads):
-            g = h // (heads // kv_heads)
-            keys_rot = [rotation(b, j, g) @ k[b, j, g] for j in range(length)]
-            for i in range(length):
-                qi = rotation(b, i, g) @ q[b, i, h]
-                keys = [j for j in range(i + 1) if window is None or i - j < window]
-                scores = torch.tensor(
-                    [float(qi @ keys_rot[j]) * module.scaling for j in keys], dtype=torch.float64
-                )
-                weights = torch.softmax(scores, dim=0)
-                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
-    return ref.output_projection(module, out.reshape(batch, length, -1))
-
-
-def capture(model, ids, **kwargs):
-    """Inputs and outputs of every attention module in one forward with ``kwargs``."""
-    records, handles = {}, []
-    attention = attention_modules(model)
-
-    def hook(idx):
-        def fn(module, args, kw, output):
-            records[idx] = (kw.get("hidden_states", args[0] if args else None).detach(), output[0].detach())
-
-        return fn
-
-    handles = [m.register_forward_hook(hook(i), with_kwargs=True) for i, m in enumerate(attention)]
-    try:
-        with torch.no_grad():
-            model(ids, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return records, attention
-
-
-def layer_reference(name, params, module, hidden, model, layer_idx, coords=None):
-    """One attention layer by the formula in fp64: rotations R(x) of the text positions
-    x = (t, 0, ..., 0), or of the caller's ``coords`` (B, T, N)."""
-    axes = axes_of(name, params)
-    head_dim = model.posenc.geometry.head_dim
-    cfg = model.posenc.config
-    cache = {}
-
-    def point(b, t):
-        return [float(v) for v in coords[b, t]] if coords is not None else [float(t)] + [0.0] * (axes - 1)
-
-    def rotation(b, t, g):
-        key = (b, t, g)
-        if key not in cache:
-            if name == "rope2d":
-                rotary = int(head_dim * cfg.partial_rotary_factor)
-                cache[key] = rope2d_matrix(point(b, t), head_dim, rotary, cfg.theta)
-            else:
-                cache[key] = comrope_matrix(model.posenc, layer_idx, g, point(b, t))
-        return cache[key]
-
-    return attention_reference(module, hidden, rotation, window=native_window(model, layer_idx))
-
-
-def check_against_reference(family, name, params, coords=None, atol=ATOL):
-    model = patch(make_model(family), name, params)
-    ids = token_ids(2, LENGTH)
-    kwargs = {} if coords is None else {"position_coordinates": coords}
-    records, attention = capture(model, ids, **kwargs)
-    for layer, module in enumerate(attention):
-        hidden, output = records[layer]
-        expected = layer_reference(name, params, module, hidden, model, layer, coords)
-        torch.testing.assert_close(output.double(), expected, atol=atol, rtol=atol)
-
-
-@pytest.mark.parametrize("case_", CASES, ids=[case_id(c) for c in CASES])
-def test_text_attention_equals_explicit_rotation_reference(family, case_):
-    """Text (no coordinates: token position on axis 0, 0 on the others): every attention layer
-    equals softmax((R(x_i) q_i).(R(x_j) k_j)) v with R built from the formula in fp64."""
-    check_against_reference(family, *case_)
+# -- caller coordinates against the formula reference ---------------------------------------------
 
 
 @pytest.mark.parametrize("case_", ND_CASES, ids=[case_id(c) for c in ND_CASES])
@@ -176,7 +49,13 @@ def test_coordinate_attention_equals_explicit_rotation_reference(family, case_):
     ~60 rad with the random parameters: fp32 rotations, so 5e-5)."""
     name, params = case_
     coords = coordinates(2, LENGTH, axes_of(name, params))
-    check_against_reference(family, name, params, coords=coords, atol=5e-5)
+    model = patch(make_model(family), name, params)
+    records, attention = run_and_capture(model, token_ids(2, LENGTH), position_coordinates=coords)
+    reference = REFERENCES[name].layer_reference
+    for layer, module in enumerate(attention):
+        hidden, output = records[layer]
+        expected = reference(params, module, hidden, model, layer, coords=coords)
+        torch.testing.assert_close(output.double(), expected, atol=5e-5, rtol=5e-5)
 
 
 # -- starting point: RoPE -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Where ExPE/ExQPE codes of adjacent positions collide in bf16/fp16, and the warning past it.
 
 References: the values measured in issue 11 (bf16/fp16, l = 8, 96, 256) and a brute-force
-search over codes built by tests/reference.py (the paper's formulas; ExQPE by its recurrence).
+search over codes built by tests/references/expe.py and exqpe.py (the paper's formulas; ExQPE by its recurrence).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import reference as ref
 import torch
 from conftest import make_model, token_ids
+from references.expe import expe_values
 
 import hf_posenc
 from hf_posenc.encodings.expe import ExPEConfig
@@ -45,7 +45,7 @@ def brute_force(codes, dtype: torch.dtype, limit: int) -> int | None:
 
 
 def exqpe_codes(l: int, S: float, theta1: float, theta2: float, factor: float):  # noqa: E741, N803
-    """ExQPE codes by the paper's recurrence, one position after the other (tests/reference.py's rule)."""
+    """ExQPE codes by the paper's recurrence, one position after the other (tests/references/exqpe.py's rule)."""
     state = {"n": -1, "p": None}
 
     def codes(n: int) -> list[float]:
@@ -72,7 +72,7 @@ def exqpe_codes(l: int, S: float, theta1: float, theta2: float, factor: float): 
 )
 def test_expe_collision_equals_a_brute_force_search(l, S, theta, factor, dtype):  # noqa: E741, N803
     config = ExPEConfig(l=l, S=S, theta=theta, scaling={"type": "linear", "factor": factor})
-    expected = brute_force(lambda n: ref.expe_values(n, l, S, theta, factor), dtype, 20000)
+    expected = brute_force(lambda n: expe_values(n, l, S, theta, factor), dtype, 20000)
     assert expected is not None and first_collision(config, dtype) == expected
 
 

@@ -1,9 +1,6 @@
-"""FoX and FoX (Pro): formula references, the generic invariants, and their own properties.
-
-The references below are written from the paper's formulas and the reference repository
-(zhixuan-lin/forgetting-transformer, ``ForgettingAttentionLayer`` and ``ShiftLinear``) with
-plain loops in fp64, using only the model's weights and the encoding's parameters; nothing of
-the package's attention code is used.
+"""FoX and FoX (Pro): their own properties (open gates, decoding, initial gates, parts switched
+off). Their formula reference (tests/references/fox.py) is checked against every patched layer by
+tests/encodings/test_formula_references.py.
 """
 
 from __future__ import annotations
@@ -12,11 +9,8 @@ import dataclasses
 import math
 
 import pytest
-import reference as ref
 import torch
-from capture import run_and_capture
-from conftest import make_model, native_window, patch, randomize_encoding, token_ids
-from encoding_cases import case_id, cases_of
+from conftest import make_model, patch, randomize_encoding, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,115 +18,8 @@ import hf_posenc
 from hf_posenc.encodings.base import probe_call
 
 PRO_OFF = {"qk_norm": False, "k_shift": False, "v_shift": False, "output_norm": False, "output_gate": False}
-CASES = cases_of("fox", "fox_pro")
 LENGTH = 12  # longer than Mistral's sliding window of 8
 SETTINGS = settings(max_examples=25, deadline=None)
-
-
-@pytest.fixture(params=CASES, ids=[case_id(c) for c in CASES])
-def case(request):
-    return request.param
-
-
-# -- formula reference --------------------------------------------------------------------
-
-
-def sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
-
-
-def rms(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    return x / math.sqrt(float((x * x).mean()) + eps) * gain
-
-
-@torch.no_grad()
-def fox_layer_reference(module, hidden, posenc, layer, params, window):
-    """One attention layer by the formulas, fp64:
-
-    shift   k_t <- a_t k_{t-1} + (1-a_t) k_t, a_t = sigmoid(w_a . x_t + b_a) per KV head, k_{-1} = 0
-    norm    q, k <- q / rms(q) * g  (per head, eps 1e-5)
-    attend  softmax_j(q_i . k_j * scaling + sum_{l=j+1}^{i} log sigmoid(w_f . x_l + b_f)) over
-            j <= i (and i - j < window), per query head h (KV head h // groups)
-    output  o <- o / rms(o) * g_o (per head, eps 1e-6), then o * sigmoid(W_g x_i + b_g)
-    """
-    pro = {**dict.fromkeys(PRO_OFF, True), **params} if posenc.config.encoding == "fox_pro" else PRO_OFF
-    x = hidden.double()
-    batch, length, _ = x.shape
-    q, k, v = ref.projections(module, x, x)  # (B, T, H, D)
-    heads, kv_heads = q.shape[2], k.shape[2]
-    groups = heads // kv_heads
-    w_f, b_f = posenc.forget[layer].weight.double(), posenc.forget[layer].bias.double()
-
-    def shift(tensor, linear):
-        w, b = linear.weight.double(), linear.bias.double()
-        out = tensor.clone()
-        for bb in range(batch):
-            for t in range(length):
-                for g in range(kv_heads):
-                    a = sigmoid(float(w[g] @ x[bb, t] + b[g]))
-                    previous = tensor[bb, t - 1, g] if t > 0 else torch.zeros_like(tensor[bb, t, g])
-                    out[bb, t, g] = a * previous + (1 - a) * tensor[bb, t, g]
-        return out
-
-    if pro["k_shift"]:
-        k = shift(k, posenc.k_shift[layer])
-    if pro["v_shift"]:
-        v = shift(v, posenc.v_shift[layer])
-    if pro["qk_norm"]:
-        gq, gk = posenc.q_norm[layer].double(), posenc.k_norm[layer].double()
-        q = torch.stack(
-            [
-                torch.stack(
-                    [torch.stack([rms(q[b, t, h], gq[h], 1e-5) for h in range(heads)]) for t in range(length)]
-                )
-                for b in range(batch)
-            ]
-        )
-        k = torch.stack(
-            [
-                torch.stack(
-                    [
-                        torch.stack([rms(k[b, t, g], gk[g], 1e-5) for g in range(kv_heads)])
-                        for t in range(length)
-                    ]
-                )
-                for b in range(batch)
-            ]
-        )
-    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        log_f = [
-            [math.log(sigmoid(float(w_f[h] @ x[b, t] + b_f[h]))) for t in range(length)] for h in range(heads)
-        ]
-        for h in range(heads):
-            g = h // groups
-            for i in range(length):
-                keys = [j for j in range(i + 1) if window is None or i - j < window]
-                scores = [
-                    float(q[b, i, h] @ k[b, j, g]) * module.scaling + sum(log_f[h][j + 1 : i + 1])
-                    for j in keys
-                ]
-                weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
-                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
-                if pro["output_norm"]:
-                    out[b, i, h] = rms(out[b, i, h], posenc.output_norm[layer][h].double(), 1e-6)
-    merged = out.reshape(batch, length, -1)
-    if pro["output_gate"]:
-        gate = posenc.output_gate[layer]
-        merged = merged * torch.sigmoid(x @ gate.weight.double().T + gate.bias.double())
-    return ref.output_projection(module, merged)
-
-
-def test_patched_attention_equals_formula_reference(family, case):
-    """Every patched attention layer equals the fp64 loop reference of the FoX / FoX (Pro) formulas."""
-    name, params = case
-    model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, token_ids(2, LENGTH))
-    for layer_idx, module in enumerate(attention):
-        hidden, output = records[layer_idx]
-        window = native_window(model, layer_idx)
-        expected = fox_layer_reference(module, hidden, model.posenc, layer_idx, params, window)
-        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 # -- properties -----------------------------------------------------------------------------

@@ -1,9 +1,7 @@
-"""LieRE and FoPE: formula references, the generic invariants, hypothesis properties,
-parameter validation.
-
-References here are written from the papers' formulas with explicit (head_dim x head_dim)
-matrices in fp64 built from the encodings' raw parameters with plain loops; nothing from
-hf_posenc computes them.
+"""LieRE and FoPE: FoPE's reduction to RoPE, hypothesis properties, parameter validation. Their
+formula references (tests/references/liere.py, fope.py: explicit (head_dim x head_dim) matrices in
+fp64 from the raw parameters) are checked against every patched layer by
+tests/encodings/test_formula_references.py.
 """
 
 from __future__ import annotations
@@ -12,120 +10,23 @@ import functools
 import math
 
 import pytest
-import reference as ref
 import torch
 from capture import LENGTH, run_and_capture
-from conftest import ONE_ROTATION_FAMILIES, make_model, native_window, patch, token_ids
-from encoding_cases import case_id, cases_of
+from conftest import ONE_ROTATION_FAMILIES, make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references.attention import attention_layer
+from references.config import native_window
+from references.rope import rotation_matrix
 
 import hf_posenc
 from hf_posenc.core.memo import ForwardMemo
 from hf_posenc.encodings.base import probe_layer_call
 
-CASES = cases_of("liere", "fope")
 SETTINGS = settings(max_examples=15, deadline=None)
 
 
-# -- formula references (fp64, explicit matrices) --------------------------------------------------
-
-
-@torch.no_grad()
-def attention_with_matrices(module, hidden: torch.Tensor, *, window, matrix) -> torch.Tensor:
-    """softmax_j((M(g, i) q_i) . (M(g, j) k_j) * scaling) v_j over allowed j, per query head h with
-    KV head g = h // group; ``matrix(g, t)`` is the (D, D) positional map of token t."""
-    hidden = hidden.double()
-    batch, length, _ = hidden.shape
-    q, k, v = ref.projections(module, hidden, hidden)
-    heads, kv_heads = q.shape[2], k.shape[2]
-    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads):
-            g = h // (heads // kv_heads)
-            for i in range(length):
-                qi = matrix(g, i) @ q[b, i, h]
-                keys = [j for j in range(i + 1) if window is None or i - j < window]
-                scores = [float(qi @ (matrix(g, j) @ k[b, j, g])) * module.scaling for j in keys]
-                weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
-                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
-    return ref.output_projection(module, out.reshape(batch, length, -1))
-
-
-def liere_matrices(posenc, layer: int, head_dim: int):
-    """LieRE: R(t) = exp(t A), A = U - U^T from the raw generators' strict upper triangle; block n's
-    local index a is pair (n*b + a) // 2 of the Llama layout, member (n*b + a) % 2 -> dim i or i + d/2."""
-    cfg = posenc.config
-    rot = int(head_dim * cfg.partial_rotary_factor)
-    b = cfg.block_size
-    raw = posenc.generators.detach().double()[0 if cfg.shared_across_layers else layer]  # (H, 1, nb, b, b)
-
-    def original(index: int) -> int:
-        return index // 2 + (index % 2) * (rot // 2)
-
-    @functools.cache
-    def matrix(g: int, t: int) -> torch.Tensor:
-        blocks = raw[0 if cfg.shared_across_heads else g, 0]
-        generator = torch.zeros(head_dim, head_dim, dtype=torch.float64)
-        for n in range(rot // b):
-            for a in range(b):
-                for c in range(a + 1, b):
-                    x, y = original(n * b + a), original(n * b + c)
-                    generator[x, y] += float(blocks[n, a, c])
-                    generator[y, x] -= float(blocks[n, a, c])
-        return torch.linalg.matrix_exp(t * generator)
-
-    return matrix
-
-
-def fope_matrices(posenc, layer: int, head_dim: int):
-    """FoPE: pair m maps (x_m, x_{m+d/2}) by [[c, -s], [s, c]] with c = sum_j C[j,m] cos(w_j t),
-    s = sum_j S[j,m] sin(w_j t), w_j = theta^(-2j/(k d)), w_j < 2 pi / L dropped (clip); a pair whose
-    own frequency w_{k m} is dropped is the identity."""
-    cfg = posenc.config
-    rot, per = int(head_dim * cfg.partial_rotary_factor), cfg.frequencies_per_dim
-    half = rot // 2
-    floor = 2 * math.pi / cfg.train_length if cfg.clip else 0.0
-    freqs = [cfg.theta ** (-2 * j / (per * rot)) for j in range(per * half)]
-    live = [w >= floor for w in freqs]
-    index = 0 if cfg.shared_across_layers else layer
-    cos_coef = posenc.cos_coef.detach().double()[index]  # (H, n_in, pairs)
-    sin_coef = posenc.sin_coef.detach().double()[index]
-
-    @functools.cache
-    def matrix(g: int, t: int) -> torch.Tensor:
-        head = 0 if cfg.shared_across_heads else g
-        out = torch.eye(head_dim, dtype=torch.float64)
-        for m in range(half):
-            if not live[per * m]:
-                continue
-            c = sum(float(cos_coef[head, j, m]) * math.cos(w * t) for j, w in enumerate(freqs) if live[j])
-            s = sum(float(sin_coef[head, j, m]) * math.sin(w * t) for j, w in enumerate(freqs) if live[j])
-            out[m, m], out[m, m + half], out[m + half, m], out[m + half, m + half] = c, -s, s, c
-        return out
-
-    return matrix
-
-
-REFERENCE_CASES = [*CASES, ("fope", {"clip": False, "frequencies_per_dim": 3})]
-
-
-@pytest.mark.parametrize("ref_case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
-def test_patched_attention_equals_formula_reference(family, ref_case):
-    """Every patched attention layer equals softmax((M q).(M k) * scale) v computed in fp64 with
-    explicit positional matrices M built from the formula and the encoding's raw parameters
-    (randomised, so the LieRE generators are general skew-symmetric blocks)."""
-    name, params = ref_case
-    model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, token_ids(2, LENGTH))
-    for layer_idx, module in enumerate(attention):
-        hidden, output = records[layer_idx]
-        build = liere_matrices if name == "liere" else fope_matrices
-        matrix = build(model.posenc, layer_idx, module.head_dim)
-        expected = attention_with_matrices(
-            module, hidden, window=native_window(model, layer_idx), matrix=matrix
-        )
-        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+# -- FoPE reduces to RoPE --------------------------------------------------------------------------
 
 
 def test_fope_without_clipping_and_noise_equals_the_rope_formula(family):
@@ -138,12 +39,12 @@ def test_fope_without_clipping_and_noise_equals_the_rope_formula(family):
         hidden, output = records[layer_idx]
         d = module.head_dim
         inv_freq = [theta ** (-2 * i / d) for i in range(d // 2)]
-        expected = ref.attention_layer(
+        expected = attention_layer(
             module,
             hidden,
             softmax_scale=module.scaling,
             window=native_window(model, layer_idx),
-            rotation=lambda t, i, f=inv_freq, d=d: ref.rotation_matrix(t, f, d),
+            rotation=lambda t, i, f=inv_freq, d=d: rotation_matrix(t, f, d),
         )
         torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 

@@ -1,5 +1,5 @@
 """Hypothesis properties: the encodings' building blocks equal the formula references in
-tests/reference.py over wide parameter ranges, and relative encodings depend only on i - j."""
+tests/references/ over wide parameter ranges, and relative encodings depend only on i - j."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import functools
 import math
 
 import pytest
-import reference as ref
 import torch
 from conftest import make_model, randomize_encoding
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import alibi, expe, exqpe, rope, sinusoidal, t5
 
 import hf_posenc
 from hf_posenc.encodings.alibi import alibi_slopes
@@ -48,7 +48,7 @@ def log_branch_argument(n: int, num_buckets: int, max_distance: int) -> float | 
 @SETTINGS
 @given(bucket_params())
 def test_t5_bucket_tensor_function_equals_scalar_reference(params):
-    """relative_position_bucket(i - j) == reference.t5_bucket for every distance in [-50, 2000].
+    """relative_position_bucket(i - j) == references.t5.t5_bucket for every distance in [-50, 2000].
 
     Where the log branch lands within 1e-5 of an integer, the floor is a rounding tie that
     fp32 (the package, like HF T5) and fp64 (the reference) may break differently; there
@@ -58,7 +58,7 @@ def test_t5_bucket_tensor_function_equals_scalar_reference(params):
     num_buckets, max_distance = params
     ours = relative_position_bucket(DISTANCES, num_buckets, max_distance).tolist()
     for n, bucket in zip(DISTANCES.tolist(), ours, strict=True):
-        expected = ref.t5_bucket(n, num_buckets, max_distance)
+        expected = t5.t5_bucket(n, num_buckets, max_distance)
         argument = log_branch_argument(n, num_buckets, max_distance)
         if argument is not None and abs(argument - round(argument)) < 1e-5:
             assert abs(bucket - expected) <= 1, (n, bucket, expected)
@@ -99,7 +99,7 @@ def test_alibi_slopes_equal_reference(num_heads):
     """alibi_slopes(H) equals Press et al.'s get_slopes for every H, and all slopes are positive."""
     ours = alibi_slopes(num_heads)
     assert ours.shape == (num_heads,)
-    expected = torch.tensor(ref.alibi_slopes(num_heads), dtype=torch.float64)
+    expected = torch.tensor(alibi.alibi_slopes(num_heads), dtype=torch.float64)
     torch.testing.assert_close(ours.double(), expected, rtol=1e-6, atol=0)
     assert torch.all(ours > 0)
 
@@ -138,7 +138,7 @@ def test_exqpe_closed_form_equals_recurrence(n, l, S, theta1, theta2, factor):  
     for b in range(2):
         for t in range(2):
             m = int(positions[b, t])
-            expected = torch.tensor(ref.exqpe_values(m, l, S, theta1, theta2, factor), dtype=torch.float64)
+            expected = torch.tensor(exqpe.exqpe_values(m, l, S, theta1, theta2, factor), dtype=torch.float64)
             torch.testing.assert_close(ours[b, t].double(), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -152,7 +152,7 @@ def test_expe_values_equal_reference(n, l, S, theta, factor):  # noqa: E741, N80
     for b in range(2):
         for t in range(2):
             m = int(positions[b, t])
-            expected = torch.tensor(ref.expe_values(m, l, S, theta, factor), dtype=torch.float64)
+            expected = torch.tensor(expe.expe_values(m, l, S, theta, factor), dtype=torch.float64)
             torch.testing.assert_close(ours[b, t].double(), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -224,7 +224,7 @@ def test_rope_scores_depend_only_on_relative_position(case, m, n, s, factor):
     shifted = rotate(q, m + s, inv_freq, factor) @ rotate(k, n + s, inv_freq, factor)
     scale = float(q.norm() * k.norm()) * factor**2
     assert abs(float(shifted - score)) <= 1e-9 * scale
-    matrix = ref.rotation_matrix(m, inv_freq.tolist(), head_dim, factor)
+    matrix = rope.rotation_matrix(m, inv_freq.tolist(), head_dim, factor)
     torch.testing.assert_close(rotate(q, m, inv_freq, factor), matrix @ q, rtol=1e-9, atol=1e-9)
 
 
@@ -241,5 +241,7 @@ def test_sinusoidal_table_equals_reference(positions, dim, base):
     """sinusoidal_table equals Vaswani et al.'s P[n, 2i] = sin(n/base^(2i/d)), P[n, 2i+1] = cos(...)."""
     ours = sinusoidal_table(torch.tensor(positions), dim, base)
     assert ours.shape == (len(positions), dim) and ours.dtype == torch.float32
-    expected = torch.tensor([ref.sinusoidal_vector(n, dim, base) for n in positions], dtype=torch.float64)
+    expected = torch.tensor(
+        [sinusoidal.sinusoidal_vector(n, dim, base) for n in positions], dtype=torch.float64
+    )
     torch.testing.assert_close(ours.double(), expected, rtol=0, atol=1e-6)

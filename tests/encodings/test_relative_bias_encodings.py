@@ -1,8 +1,6 @@
-"""KERPLE, Sandwich and FIRE: formula references, the generic invariants, hypothesis
-properties, parameter validation.
-
-References here are written from the papers' formulas with plain loops in fp64 and read
-only the encodings' raw parameters; nothing from hf_posenc computes them.
+"""KERPLE, Sandwich and FIRE: hypothesis properties of their biases, initial values, parameter
+validation. Their formula references (tests/references/kerple.py, sandwich.py, fire.py) are
+checked against every patched layer by tests/encodings/test_formula_references.py.
 """
 
 from __future__ import annotations
@@ -11,11 +9,10 @@ import dataclasses
 import functools
 
 import pytest
-import reference as ref
 import torch
-from capture import LENGTH, run_and_capture
-from conftest import make_model, native_window, num_query_heads, patch, randomize_encoding, token_ids
-from encoding_cases import case_id, cases_of
+from capture import LENGTH
+from conftest import make_model, patch, randomize_encoding
+from encoding_cases import cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,38 +22,11 @@ from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.call import ScoreCall
 
 CASES = cases_of("kerple", "sandwich", "fire")
-REFERENCE_CASES = [*CASES, ("sandwich", {"dim": 16}), ("kerple", {"variant": "power"})]
 SETTINGS = settings(max_examples=30, deadline=None)
 LOW = float(torch.tensor(0.01))  # KERPLE's lower bound 0.01 as the fp32 value the parameters hold
 
 
-# -- formula references (fp64, loops) ------------------------------------------------------------
-
-
-def layer_reference(name, params, module, hidden, model, layer_idx):
-    """One attention layer, fp64: softmax(q.k*scale + bias_formula) v by tests/reference.py."""
-    heads = num_query_heads(model)
-    if name == "kerple":
-        bias = ref.kerple_bias(params, model.posenc, layer_idx)
-    elif name == "sandwich":
-        bias = ref.sandwich_bias(params, heads)
-    else:
-        bias = ref.fire_bias(params, model.posenc, layer_idx)
-    window = native_window(model, layer_idx)
-    return ref.attention_layer(module, hidden, softmax_scale=module.scaling, window=window, bias=bias)
-
-
-@pytest.mark.parametrize("ref_case", REFERENCE_CASES, ids=[case_id(c) for c in REFERENCE_CASES])
-def test_patched_attention_equals_formula_reference(family, ref_case):
-    """Every patched attention layer equals softmax(q.k*scale + bias_formula) v computed with
-    loops in fp64 from the module's weights and the encoding's raw parameters."""
-    name, params = ref_case
-    model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, token_ids(2, LENGTH))
-    for layer_idx, module in enumerate(attention):
-        hidden, output = records[layer_idx]
-        expected = layer_reference(name, params, module, hidden, model, layer_idx)
-        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+# -- the reference cases ------------------------------------------------------------------------
 
 
 def test_fire_reference_case_interpolates_past_the_threshold():

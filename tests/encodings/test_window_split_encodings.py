@@ -1,23 +1,19 @@
-"""SelfExtend, ReRoPE and Leaky ReRoPE (training-free extension of a RoPE checkpoint): every
-attention layer equals an fp64 explicit-score reference written from the papers' position maps,
-with the neighbour block backend (the default) and the eager core; decoding with a KV cache over
-many steps with left padding; the degenerate settings that are plain RoPE; bad input; reconfigure.
-
-Position maps, from the papers (i: query position, j: key position, w: window):
-  selfextend (LongLM):  i - j < w: (i, j), else (i // G + w - w // G, j // G)
-  rerope (bojone):      i - j < w: (i, j), else (w, 0)
-  leaky_rerope:         i - j < w: (i, j), else (i / k + w - w / k, j / k)
+"""SelfExtend, ReRoPE and Leaky ReRoPE (training-free extension of a RoPE checkpoint): the eager
+core against the fp64 explicit-score reference written from the papers' position maps
+(tests/references/selfextend.py, rerope.py; the default neighbour block backend is checked
+against it on every rotary family by tests/encodings/test_formula_references.py); decoding with a
+KV cache over many steps with left padding; the degenerate settings that are plain RoPE; bad
+input; reconfigure.
 """
 
 from __future__ import annotations
 
 import pytest
-import reference as ref
 import torch
 from capture import LENGTH, run_and_capture
-from conftest import ROTARY_FAMILIES, make_model, native_window, patch, token_ids
+from conftest import make_model, patch, token_ids
 from encoding_cases import case_id, cases_of
-from test_reference import native_rope, reference_inv_freq
+from references import layer_reference
 from transformers import DynamicCache
 
 import hf_posenc
@@ -30,53 +26,6 @@ CASES = cases_of("selfextend", "rerope", "leaky_rerope")
 def tiny_blocks(monkeypatch):
     """Blocks of 5 queries, so every input spans several (the default is 256)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
-
-
-def position_map(name: str, params: dict, trained: int):
-    window = params.get("window", trained // 4)
-    group, leak = params.get("group_size", 8), params.get("leak", 16.0)
-
-    def positions(i: int, j: int) -> tuple[float, float]:
-        if i - j < window:
-            return i, j
-        if name == "selfextend":
-            return i // group + window - window // group, j // group
-        if name == "rerope":
-            return window, 0
-        return i / leak + window - window / leak, j / leak
-
-    return positions
-
-
-def layer_reference(name, params, module, hidden, model, layer_idx):
-    """One attention layer in fp64 from the position maps above, with the layer's native RoPE
-    (theta as the config states it; natively position-free layers stay so)."""
-    theta, rotates = native_rope(model, layer_idx)
-    rotation = None
-    if rotates:
-        inv_freq, factor = reference_inv_freq({**params, "theta": theta}, module.head_dim, seq_len=LENGTH)
-        rotation = lambda p: ref.rotation_matrix(p, inv_freq, module.head_dim, factor)  # noqa: E731
-    return ref.two_map_attention_layer(
-        module,
-        hidden,
-        softmax_scale=module.scaling,
-        window=native_window(model, layer_idx),
-        rotation=rotation,
-        positions=position_map(name, params, model.config.max_position_embeddings),
-    )
-
-
-@pytest.mark.parametrize("family", ROTARY_FAMILIES)
-@pytest.mark.parametrize("case_", CASES, ids=[case_id(c) for c in CASES])
-def test_attention_equals_the_papers_position_maps(family, case_):
-    """Default backend (neighbour and far keys in blocks of 5, merged by log-sum-exp)."""
-    name, params = case_
-    model = patch(make_model(family), name, params)
-    records, attention = run_and_capture(model, token_ids(2, LENGTH))
-    for layer_idx, module in enumerate(attention):
-        hidden, output = records[layer_idx]
-        expected = layer_reference(name, params, module, hidden, model, layer_idx)
-        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case_", CASES, ids=[case_id(c) for c in CASES])

@@ -1,9 +1,9 @@
-"""xPos (Sun et al. 2023, arXiv:2212.10554): the formula reference with separate query and key
-maps, the relative (shift-invariant) and decaying scores the paper designs, torchscale's
-centred form, the dtype's position range, and parameter validation.
+"""xPos (Sun et al. 2023, arXiv:2212.10554): the relative (shift-invariant) and decaying scores the
+paper designs, torchscale's centred form, the dtype's position range, and parameter validation.
 
-References are written from the paper's formula (tests/reference.py ``xpos_matrices``) and from
-torchscale's ``XPOS`` module as published; nothing from hf_posenc computes them."""
+References are torchscale's ``XPOS`` module as published (below) and the paper's formula
+(tests/references/xpos.py, with separate query and key maps; checked against every patched layer
+by tests/encodings/test_formula_references.py); nothing from hf_posenc computes them."""
 
 from __future__ import annotations
 
@@ -11,31 +11,13 @@ import math
 
 import pytest
 import torch
-from capture import LENGTH, run_and_capture
 from conftest import make_model, patch, token_ids
-from encoding_cases import case_id, cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reference import layer_reference
 
 import hf_posenc
 from hf_posenc.core.memo import ForwardMemo
 from hf_posenc.encodings.base import probe_layer_call
-
-CASES = cases_of("xpos")
-
-
-@pytest.mark.parametrize("case_", CASES, ids=[case_id(c) for c in CASES])
-def test_patched_attention_equals_formula_reference(family, case_):
-    """Every attention layer equals softmax((Q_i q_i).(K_j k_j) * scale) v in fp64, with
-    Q_t = diag(zeta^(t/gamma)) R_t and K_t = diag(zeta^(-t/gamma)) R_t from the paper."""
-    name, params = case_
-    model = patch(make_model(family), name, params, randomize=False)
-    records, attention = run_and_capture(model, token_ids(2, LENGTH))
-    for layer_idx, module in enumerate(attention):
-        hidden, output = records[layer_idx]
-        expected = layer_reference(name, params, module, hidden, model, layer_idx)
-        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def torchscale_xpos(x: torch.Tensor, offset: int = 0, downscale: bool = False, scale_base: float = 512.0):

@@ -16,10 +16,10 @@ from conftest import (
     ROTARY_FAMILIES,
     attention_modules,
     make_model,
-    native_window,
     patch,
     token_ids,
 )
+from references.config import native_window
 
 import hf_posenc
 from hf_posenc import UnsupportedModelError

@@ -1,104 +1,14 @@
-"""Independent references, written from the papers' formulas with loops and explicit
-matrices. Nothing here imports hf_posenc: the tests compare the package against these.
-"""
+"""One attention layer written out with loops in fp64, from the module's own weights: the q/k/v
+projections read from the module's structure, softmax over the allowed keys (causal, and the
+sliding window when the layer has one), the output projection. Every encoding's reference is one
+of these loops with the encoding's formula plugged in (a score bias, a rotation, an input
+override, or its own attention weights). Nothing here imports hf_posenc."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
-
-# -- positional values ------------------------------------------------------------------
-
-
-def sinusoidal_vector(n: int, d: int, base: float = 10000.0) -> list[float]:
-    """Vaswani et al.: P[n, 2i] = sin(n / base^(2i/d)), P[n, 2i+1] = cos(n / base^(2i/d))."""
-    out = []
-    for k in range(d):
-        i = k // 2
-        angle = n / base ** (2 * i / d)
-        out.append(math.sin(angle) if k % 2 == 0 else math.cos(angle))
-    return out
-
-
-def alibi_slopes(n: int) -> list[float]:
-    """Press et al.'s reference ``get_slopes`` (recursive form)."""
-
-    def power_of_2(n: int) -> list[float]:
-        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
-        return [start * start**i for i in range(n)]
-
-    if math.log2(n).is_integer():
-        return power_of_2(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n - closest]
-
-
-def t5_bucket(n: int, num_buckets: int, max_distance: int) -> int:
-    """Seed 001's bucket(n) for the causal distance n = i - j (future keys: bucket 0)."""
-    n = max(n, 0)
-    half = num_buckets // 2
-    if n < half:
-        return n
-    if n >= max_distance:
-        return num_buckets - 1
-    return min(num_buckets - 1, half + math.floor(math.log(n / half) / math.log(max_distance / half) * half))
-
-
-def expe_values(n: int, l: int, S: float, theta: float, factor: float = 1.0) -> list[float]:  # noqa: E741, N803
-    """ExPE eq. 3: (p_n, ..., p_{n+l-1}) with p_m = S + theta*m, position part divided by factor."""
-    return [S + theta * (n + j) / factor for j in range(l)]
-
-
-def exqpe_values(n: int, l: int, S: float, theta1: float, theta2: float, factor: float = 1.0) -> list[float]:  # noqa: E741, N803
-    """ExQPE eq. 5 by its recurrence: p_0 = (S+theta2, S+theta1, ..., S+(l-1)theta1); step i adds theta2 to i mod l."""
-    p = [S + i * theta1 for i in range(l)]
-    p[0] += theta2
-    for i in range(1, n + 1):
-        p[i % l] += theta2
-    return [S + (v - S) / factor for v in p]
-
-
-def rotation_matrix(
-    position: float, inv_freq: list[float], head_dim: int, attention_factor: float = 1.0
-) -> torch.Tensor:
-    """RoPE's block rotation acting on pairs (i, i + d_rot/2) of the first d_rot dims (Llama layout)."""
-    rotary = 2 * len(inv_freq)
-    half = rotary // 2
-    matrix = torch.eye(head_dim, dtype=torch.float64)
-    for i, omega in enumerate(inv_freq):
-        c, s = math.cos(position * omega) * attention_factor, math.sin(position * omega) * attention_factor
-        matrix[i, i], matrix[i, i + half] = c, -s
-        matrix[i + half, i], matrix[i + half, i + half] = s, c
-    return matrix
-
-
-def xpos_matrices(
-    position: float,
-    inv_freq: list[float],
-    head_dim: int,
-    *,
-    scale_base: float,
-    gamma: float,
-    decay_position: float,
-    attention_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """xPos (Sun et al. 2023, Sec. 3): (query map, key map) of one token. Pair i of the rotary dims
-    is RoPE's rotation by ``position`` times zeta_i^(p/gamma) for queries and zeta_i^(-p/gamma) for
-    keys, zeta_i = (i/(d/2) + c)/(1 + c) with c = ``gamma``, gamma = ``scale_base``, p = ``decay_position``."""
-    half = len(inv_freq)
-    rotation = rotation_matrix(position, inv_freq, head_dim, attention_factor)
-    up = torch.ones(head_dim, dtype=torch.float64)
-    down = torch.ones(head_dim, dtype=torch.float64)
-    for i in range(half):
-        zeta = (i / half + gamma) / (1 + gamma)
-        for dim in (i, i + half):
-            up[dim] = zeta ** (decay_position / scale_base)
-            down[dim] = zeta ** (-decay_position / scale_base)
-    return torch.diag(up) @ rotation, torch.diag(down) @ rotation
-
-
-# -- one attention layer ------------------------------------------------------------------
 
 
 def _linear(x: torch.Tensor, layer) -> torch.Tensor:
@@ -158,6 +68,11 @@ def output_projection(module, merged: torch.Tensor) -> torch.Tensor:
     return _linear(merged, module.o_proj)
 
 
+def allowed_keys(i: int, window: int | None) -> list[int]:
+    """The keys query i attends to: j <= i, and i - j < window when a sliding window is set."""
+    return [j for j in range(i + 1) if window is None or i - j < window]
+
+
 @torch.no_grad()
 def attention_layer(
     module,
@@ -177,7 +92,6 @@ def attention_layer(
     ``rotation(t, i) -> (D, D)`` rotates q_t and k_t for query i (frequencies may depend on
     the query, as in causal dynamic NTK); ``key_rotation(t, i)``, when given, maps k_t instead
     (xPos scales queries and keys differently); ``bias(h, i, j) -> float``.
-    Allowed keys: j <= i, and i - j < window when a sliding window is set.
     """
     hidden = hidden.double()
     batch, length, _ = hidden.shape
@@ -196,7 +110,7 @@ def attention_layer(
             g = h // (heads // kv_heads)  # the KV head serving query head h
             for i in range(length):
                 qi = rotation(i, i) @ q[b, i, h] if rotation else q[b, i, h]
-                keys = [j for j in range(i + 1) if window is None or i - j < window]
+                keys = allowed_keys(i, window)
                 scores = []
                 for j in keys:
                     key_map = key_rotation or rotation
@@ -204,6 +118,51 @@ def attention_layer(
                     scores.append(float(qi @ kj) * softmax_scale + (bias(h, i, j) if bias else 0.0))
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
+    return output_projection(module, out.reshape(batch, length, -1))
+
+
+@torch.no_grad()
+def attention_with_matrices(
+    module, hidden: torch.Tensor, *, window: int | None, matrix: Callable[[int, int, int], torch.Tensor]
+) -> torch.Tensor:
+    """softmax_j((M(b, g, i) q_i) . (M(b, g, j) k_j) * scaling) v_j over allowed j, per query head h
+    with KV head g = h // group; ``matrix(b, g, t)`` is the (D, D) positional map of token t of
+    batch row b (learned per KV head for LieRE, FoPE, ComRoPE; of caller coordinates for rope2d)."""
+    hidden = hidden.double()
+    batch, length, _ = hidden.shape
+    q, k, v = projections(module, hidden, hidden)  # (B, T, H, D)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            keys_rot = [matrix(b, g, j) @ k[b, j, g] for j in range(length)]
+            for i in range(length):
+                qi = matrix(b, g, i) @ q[b, i, h]
+                keys = allowed_keys(i, window)
+                scores = [float(qi @ keys_rot[j]) * module.scaling for j in keys]
+                weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
+                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
+    return output_projection(module, out.reshape(batch, length, -1))
+
+
+@torch.no_grad()
+def attention_from_weights(module, hidden: torch.Tensor, *, window: int | None, weights) -> torch.Tensor:
+    """sum_j A_hij v_j over allowed j, then the output projection, for encodings that compute the
+    attention weights themselves (CoPE, stick-breaking, CAPE): ``weights(b, i, keys, q, k)`` gives
+    one row of weights over ``keys`` per query head, from q (B, T, H, D) and k (B, T, Hkv, D)."""
+    hidden = hidden.double()
+    batch, length, _ = hidden.shape
+    q, k, v = projections(module, hidden, hidden)  # (B, T, H, D)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    out = torch.zeros(batch, length, heads, q.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for i in range(length):
+            keys = allowed_keys(i, window)
+            rows = weights(b, i, keys, q, k)
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(rows[h], keys, strict=True))
     return output_projection(module, out.reshape(batch, length, -1))
 
 
@@ -219,8 +178,7 @@ def two_map_attention_layer(
 ) -> torch.Tensor:
     """softmax_j((R(a) q_i) . (R(b) k_j) * softmax_scale) v_j with ``(a, b) = positions(i, j)``: RoPE
     where the rotation of both query and key depends on the pair (SelfExtend, ReRoPE).
-    ``rotation(p) -> (D, D)`` is the RoPE matrix of position p (None: no rotation); allowed keys:
-    j <= i, and i - j < window when a sliding window is set."""
+    ``rotation(p) -> (D, D)`` is the RoPE matrix of position p (None: no rotation)."""
     hidden = hidden.double()
     batch, length, _ = hidden.shape
     q, k, v = projections(module, hidden, hidden)
@@ -230,7 +188,7 @@ def two_map_attention_layer(
         for h in range(heads):
             g = h // (heads // kv_heads)
             for i in range(length):
-                keys = [j for j in range(i + 1) if window is None or i - j < window]
+                keys = allowed_keys(i, window)
                 scores = []
                 for j in keys:
                     qi, kj = q[b, i, h], k[b, j, g]
@@ -241,45 +199,3 @@ def two_map_attention_layer(
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
     return output_projection(module, out.reshape(batch, length, -1))
-
-
-def kerple_bias(params: dict, posenc, layer_idx: int):
-    """KERPLE: log -r1*log(1 + r2*(i-j)), power -r1*(i-j)^r2; r1, r2 >= 0.01, power r2 <= 2."""
-    row = 0 if params.get("shared_across_layers", True) else layer_idx
-    r1 = [max(float(v), 0.01) for v in posenc.r1[row].detach().double()]
-    r2 = [max(float(v), 0.01) for v in posenc.r2[row].detach().double()]
-    if params.get("variant", "log") == "power":
-        r2 = [min(v, 2.0) for v in r2]
-        return lambda h, i, j: -r1[h] * (i - j) ** r2[h]
-    return lambda h, i, j: -r1[h] * math.log(1 + r2[h] * (i - j))
-
-
-def sandwich_bias(params: dict, heads: int):
-    """Sandwich: (sum_{k=1}^{d'/2} cos((i-j)/10000^(2k/d')) - d'/2) / (8h/H), h = 1..H."""
-    dim = params.get("dim", 128)
-
-    def bias(h, i, j):
-        kernel = sum(math.cos((i - j) / 10000 ** (2 * k / dim)) for k in range(1, dim // 2 + 1))
-        return (kernel - dim / 2) / (8 * (h + 1) / heads)
-
-    return bias
-
-
-def fire_bias(params: dict, posenc, layer_idx: int):
-    """FIRE: f(log(1+|c|(i-j)) / (log(1+|c| max(L, i)) + 1e-6)), f = W2 relu(W1 x + b1) + b2."""
-    index = layer_idx if not params.get("shared_across_layers", False) else 0
-    fn = posenc.functions[index]
-    c = abs(float(fn.c.detach()))
-    big_l = abs(float(fn.L_multiplier.detach()) * params.get("init_L", 512.0))
-    w1, b1 = fn.hidden.weight.detach().double()[:, 0].tolist(), fn.hidden.bias.detach().double().tolist()
-    w2, b2 = fn.out.weight.detach().double().tolist(), fn.out.bias.detach().double().tolist()
-    cache = {}
-
-    def bias(h, i, j):
-        if (h, i, j) not in cache:
-            x = math.log(1 + c * (i - j)) / (math.log(1 + c * max(big_l, i)) + 1e-6)
-            hidden = [max(0.0, w * x + b) for w, b in zip(w1, b1, strict=True)]
-            cache[h, i, j] = sum(w * a for w, a in zip(w2[h], hidden, strict=True)) + b2[h]
-        return cache[h, i, j]
-
-    return bias
