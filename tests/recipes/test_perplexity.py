@@ -50,6 +50,19 @@ def manual_loss(model: nn.Module, tokens: torch.Tensor, length: int, budget: int
     return nll.item() / count, count
 
 
+def manual_stderr(model: nn.Module, tokens: torch.Tensor, length: int, budget: int) -> float:
+    """Reference: each window's mean token loss, then the standard error of their mean
+    (statistics.stdev / sqrt(n), the textbook formula)."""
+    import statistics
+
+    windows = tokens[: budget // length * length].view(-1, length)
+    with torch.no_grad():
+        logits = model(windows).logits  # (W, L, V)
+    per_token = F.cross_entropy(logits[:, :-1].double().transpose(1, 2), windows[:, 1:], reduction="none")
+    means = per_token.mean(dim=1).tolist()  # (W,)
+    return statistics.stdev(means) / math.sqrt(len(means))
+
+
 class RecordingModel(nn.Module):
     """Uniform logits (loss = log V exactly); records every batch of windows it is given."""
 
@@ -104,6 +117,7 @@ def test_loss_equals_manual_cross_entropy_of_each_window(family, encoding, monke
         assert r.tokens == count
         assert r.loss == pytest.approx(expected, rel=1e-5)
         assert r.perplexity == pytest.approx(math.exp(expected), rel=1e-5)
+        assert r.stderr == pytest.approx(manual_stderr(model, tokens, r.length, 192), rel=1e-4)
 
 
 def test_windows_are_disjoint_and_every_length_reads_the_same_tokens():
@@ -229,8 +243,8 @@ def test_native_gpt2_longer_than_n_positions_fails_before_work_but_patched_gpt2_
 
 
 # -- report ----------------------------------------------------------------------------------
-def _result(multiple: int, loss: float) -> LengthResult:
-    return LengthResult(multiple, 8 * multiple, 2, 2 * (8 * multiple - 1), loss, math.exp(loss))
+def _result(multiple: int, loss: float, stderr: float = 0.0625) -> LengthResult:
+    return LengthResult(multiple, 8 * multiple, 2, 2 * (8 * multiple - 1), loss, math.exp(loss), stderr)
 
 
 REPORT = {
@@ -239,27 +253,48 @@ REPORT = {
 }
 
 
-def test_table_has_a_row_per_model_and_a_loss_column_per_multiple():
-    table = format_table(REPORT, perplexity=True).splitlines()
-    assert table[0].split() == ["model", "loss", "(ev=1)", "loss", "(ev=2)", "loss", "(ev=4)"] + [
-        "ppl", "(ev=1)", "ppl", "(ev=2)", "ppl", "(ev=4)"
-    ]  # fmt: skip
-    assert table[2].split()[:4] == ["rope", "2.500", "3.750", "-"]
-    assert table[3].split()[:4] == ["expe", "2.250", "2.125", "2.000"]
-    assert table[3].split()[4] == f"{math.exp(2.25):.2f}"
+def test_table_has_a_row_per_model_a_loss_column_per_multiple_with_units_errors_and_counts():
+    """Each cell is loss ± standard error (n=windows), the header names nats and the length; the
+    increase from the shortest to the longest length ranks the rows (lower first); a note says what
+    the numbers are and any warning follows."""
+    table = format_table(REPORT, perplexity=True, warnings=["look out"]).splitlines()
+    header = " ".join(table[0].split())
+    for m, length in ((1, 8), (2, 16), (4, 32)):
+        assert f"loss, nats (ev={m}, {length} tok)" in header and f"perplexity (ev={m})" in header
+    assert "increase, nats" in header and "rank" in header
+    rope, expe = table[2], table[3]
+    assert rope.startswith("rope") and "2.500 ± 0.062 (n=2)" in rope and "3.750 ± 0.062 (n=2)" in rope
+    assert expe.startswith("expe") and "2.000 ± 0.062 (n=2)" in expe and f"{math.exp(2.25):.2f}" in expe
+    # rope rises 3.75 - 2.5 = +1.25 (rank 2), expe 2.0 - 2.25 = -0.25 (rank 1); SE sqrt(2) * 0.0625
+    assert f"+1.250 ± {math.sqrt(2) * 0.0625:.3f}" in rope and rope.split()[-4] == "2"
+    assert "-0.250" in expe and expe.split()[-4] == "1"
+    assert "nats" in table[-2] and "lower is better" in table[-2]
+    assert table[-1] == "warning: look out"
 
 
 def test_write_report_writes_csv_json_and_a_png(tmp_path):
     import matplotlib.image
 
     paths = write_report(REPORT, tmp_path / "out", train_length=8, title="demo", metadata={"data": ["x"]})
-    rows = list(csv.DictReader(paths["csv"].open()))
-    assert [(r["label"], int(r["length"]), float(r["loss"])) for r in rows] == [
+    lines = paths["csv"].read_text().splitlines()
+    comments = [line for line in lines if line.startswith("#")]
+    assert any(line.startswith("# date: ") for line in comments)
+    assert any(line.startswith("# versions: ") and "torch" in line for line in comments)
+    assert any("too few windows" in line for line in comments)  # 2 windows per length
+    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    assert [(r["label"], int(r["length_tokens"]), float(r["loss_nats"])) for r in rows] == [
         ("rope", 8, 2.5), ("rope", 16, 3.75), ("expe", 8, 2.25), ("expe", 16, 2.125), ("expe", 32, 2.0)
     ]  # fmt: skip
+    assert {float(r["loss_stderr_nats"]) for r in rows} == {0.0625} and {r["windows"] for r in rows} == {"2"}
     document = json.loads(paths["json"].read_text())
-    assert document["train_length"] == 8 and document["metadata"] == {"data": ["x"]}
-    assert document["results"]["expe"][2] == _result(4, 2.0).to_dict()
+    assert document["train_length_tokens"] == 8 and document["metadata"]["data"] == ["x"]
+    assert document["metadata"]["provenance"]["date"] and "loss_nats" in document["units"]
+    assert document["results"]["expe"][2] == {
+        "multiple": 4, "length_tokens": 32, "windows": 2, "predicted_tokens": 62,
+        "loss_nats": 2.0, "loss_stderr_nats": 0.0625, "perplexity": math.exp(2.0),
+    }  # fmt: skip
+    assert [row["label"] for row in document["ranking"]] == ["expe", "rope"]
+    assert any("too few windows" in w for w in document["warnings"])
     assert paths["png"].read_bytes()[:8] == PNG_SIGNATURE
     assert matplotlib.image.imread(paths["png"]).shape[2] in (3, 4)
     assert "expe" in paths["table"].read_text()
@@ -346,10 +381,10 @@ def test_cli_end_to_end_table_csv_json_png_with_one_row_per_model(workspace, tmp
     assert run_cli(root, "--model", *models, "--multiples", "1", "2", "4", "--output", str(out)) == 0
     printed = capsys.readouterr().out
     table = printed[printed.index("model ") :].splitlines()
-    assert "loss (ev=1)" in table[0] and "loss (ev=4)" in table[0]
+    assert "loss, nats (ev=1, 16 tok)" in table[0] and "loss, nats (ev=4, 64 tok)" in table[0]
     assert table[2].startswith("llama (native)") and table[3].startswith("gpt2-alibi (alibi)")
 
-    rows = list(csv.DictReader((out / "results.csv").open()))
+    rows = list(csv.DictReader(line for line in (out / "results.csv").open() if not line.startswith("#")))
     assert [(r["label"], r["multiple"]) for r in rows] == [
         (label, m) for label in ("llama (native)", "gpt2-alibi (alibi)") for m in ("1", "2", "4")
     ]
@@ -368,8 +403,9 @@ def test_cli_end_to_end_table_csv_json_png_with_one_row_per_model(workspace, tmp
     budget = len(ids) // 64 * 64
     llama = hf_posenc.load_model(str(root / "llama")).eval()
     for row in rows[:3]:
-        expected, count = manual_loss(llama, tokens, int(row["length"]), budget)
-        assert int(row["tokens"]) == count and float(row["loss"]) == pytest.approx(expected, rel=1e-5)
+        expected, count = manual_loss(llama, tokens, int(row["length_tokens"]), budget)
+        assert int(row["predicted_tokens"]) == count
+        assert float(row["loss_nats"]) == pytest.approx(expected, rel=1e-5)
 
 
 def test_cli_encoding_params_are_json(workspace, tmp_path, capsys):
@@ -484,10 +520,10 @@ def test_cli_overrides_a_saved_checkpoints_scaling_for_the_evaluation_only(works
     )
     budget = len(tokens) // 32 * 32
     for row, unscaled_row in zip(scaled["results"][label], unscaled["results"]["expe (expe)"], strict=True):
-        expected, count = manual_loss(model, tokens, row["length"], budget)
-        assert row["tokens"] == count and row["loss"] == pytest.approx(expected, abs=1e-6)
+        expected, count = manual_loss(model, tokens, row["length_tokens"], budget)
+        assert row["predicted_tokens"] == count and row["loss_nats"] == pytest.approx(expected, abs=1e-6)
         # a random tiny model barely uses positions: the change is small but far above the tolerance
-        assert abs(row["loss"] - unscaled_row["loss"]) > 1e-5
+        assert abs(row["loss_nats"] - unscaled_row["loss_nats"]) > 1e-5
     assert json.loads((root / "expe" / "config.json").read_text())["posenc"] == on_disk
 
 

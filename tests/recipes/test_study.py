@@ -41,7 +41,11 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     text = paths["table"].read_text()
     for label in ["rope (base, no further training)", "rope", "alibi", "expe (scaling linear x2)"]:
         assert label in text and label in out
-    assert "loss (ev=4)" in text
+    assert "loss, nats (ev=4, 64 tok)" in text and "(n=" in text and "increase, nats" in text
+    assert "warning: too short" in text  # MINI trains a couple of steps
+    assert report["row_kinds"]["rope (base, no further training)"] == "base"
+    assert report["row_kinds"]["rope (PI at eval, factor = length/16)"] == "eval-only"
+    assert report["row_kinds"]["alibi"] == "trained"
     assert report  # machine-readable copy of the same numbers
     # every run is a reloadable patched checkpoint
     alibi = hf_posenc.from_pretrained(str(tmp_path / "runs" / "alibi" / "final"))
@@ -52,8 +56,10 @@ def test_default_study_runs_offline_and_writes_the_report(tmp_path, capsys):
     # factor 1 at 1x (so it equals the trained rope row there), labelled and listed as eval-only
     results = report["results"]
     interpolated = results["rope (PI at eval, factor = length/16)"]
-    assert interpolated[0]["loss"] == results["rope"][0]["loss"]
-    assert all(a["loss"] != b["loss"] for a, b in zip(interpolated[1:], results["rope"][1:], strict=True))
+    assert interpolated[0]["loss_nats"] == results["rope"][0]["loss_nats"]
+    assert all(
+        a["loss_nats"] != b["loss_nats"] for a, b in zip(interpolated[1:], results["rope"][1:], strict=True)
+    )
     # and RoPE + SelfExtend, no training: window 16/2 = 8, group size ceil((64 - 8)/(16 - 8)) + 1 = 8
     selfextend = "rope (selfextend window=8, group_size=8, no training)"
     assert report["metadata"]["eval_only_rows"] == ["rope (PI at eval, factor = length/16)", selfextend]
@@ -90,7 +96,7 @@ def test_eval_only_rows_evaluate_trained_runs_at_other_parameters(tmp_path, caps
     tokens = tokenize_documents(documents, tokenizer, max_tokens=max(MINI["eval_tokens"], max(lengths)))
     tokens = tokens[: token_budget(tokens.numel(), lengths, MINI["eval_tokens"])]
     expected = evaluate_lengths(model, tokens, 16, MINI["multiples"], batch_size=8, progress=False)
-    assert [r["loss"] for r in row] == pytest.approx([r.loss for r in expected], abs=1e-9)
+    assert [r["loss_nats"] for r in row] == pytest.approx([r.loss for r in expected], abs=1e-9)
 
 
 @pytest.mark.slow  # multi-second; CI runs it
@@ -117,7 +123,7 @@ def test_selfextend_row_evaluates_the_trained_rope_run_without_training(tmp_path
     tokens = tokenize_documents(documents, tokenizer, max_tokens=max(MINI["eval_tokens"], max(lengths)))
     tokens = tokens[: token_budget(tokens.numel(), lengths, MINI["eval_tokens"])]
     expected = evaluate_lengths(model, tokens, 16, MINI["multiples"], batch_size=8, progress=False)
-    assert [r["loss"] for r in report["results"][label]] == pytest.approx(
+    assert [r["loss_nats"] for r in report["results"][label]] == pytest.approx(
         [r.loss for r in expected], abs=1e-9
     )
 

@@ -145,6 +145,17 @@ def _plan(
     return Plan(name or "native", dict(resolved) if name else None, overrides)
 
 
+def run_name(directory: str) -> str:
+    """The name a row is known by: the folder's, or for a run's ``final``/``checkpoint-N`` folder the
+    run's (``runs/alibi/final`` -> ``alibi``, ``runs/alibi/checkpoint-200`` -> ``alibi/checkpoint-200``)."""
+    folder = Path(directory).resolve()
+    if folder.name == "final" and folder.parent.name:
+        return folder.parent.name
+    if folder.name.startswith("checkpoint-") and folder.parent.name:
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name
+
+
 def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any]) -> list[str]:
     """``--labels``, or ``folder (encoding)`` per model; a row evaluated with overridden parameters says so
     (``run (expe, x0.5 at eval)``), a plain checkpoint patched with parameters shows them."""
@@ -161,7 +172,7 @@ def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any])
         described = plan.label
         if params and plan.eval_overrides is None and plan.encoding != "native":
             described += " " + json.dumps(params, separators=(",", ":"))
-        label = f"{Path(directory).resolve().name} ({described})"
+        label = f"{run_name(directory)} ({described})"
         candidate, number = label, 2
         while candidate in labels:
             candidate, number = f"{label} #{number}", number + 1
@@ -213,6 +224,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
     from ...core.request import check_request
     from ..data import check_sources
     from ..evaluation.perplexity import check_multiples, evaluate_lengths, token_budget
+    from ..evaluation.ranking import result_warnings
     from ..evaluation.report import (
         FILE_NAMES,
         check_output_dir,
@@ -271,6 +283,7 @@ def command_perplexity(args: argparse.Namespace) -> int:
         "models": {},
         "provenance": provenance(),
     }
+    kinds = {label: "eval-only" for label, plan in zip(labels, plans, strict=True) if plan.eval_overrides}
     title = args.title or f"Loss at multiples of the training length ({args.train_length} tokens)"
     for number, (directory, label, plan, (tokens, budget)) in enumerate(
         zip(directories, labels, plans, model_streams, strict=True), 1
@@ -305,17 +318,18 @@ def command_perplexity(args: argparse.Namespace) -> int:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         # partial results survive a failure in a later model
-        write_csv(results, output / FILE_NAMES["csv"])
+        write_csv(results, output / FILE_NAMES["csv"], metadata=metadata, kinds=kinds)
         write_json(
             results,
             output / FILE_NAMES["json"],
             train_length=args.train_length,
             title=title,
             metadata=metadata,
+            kinds=kinds,
         )
-    paths = write_report(results, output, args.train_length, title, metadata=metadata)
+    paths = write_report(results, output, args.train_length, title, metadata=metadata, kinds=kinds)
     print()
-    print(format_table(results, perplexity=args.perplexity))
+    print(format_table(results, perplexity=args.perplexity, kinds=kinds, warnings=result_warnings(results)))
     print()
     for kind, path in paths.items():
         print(f"{kind:>5}: {path}")

@@ -36,7 +36,10 @@ class LengthResult:
     """Loss at one evaluation length ``length = multiple * train_length``.
 
     ``tokens`` is the number of predicted tokens (``windows * (length - 1)``); ``loss`` is
-    their mean negative log-likelihood in nats; ``perplexity`` is ``exp(loss)``.
+    their mean negative log-likelihood in nats; ``perplexity`` is ``exp(loss)``; ``stderr`` is
+    the standard error of ``loss`` over the windows, ``s / sqrt(windows)`` with ``s`` the sample
+    standard deviation of the windows' mean losses (every window predicts the same number of
+    tokens, so ``loss`` is their plain mean); NaN for a single window.
     """
 
     multiple: int
@@ -45,9 +48,32 @@ class LengthResult:
     tokens: int
     loss: float
     perplexity: float
+    stderr: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_record(self) -> dict[str, Any]:
+        """The row as results files write it: every key names its unit."""
+        return {
+            "multiple": self.multiple,
+            "length_tokens": self.length,
+            "windows": self.windows,
+            "predicted_tokens": self.tokens,
+            "loss_nats": self.loss,
+            "loss_stderr_nats": self.stderr,
+            "perplexity": self.perplexity,
+        }
+
+
+def standard_error(window_losses: Sequence[float]) -> float:
+    """Standard error of the mean of ``window_losses``: sample standard deviation / sqrt(n); NaN for n < 2."""
+    n = len(window_losses)
+    if n < 2:
+        return math.nan
+    mean = math.fsum(window_losses) / n
+    variance = math.fsum((x - mean) ** 2 for x in window_losses) / (n - 1)
+    return math.sqrt(variance / n)
 
 
 def check_multiples(multiples: Sequence[int], train_length: int) -> list[int]:
@@ -113,8 +139,9 @@ def _model_device(model: nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def _nll_sum(model: nn.Module, ids: torch.Tensor) -> float:
-    """Sum of next-token NLL over every window in ``ids`` (B, L), in float64."""
+def _window_nll(model: nn.Module, ids: torch.Tensor) -> list[float]:
+    """Sum of next-token NLL of each window in ``ids`` (B, L), in float64: a list of B sums."""
+    windows, length = ids.shape
     targets = ids[:, 1:].reshape(-1)  # (B*(L-1),)
     from transformers import PreTrainedModel
 
@@ -131,15 +158,16 @@ def _nll_sum(model: nn.Module, ids: torch.Tensor) -> float:
     if head is None or not isinstance(model, PreTrainedModel):
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
         logits = logits.reshape(-1, logits.shape[-1])
-        return F.cross_entropy(logits.float(), targets, reduction="sum").double().item()
+        nll = F.cross_entropy(logits.float(), targets, reduction="none").double()  # (B*(L-1),)
+        return nll.view(windows, length - 1).sum(dim=1).tolist()
     hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*(L-1), hidden)
     step = max(1, CHUNK_ELEMENTS // head.out_features)
-    total = torch.zeros((), dtype=torch.float64, device=ids.device)
+    nll = torch.empty(hidden.shape[0], dtype=torch.float64, device=ids.device)  # (B*(L-1),)
     for start in range(0, hidden.shape[0], step):
         logits = head(hidden[start : start + step]).float()
-        total += F.cross_entropy(logits, targets[start : start + step], reduction="sum").double()
-    return total.item()
+        nll[start : start + step] = F.cross_entropy(logits, targets[start : start + step], reduction="none")
+    return nll.view(windows, length - 1).sum(dim=1).tolist()
 
 
 def evaluate_lengths(
@@ -187,15 +215,16 @@ def evaluate_lengths(
                 bar.set_description(f"ev={multiple} (L={length})")
                 count = budget // length
                 windows = stream[: count * length].view(count, length)  # (windows, L)
-                nll = 0.0
+                sums: list[float] = []
                 for start in range(0, count, batch_size):
                     batch = windows[start : start + batch_size]
-                    nll += _nll_sum(model, batch)
+                    sums += _window_nll(model, batch)
                     bar.update(batch.numel())
                 predicted = count * (length - 1)
-                loss = nll / predicted
+                loss = math.fsum(sums) / predicted
                 perplexity = math.exp(loss) if loss < 700 else math.inf
-                results.append(LengthResult(multiple, length, count, predicted, loss, perplexity))
+                stderr = standard_error([s / (length - 1) for s in sums])
+                results.append(LengthResult(multiple, length, count, predicted, loss, perplexity, stderr))
     finally:
         model.train(was_training)
     return results

@@ -1,9 +1,10 @@
 """Length-extrapolation results of several models: a text table, CSV, JSON and a PNG plot.
 
 ``results`` maps a label (model / encoding) to its :class:`LengthResult` list. The table
-has one row per label and one "loss (ev=k)" column per multiple, like Table 1 of
-Datseris et al. 2025; the plot draws loss against evaluation length in tokens (log2 axis),
-one line per label, with a dashed vertical line at the training length.
+has one row per label and one "loss, nats (ev=k)" column per multiple (``loss ± standard error
+(n=windows)``), like Table 1 of Datseris et al. 2025, then the loss increase from the shortest to
+the longest length and its rank (:mod:`.ranking`); the picture is :mod:`.plot`. Every file carries
+its units, the provenance and the warnings.
 """
 
 from __future__ import annotations
@@ -16,11 +17,25 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .plot import line_styles, plot_losses
+from .ranking import Results, ranking, result_warnings
+
 if TYPE_CHECKING:
     from .perplexity import LengthResult
 
-Results = Mapping[str, Sequence["LengthResult"]]
-CSV_FIELDS = ("label", "multiple", "length", "windows", "tokens", "loss", "perplexity")
+__all__ = ["line_styles", "plot_losses"]  # their home is .plot; kept importable from here
+#: results.csv's columns; every numeric one names its unit
+CSV_FIELDS = (
+    "label",
+    "row",
+    "multiple",
+    "length_tokens",
+    "windows",
+    "predicted_tokens",
+    "loss_nats",
+    "loss_stderr_nats",
+    "perplexity",
+)
 FILE_NAMES = {
     "table": "results.txt",
     "csv": "results.csv",
@@ -62,31 +77,69 @@ def _multiples(results: Results) -> list[int]:
     return sorted({r.multiple for rows in results.values() for r in rows})
 
 
-def format_table(results: Results, *, perplexity: bool = False, digits: int = 3) -> str:
-    """A fixed-width table: one row per label, a "loss (ev=k)" column per multiple.
+#: what the table's numbers are, printed under it
+TABLE_NOTE = (
+    "loss: mean next-token NLL in nats (lower is better), ± one standard error over the n evaluation "
+    "windows; increase: loss at the longest length minus at the shortest (± its standard error); rank 1 "
+    "= smallest increase (extrapolates best)"
+)
 
-    With ``perplexity=True`` a "ppl (ev=k)" column per multiple follows. A multiple a model
-    was not evaluated at shows "-".
-    """
+
+def _loss_cell(r: LengthResult, digits: int) -> str:
+    error = f" ± {r.stderr:.{digits}f}" if math.isfinite(r.stderr) else " ± n/a"
+    return f"{r.loss:.{digits}f}{error} (n={r.windows})"
+
+
+def format_table(
+    results: Results,
+    *,
+    perplexity: bool = False,
+    digits: int = 3,
+    kinds: Mapping[str, str] | None = None,
+    warnings: Sequence[str] = (),
+) -> str:
+    """A fixed-width table: one row per label; per multiple a "loss, nats (ev=k, L tokens)" column
+    holding ``loss ± SE (n=windows)``; the loss increase from the shortest to the longest length
+    and its rank (lower is better); the kind of row when ``kinds`` names any; with
+    ``perplexity=True`` a "perplexity (ev=k)" column per multiple. A multiple a model was not
+    evaluated at shows "-". A note on units and any ``warnings`` follow the table."""
     multiples = _multiples(results)
-    header = ["model"] + [f"loss (ev={m})" for m in multiples]
+    lengths = {r.multiple: r.length for rows in results.values() for r in rows}
+    ranked = {row["label"]: row for row in ranking(results)}
+    header = ["model"]
+    if kinds:
+        header.append("row")
+    header += [f"loss, nats (ev={m}, {lengths[m]} tok)" for m in multiples]
+    header += ["increase, nats", "rank"]
     if perplexity:
-        header += [f"ppl (ev={m})" for m in multiples]
+        header += [f"perplexity (ev={m})" for m in multiples]
     rows = []
     for label, entries in results.items():
         by_multiple = {r.multiple: r for r in entries}
-        row = [label] + [f"{by_multiple[m].loss:.{digits}f}" if m in by_multiple else "-" for m in multiples]
+        row = [label]
+        if kinds:
+            row.append(kinds.get(label, "trained"))
+        row += [_loss_cell(by_multiple[m], digits) if m in by_multiple else "-" for m in multiples]
+        if label in ranked:
+            increase, stderr = ranked[label]["increase_nats"], ranked[label]["increase_stderr_nats"]
+            error = f" ± {stderr:.{digits}f}" if math.isfinite(stderr) else ""
+            row += [f"{increase:+.{digits}f}{error}", str(ranked[label]["rank"])]
+        else:
+            row += ["-", "-"]
         if perplexity:
             row += [_format_ppl(by_multiple[m].perplexity) if m in by_multiple else "-" for m in multiples]
         rows.append(row)
+    first_numeric = 2 if kinds else 1
     widths = [max(len(str(cells[i])) for cells in [header, *rows]) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
-        first = f"{cells[0]:<{widths[0]}}"
-        return "  ".join([first] + [f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:], strict=True)]).rstrip()
+        text = [f"{c:<{w}}" for c, w in zip(cells[:first_numeric], widths, strict=False)]
+        text += [f"{c:>{w}}" for c, w in zip(cells[first_numeric:], widths[first_numeric:], strict=True)]
+        return "  ".join(text).rstrip()
 
     rule = "-" * len(line(header))
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+    notes = [TABLE_NOTE] + [f"warning: {w}" for w in warnings]
+    return "\n".join([line(header), rule, *(line(r) for r in rows), rule, *notes])
 
 
 def _format_ppl(value: float) -> str:
@@ -95,20 +148,55 @@ def _format_ppl(value: float) -> str:
     return f"{value:.4g}" if value >= 1e4 else f"{value:.2f}"
 
 
-def _json_number(value: float) -> float | str:
+def _json_number(value: float) -> float | str | None:
+    if math.isnan(value):
+        return None
     return value if math.isfinite(value) else str(value)
 
 
-def write_csv(results: Results, path: str | Path) -> Path:
-    """One row per (label, multiple): label, multiple, length, windows, tokens, loss, perplexity."""
+def _provenance_lines(metadata: Mapping[str, Any] | None) -> list[str]:
+    """``key: value`` lines of the provenance (date, commit, versions, command, threads)."""
+    record = dict((metadata or {}).get("provenance") or {})
+    if not record:
+        return []
+    versions = ", ".join(f"{k} {v}" for k, v in (record.get("versions") or {}).items())
+    threads = record.get("threads") or {}
+    lines = [
+        f"date: {record.get('date')}",
+        f"git commit: {record.get('git_commit') or 'not a git checkout'}",
+        f"versions: {versions}",
+        f"command: {record.get('command')}",
+    ]
+    if threads:
+        lines.append(f"torch threads: {threads.get('threads')} ({threads.get('reason')})")
+    return lines
+
+
+def write_csv(
+    results: Results,
+    path: str | Path,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    warnings: Sequence[str] = (),
+) -> Path:
+    """One row per (label, multiple), columns :data:`CSV_FIELDS` (units in their names), after ``#``
+    comment lines with the provenance and warnings (``pandas.read_csv(path, comment="#")``)."""
     path = Path(path)
     with path.open("w", newline="", encoding="utf-8") as handle:
+        for line in [*_provenance_lines(metadata), *(f"warning: {w}" for w in warnings)]:
+            handle.write(f"# {line}\n")
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()
         for label, entries in results.items():
             for r in entries:
-                writer.writerow({"label": label, **r.to_dict()})
+                record = {k: _csv_number(v) for k, v in r.to_record().items()}
+                writer.writerow({"label": label, "row": (kinds or {}).get(label, "trained"), **record})
     return path
+
+
+def _csv_number(value: Any) -> Any:
+    return "" if isinstance(value, float) and math.isnan(value) else value
 
 
 def write_json(
@@ -118,15 +206,35 @@ def write_json(
     train_length: int,
     title: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    warnings: Sequence[str] = (),
 ) -> Path:
-    """``{"title", "train_length", "metadata", "results": {label: [row, ...]}}``."""
+    """``{"title", "train_length_tokens", "units", "metadata" (with provenance), "warnings", "row_kinds",
+    "ranking", "results": {label: [row, ...]}}``; every numeric key names its unit."""
+    metadata = dict(metadata or {})
+    if "provenance" not in metadata:
+        from ..provenance import provenance
+
+        metadata["provenance"] = provenance()
     document = {
         "title": title,
-        "train_length": train_length,
-        "metadata": dict(metadata or {}),
+        "train_length_tokens": train_length,
+        "units": {
+            "loss_nats": "mean next-token negative log-likelihood, natural log (nats); lower is better",
+            "loss_stderr_nats": "standard error of loss_nats over the evaluation windows (null: one window)",
+            "perplexity": "exp(loss_nats)",
+            "increase_nats": "loss at the longest length minus at the shortest; lower extrapolates better",
+        },
+        "metadata": metadata,
+        "warnings": list(warnings),
+        "row_kinds": {label: (kinds or {}).get(label, "trained") for label in results},
+        "ranking": [
+            {k: _json_number(v) if isinstance(v, float) else v for k, v in row.items()}
+            for row in ranking(results)
+        ],
         "results": {
             label: [
-                {k: _json_number(v) if isinstance(v, float) else v for k, v in r.to_dict().items()}
+                {k: _json_number(v) if isinstance(v, float) else v for k, v in r.to_record().items()}
                 for r in entries
             ]
             for label, entries in results.items()
@@ -134,104 +242,6 @@ def write_json(
     }
     path = Path(path)
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    return path
-
-
-def line_styles(count: int) -> list[dict[str, Any]]:
-    """Distinguishable styles for ``count`` lines: 10 colours, then dashed/dotted variants, distinct markers."""
-    from matplotlib import colormaps
-
-    tab10 = colormaps["tab10"]
-    colours = [tab10(i) for i in range(tab10.N)]  # an integer indexes the 10 listed colours (RGBA)
-    dashes = ["-", "--", "-.", ":"]
-    markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
-    return [
-        {
-            "color": colours[i % 10],
-            "linestyle": dashes[(i // 10) % len(dashes)],
-            "marker": markers[(i + i // 10) % len(markers)],
-        }
-        for i in range(count)
-    ]
-
-
-def _zoom_past_outliers(axes, changes: dict[str, list[float]]) -> None:
-    """Limit the y-range to the lines that are not far out (max change > 3x the median line's), and
-    name those off scale in the panel, so they do not flatten the rest."""
-    spans = {label: max((abs(c) for c in values), default=0.0) for label, values in changes.items()}
-    ordered = sorted(spans.values())
-    if len(ordered) < 3 or ordered[len(ordered) // 2] <= 0:
-        return
-    limit = 3 * ordered[len(ordered) // 2]
-    outliers = [label for label, span in spans.items() if span > limit]
-    kept = [c for label, values in changes.items() if label not in outliers for c in values]
-    if not outliers or not kept:
-        return
-    low, high = min(kept + [0.0]), max(kept + [0.0])
-    margin = 0.1 * (high - low or 1.0)
-    axes.set_ylim(low - margin, high + margin)
-    note = "off scale: " + "; ".join(
-        f"{label} (up to {max(changes[label], key=abs):+.3g})" for label in outliers
-    )
-    axes.text(0.02, 0.98, note, transform=axes.transAxes, va="top", fontsize="small", wrap=True)
-
-
-def plot_losses(
-    results: Results,
-    path: str | Path,
-    *,
-    train_length: int,
-    title: str | None = None,
-    dashed: Collection[str] = (),
-) -> Path:
-    """PNG with two panels against evaluation length (log2 x-axis in tokens), one line per label:
-    the loss, and its change relative to the shortest length (1x), so one model far above the
-    others (e.g. sinusoidal past its training length) does not flatten every other line.
-    Labels in ``dashed`` (e.g. evaluation-only rows) are drawn dashed with hollow markers.
-
-    Draws on a bare Agg canvas (no pyplot, no display, the global backend untouched).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
-
-    figure = Figure(figsize=(13, 5), dpi=120)
-    FigureCanvasAgg(figure)
-    absolute, relative = figure.subplots(1, 2)
-    lengths = sorted({r.length for rows in results.values() for r in rows} | {train_length})
-    changes = {}
-    for (label, entries), style in zip(results.items(), line_styles(len(results)), strict=True):
-        if label in dashed:
-            style = {**style, "linestyle": "--", "markerfacecolor": "none"}
-        ordered = sorted(entries, key=lambda r: r.length)
-        x = [r.length for r in ordered]
-        absolute.plot(x, [r.loss for r in ordered], label=label, **style)
-        if ordered:
-            changes[label] = [r.loss - ordered[0].loss for r in ordered if math.isfinite(r.loss)]
-            relative.plot(x, [r.loss - ordered[0].loss for r in ordered], label=label, **style)
-    _zoom_past_outliers(relative, changes)
-    for axes in (absolute, relative):
-        axes.axvline(train_length, color="gray", linestyle="--", linewidth=1)
-        axes.set_xscale("log", base=2)
-        axes.xaxis.set_major_locator(FixedLocator(lengths))
-        axes.xaxis.set_minor_locator(NullLocator())
-        axes.set_xticklabels([str(n) for n in lengths])
-        axes.set_xlabel("evaluation length (tokens, log2 scale; dashed: training length)")
-        formatter = ScalarFormatter(useOffset=False)
-        formatter.set_scientific(False)
-        axes.yaxis.set_major_formatter(formatter)
-        axes.grid(True, alpha=0.3)
-    relative.axhline(0, color="black", linewidth=0.8)
-    absolute.set_ylabel("loss (mean token NLL, nats)")
-    relative.set_ylabel("loss minus loss at the shortest length (nats)")
-    absolute.set_title("loss")
-    relative.set_title("change relative to 1x")
-    figure.suptitle(title or "Loss against evaluation length")
-    handles, labels = absolute.get_legend_handles_labels()
-    figure.legend(handles, labels, loc="center right", fontsize="small", frameon=False)
-    figure.tight_layout(rect=(0, 0, 0.8, 1))
-    path = Path(path)
-    figure.savefig(path, format="png")
     return path
 
 
@@ -244,17 +254,42 @@ def write_report(
     metadata: Mapping[str, Any] | None = None,
     perplexity: bool = True,
     dashed: Collection[str] = (),
+    kinds: Mapping[str, str] | None = None,
+    warnings: Sequence[str] = (),
 ) -> dict[str, Path]:
-    """Write results.txt (the table), results.csv, results.json and loss_vs_length.png.
+    """Write results.txt (the table), results.csv, results.json and loss_vs_length.png, each with the
+    provenance, the units and the warnings (``warnings`` given plus those of the results themselves,
+    see :func:`~.ranking.result_warnings`). ``kinds`` maps labels to ``trained``/``base``/``eval-only``
+    (``dashed``: the older spelling for evaluation-only rows).
 
     Returns ``{"table": ..., "csv": ..., "json": ..., "png": ...}``.
     """
     directory = check_output_dir(out_dir)
     paths = {key: directory / name for key, name in FILE_NAMES.items()}
-    table = format_table(results, perplexity=perplexity)
+    row_kinds = {**{label: "eval-only" for label in dashed}, **dict(kinds or {})}
+    metadata = dict(metadata or {})
+    if "provenance" not in metadata:
+        from ..provenance import provenance
+
+        metadata["provenance"] = provenance()
+    all_warnings = [*warnings, *result_warnings(results)]
+    table = format_table(results, perplexity=perplexity, kinds=row_kinds or None, warnings=all_warnings)
     heading = f"{title}\n" if title else ""
-    paths["table"].write_text(f"{heading}training length {train_length}\n{table}\n", encoding="utf-8")
-    write_csv(results, paths["csv"])
-    write_json(results, paths["json"], train_length=train_length, title=title, metadata=metadata)
-    plot_losses(results, paths["png"], train_length=train_length, title=title, dashed=dashed)
+    provenance_text = "\n".join(_provenance_lines(metadata))
+    paths["table"].write_text(
+        f"{heading}training length {train_length} tokens\n{table}\n\n{provenance_text}\n", encoding="utf-8"
+    )
+    write_csv(results, paths["csv"], metadata=metadata, kinds=row_kinds, warnings=all_warnings)
+    write_json(
+        results,
+        paths["json"],
+        train_length=train_length,
+        title=title,
+        metadata=metadata,
+        kinds=row_kinds,
+        warnings=all_warnings,
+    )
+    plot_losses(
+        results, paths["png"], train_length=train_length, title=title, kinds=row_kinds, warnings=all_warnings
+    )
     return paths

@@ -164,6 +164,11 @@ def check_eval_only(specs: list[str], trained_specs: list[str]) -> list[EvalOnly
     return rows
 
 
+def base_label(config: Any) -> str:
+    """The report's label of the untrained base row."""
+    return "rope (base, no further training)" if not config.base_model else "base (no further training)"
+
+
 def evaluate_study(config: Any, finals: dict[str, Path]) -> tuple[dict[str, list], list[str]]:
     """Loss at every length for the base model, each trained run and each evaluation-only row.
 
@@ -186,9 +191,7 @@ def evaluate_study(config: Any, finals: dict[str, Path]) -> tuple[dict[str, list
     tokens = tokenize_documents(documents, tokenizer, max_tokens=max(config.eval_tokens, longest))
     lengths = [config.train_length * m for m in config.multiples]
     tokens = tokens[: token_budget(tokens.numel(), lengths, config.eval_tokens)]  # every row reads these
-    runs = {
-        "rope (base, no further training)" if not config.base_model else "base (no further training)": base
-    }
+    runs = {base_label(config): base}
     for spec, directory in finals.items():
         label = display_label(spec)
         runs[label if label not in runs else f"{label} [{spec}]"] = directory

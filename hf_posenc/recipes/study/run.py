@@ -162,10 +162,12 @@ def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = F
     progress.phase(f"evaluating {rows} rows ({extra} evaluation-only)")
     results, eval_only = evaluate_study(config, finals)
     title = f"Loss vs evaluation length (trained at {config.train_length} tokens, {config.steps} steps each)"
-    if eval_only:
-        title += "; dashed: evaluation-only rows"
     from ..evaluation import format_table, write_report
+    from ..evaluation.ranking import result_warnings, study_warnings
+    from .evaluate import base_label
 
+    kinds = {base_label(config): "base", **{label: "eval-only" for label in eval_only}}
+    warnings = study_warnings(config.steps, None if config.base_model else config.pretrain_steps)
     paths = write_report(
         results,
         out,
@@ -176,8 +178,9 @@ def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = F
             "provenance": provenance(),
             "eval_only_rows": eval_only,
         },
-        dashed=eval_only,
+        kinds=kinds,
+        warnings=warnings,
     )
-    print(format_table(results))
+    print(format_table(results, kinds=kinds, warnings=[*warnings, *result_warnings(results)]))
     print(f"[study] report: {', '.join(str(p) for p in paths.values())}")
     return paths
