@@ -551,8 +551,8 @@ def test_cli_evaluates_a_rope_run_with_selfextend_without_training(workspace, tm
     )
     budget = len(tokens) // 32 * 32
     for row in report["results"][label]:
-        expected, count = manual_loss(model, tokens, row["length"], budget)
-        assert row["tokens"] == count and row["loss"] == pytest.approx(expected, abs=1e-6)
+        expected, count = manual_loss(model, tokens, row["length_tokens"], budget)
+        assert row["predicted_tokens"] == count and row["loss_nats"] == pytest.approx(expected, abs=1e-6)
     assert json.loads((root / "rope" / "config.json").read_text())["posenc"] == on_disk
 
 
