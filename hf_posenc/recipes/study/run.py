@@ -115,11 +115,24 @@ def _pretrain_base(config: StudyConfig, settings, status: str):
 
 
 def run_study(config: StudyConfig, *, overwrite: bool = False, dry_run: bool = False) -> dict[str, Path]:
-    """Run the whole study (reusing finished runs, resuming interrupted ones); returns the report files."""
+    """Run the whole study (reusing finished runs, resuming interrupted ones); returns the report files.
+    A second study into the same output folder, while this one runs, is refused (``run_lock``)."""
+    from .. import run_lock
+
+    out = check_study(config)
+    if dry_run:
+        return _run_study(config, out, overwrite, dry_run)
+    run_lock.acquire(out, "study")
+    try:
+        return _run_study(config, out, overwrite, dry_run)
+    finally:
+        run_lock.release(out)
+
+
+def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -> dict[str, Path]:
     from ..provenance import provenance
     from .runs import plan_study
 
-    out = check_study(config)
     plan = plan_study(config, overwrite)
     if dry_run:
         print(f"[study] dry run: every input is valid; output in {out}")

@@ -21,6 +21,7 @@ from ...core.limits import position_limit
 from ...core.loading import load_model
 from ...core.patch import patch_info, patch_model
 from ...errors import InvalidParameterError
+from .. import run_lock
 from ..threads import use_threads
 from .batches import BatchOrder
 from .checkpoints import intact_checkpoint, read_state, save_checkpoint
@@ -159,9 +160,27 @@ def _open_accelerator(config: TrainConfig, output_dir: Path, *, resume: bool, ov
     if accelerator.is_main_process:
         for note in launch_notes(accelerator, on_cpu):
             print(note)
+    _hold_output_dir(accelerator, output_dir)  # before --overwrite may remove anything
     check_output_dir(output_dir, resume=resume, overwrite=overwrite, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     return accelerator
+
+
+def _hold_output_dir(accelerator, output_dir: Path) -> None:
+    """The main process takes the output folder's lock; every process of the launch raises the
+    same one-line :class:`FolderInUseError` when another run holds it."""
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            run_lock.acquire(output_dir, "train run")
+        except run_lock.FolderInUseError as error:
+            refusal = str(error)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise run_lock.FolderInUseError(refusal)
 
 
 def _resume_point(config: TrainConfig, accelerator, output_dir: Path) -> Path:
@@ -347,13 +366,31 @@ def train(
     existing run (unless ``resume`` or ``overwrite``), and on a launch whose processes do not
     form one world. A non-finite loss stops training with :class:`TrainingError` and no final/.
     """
+    output_dir = Path(config.output_dir)
+    preflight(config, model=model, tokenizer=tokenizer)
+    accelerator = _open_accelerator(config, output_dir, resume=resume, overwrite=overwrite)
+    try:
+        return _train_held(config, accelerator, output_dir, model, tokenizer, resume, callbacks, progress)
+    finally:
+        if accelerator.is_main_process:
+            run_lock.release(output_dir)
+
+
+def _train_held(
+    config: TrainConfig,
+    accelerator,
+    output_dir: Path,
+    model: nn.Module | None,
+    tokenizer: Any,
+    resume: bool,
+    callbacks: Sequence[StepCallback],
+    progress: bool,
+) -> TrainResult:
+    """:func:`train` once the output folder is held: resume point, data, model, steps, final model."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    output_dir = Path(config.output_dir)
-    preflight(config, model=model, tokenizer=tokenizer)
-    accelerator = _open_accelerator(config, output_dir, resume=resume, overwrite=overwrite)
     checkpoint = _resume_point(config, accelerator, output_dir) if resume else None
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)

@@ -1,0 +1,115 @@
+"""One run per output folder (issue 19 finding 4): a second ``hf-posenc train`` or ``study``
+into a folder another live process is writing is refused at once, in one line naming the
+holder, before anything is changed; a holder killed with ``kill -9`` leaves no stuck lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_posenc.recipes import run_lock
+from hf_posenc.recipes.study import StudyConfig, run_study
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+
+HOLD = (
+    "import sys, time; from hf_posenc.recipes import run_lock; run_lock.acquire(sys.argv[1]); "
+    "print('held', flush=True); time.sleep(300)"
+)
+
+
+def holder(folder: Path) -> subprocess.Popen:
+    """Another process holding ``folder``'s lock (until killed)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_another_process_holding_the_folder_is_named_and_kill_9_frees_it(tmp_path):
+    child = holder(tmp_path)
+    try:
+        with pytest.raises(run_lock.FolderInUseError) as caught:
+            run_lock.acquire(tmp_path, "train run")
+        message = str(caught.value)
+        assert "\n" not in message and f"pid {child.pid}" in message and str(tmp_path) in message, message
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    run_lock.acquire(tmp_path)  # the kernel dropped the dead process's lock: not stuck
+    run_lock.release(tmp_path)
+
+
+def test_the_process_holding_a_folder_may_take_it_again(tmp_path):
+    run_lock.acquire(tmp_path)
+    run_lock.acquire(tmp_path)  # e.g. a study's own steps, or a resume in the same interpreter
+    run_lock.release(tmp_path)
+    child = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(300)", "pass"), str(tmp_path)])
+    assert child.returncode != 0  # still held once: another process cannot take it
+    run_lock.release(tmp_path)
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", HOLD.replace("time.sleep(300)", "pass"), str(tmp_path)]
+        ).returncode
+        == 0
+    )
+
+
+def test_a_study_into_a_folder_in_use_is_refused_before_writing(tmp_path):
+    child = holder(tmp_path)
+    try:
+        with pytest.raises(run_lock.FolderInUseError, match="in use by another hf-posenc study"):
+            run_study(StudyConfig(output_dir=str(tmp_path), encodings=["rope"], steps=1))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not (tmp_path / "study_config.json").exists()
+
+
+@pytest.mark.slow  # two real training processes
+def test_a_second_train_into_a_running_runs_folder_refuses_at_once(tmp_path):
+    from hf_posenc.recipes.data import stdlib_documents
+    from hf_posenc.recipes.tiny import tiny_model
+
+    documents = list(stdlib_documents())[:10]
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=400)
+    tiny_model("llama", vocab_size=len(tokenizer), max_positions=64).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    (tmp_path / "data.txt").write_text("\n\n".join(documents[:6]))
+    command = [sys.executable, "-m", "hf_posenc", "train", "--model", str(tmp_path / "base")]
+    command += ["--output-dir", str(tmp_path / "run"), "--data", str(tmp_path / "data.txt")]
+    command += ["--seq-len", "32", "--batch-size", "2", "--save-every", "0", "--encoding", "alibi"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([*command, "--max-steps", "100000"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lock_file = tmp_path / "run" / run_lock.LOCK_FILE
+        deadline = time.monotonic() + 240
+        while not (lock_file.exists() and lock_file.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took its folder"
+            time.sleep(0.2)
+        assert json.loads(lock_file.read_text())["pid"] == first.pid
+        started = time.monotonic()
+        second = subprocess.run(
+            [*command, "--max-steps", "1"], env=env, capture_output=True, text=True, timeout=300
+        )
+        elapsed = time.monotonic() - started
+        assert second.returncode == 2, second.stderr[-2000:]
+        errors = [line for line in second.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and f"in use by another hf-posenc train run (pid {first.pid}" in errors[0], (
+            second.stderr
+        )
+        assert "Loading weights" not in second.stderr  # refused before the model loads
+        assert elapsed < 60, elapsed
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    run_lock.acquire(tmp_path / "run")  # kill -9 left no stuck lock
+    run_lock.release(tmp_path / "run")
