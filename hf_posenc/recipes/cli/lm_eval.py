@@ -114,6 +114,16 @@ def _recipe_parser(lm_eval_options: bool) -> argparse.ArgumentParser:
         lm.add_argument(
             "--log_samples", action="store_true", help="also write per-sample outputs (needs --output)"
         )
+        retrieval = parser.add_argument_group("retrieval tasks (--tasks passkey_4096 niah_single_2048 ...)")
+        retrieval.add_argument(
+            "--depths",
+            type=float,
+            nargs="+",
+            default=None,
+            metavar="D",
+            help="needle depths (default 0 .25 .5 .75 1)",
+        )
+        retrieval.add_argument("--samples", type=int, default=20, help="samples per task, length and depth")
     return parser
 
 
@@ -307,13 +317,74 @@ def _evaluate(opts: argparse.Namespace, label: str, model_args: dict, task_names
     return results
 
 
-def run_recipe(opts: argparse.Namespace) -> int:
-    """Check every input, then evaluate each model on the planned tasks and print the table."""
-    from ..integrations.lm_eval_report import comparison_rows, format_table
-    from ..integrations.lm_eval_tasks import plan_tasks, select_tasks, write_task_configs
+def _split_tasks(opts: argparse.Namespace) -> tuple[dict[str, int], list[str]]:
+    """({benchmark task: shots}, [retrieval tasks like passkey_4096]) of the request."""
+    from ..integrations.lm_eval_longeval import parse_task_name
+    from ..integrations.lm_eval_tasks import select_tasks
 
     tasks = [t for token in opts.tasks or [] for t in token.split(",") if t]
-    shots = select_tasks(tasks, opts.preset, opts.num_fewshot)
+    retrieval = [t for t in dict.fromkeys(tasks) if parse_task_name(t) is not None]
+    others = [t for t in tasks if t not in retrieval]
+    wanted = others or opts.preset or not retrieval
+    return (select_tasks(others, opts.preset, opts.num_fewshot) if wanted else {}), retrieval
+
+
+def _retrieval_configs(
+    opts: argparse.Namespace,
+    models: list[tuple[str, dict[str, Any]]],
+    retrieval: list[str],
+    runs,
+    folder: Path,
+) -> list[tuple[Any, list[str], dict[str, Any]]]:
+    """Per model: (task manager, task names, model_args) with the retrieval tasks built for its tokenizer
+    (models sharing a tokenizer share the folder); ``max_length`` set so lm-eval cuts no prompt."""
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from ..integrations.lm_eval_longeval import GROUP
+    from ..integrations.lm_eval_longeval import write_task_configs as write_retrieval
+    from ..integrations.lm_eval_tasks import write_task_configs
+    from ..longeval.tasks import DEFAULT_DEPTHS, check_depths, check_samples
+    from .perplexity import _tokenizer_key
+
+    depths = check_depths(opts.depths if opts.depths is not None else DEFAULT_DEPTHS)
+    samples = check_samples(opts.samples)
+    seed = opts.seed if opts.seed is not None else 0
+    prepared: list[tuple[Any, list[str], dict[str, Any]]] = []
+    built: dict[str, tuple[Any, list[str], int]] = {}
+    for label, model_args in models:
+        source = os.path.expanduser(str(model_args.get("tokenizer") or model_args["pretrained"]))
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        key = _tokenizer_key(tokenizer)
+        if key not in built:
+            sub = folder / f"tokenizer-{len(built)}"
+            names = write_task_configs(runs, sub) if runs else []
+            longest = write_retrieval(
+                sub,
+                retrieval,
+                tokenizer,
+                depths=depths,
+                samples=samples,
+                seed=seed,
+                where=f"the tokenizer of {label}",
+            )
+            built[key] = (
+                TaskManager(include_path=str(sub), include_defaults=False),
+                [*names, GROUP],
+                longest,
+            )
+        manager, names, longest = built[key]
+        prepared.append((manager, names, {"max_length": longest, **model_args}))
+    return prepared
+
+
+def run_recipe(opts: argparse.Namespace) -> int:
+    """Check every input, then evaluate each model on the planned tasks and print the table."""
+    from ..integrations.lm_eval_longeval import GROUP
+    from ..integrations.lm_eval_report import comparison_rows, format_table
+    from ..integrations.lm_eval_tasks import plan_tasks, write_task_configs
+
+    shots, retrieval = _split_tasks(opts)
     if opts.mmlu_subjects and "mmlu" not in shots:
         raise BenchmarkError("--mmlu-subjects needs mmlu among the tasks")
     runs = plan_tasks(shots, opts.data_dir, opts.mmlu_subjects)
@@ -334,22 +405,42 @@ def run_recipe(opts: argparse.Namespace) -> int:
     setup_logging()  # lm-eval's progress messages, as its own CLI shows them
     finished = []
     with tempfile.TemporaryDirectory(prefix="hf-posenc-lm-eval-") as folder:
-        task_names = write_task_configs(runs, folder)
-        task_manager = TaskManager(include_path=folder, include_defaults=False)
+        if retrieval:  # prompts of exactly each length in each model's tokens, built before any model loads
+            prepared = _retrieval_configs(opts, models, retrieval, runs, Path(folder))
+        else:
+            task_names = write_task_configs(runs, folder)
+            task_manager = TaskManager(include_path=folder, include_defaults=False)
+            prepared = [(task_manager, task_names, model_args) for _, model_args in models]
         source = f"local files in {opts.data_dir}" if opts.data_dir else "hub datasets"
         plan = ", ".join(f"{name} {count}-shot" for name, count in shots.items())
-        for number, (label, model_args) in enumerate(models, 1):
+        if retrieval:
+            plan = ", ".join(filter(None, [plan, f"{', '.join(retrieval)} (generated)"]))
+        for number, ((label, _), (manager, names, model_args)) in enumerate(
+            zip(models, prepared, strict=True), 1
+        ):
             print(f"[{number}/{len(models)}] {label}: {plan} on {source}", flush=True)
-            results = _evaluate(opts, label, model_args, task_names, task_manager)
+            results = _evaluate(opts, label, model_args, names, manager)
             if results is not None:
                 finished.append((label, results))
     if not finished:  # not the main process of a distributed run
         return 0
-    table = format_table(*comparison_rows(finished, shots))
+    table = format_table(
+        *comparison_rows(
+            finished, {**shots, **dict.fromkeys(retrieval, 0), **({GROUP: 0} if retrieval else {})}
+        )
+    )
     print(table)
     if opts.output:
         (Path(opts.output) / "comparison.md").write_text(table + "\n", encoding="utf-8")
     return 0
+
+
+def _asks_retrieval(argv: Sequence[str]) -> bool:
+    """Whether ``--tasks`` names a generated retrieval task (``passkey_4096``): run as a recipe."""
+    from ..integrations.lm_eval_longeval import parse_task_name
+
+    names = [t for text in _option_values(argv, ("--tasks", "-t")) for t in text.split(",") if t]
+    return any(parse_task_name(name) is not None for name in names)
 
 
 def command_lm_eval(args: argparse.Namespace) -> int:
@@ -363,7 +454,7 @@ def command_lm_eval(args: argparse.Namespace) -> int:
     if not argv or first.help:
         _recipe_parser(lm_eval_options=True).print_help()
         return 0 if argv else 2
-    if not any(getattr(first, flag) for flag in RECIPE_FLAGS):
+    if not any(getattr(first, flag) for flag in RECIPE_FLAGS) and not _asks_retrieval(argv):
         check_passthrough_model(argv)
         return run_lm_eval_cli(argv)
     opts, rest = _recipe_parser(lm_eval_options=True).parse_known_args(argv)

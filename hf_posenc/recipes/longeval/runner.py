@@ -30,6 +30,14 @@ class SampleResult:
     seconds: float = 0.0  # the generate call's wall time divided by its batch size
 
 
+def stop_tokens(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids that end a generation: the tokenizer's end of text and the model's own (its
+    generation config's), as lm-eval's ``HFLM`` stops on both."""
+    config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *(config if isinstance(config, list) else [config])]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def _generate(
     model: Any, tokenizer: Any, batch: Sequence[Sample], max_new_tokens: int, device: Any
 ) -> list[str]:
@@ -42,8 +50,8 @@ def _generate(
             "built; evaluate with the tokenizer the samples were built for"
         )
     ids = torch.tensor(rows, dtype=torch.long, device=device)  # (B, T): one length, no padding
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    stops = stop_tokens(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -53,18 +61,19 @@ def _generate(
             num_beams=1,
             use_cache=True,
             pad_token_id=pad,
-            eos_token_id=eos,
+            eos_token_id=stops or None,
         )
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
 
 
-def generation_budget(task: Task, tokenizer: Any, batch: Sequence[Sample]) -> int:
-    """Greedy tokens to generate: the source's budget (``task.max_new_tokens``), raised to what the
-    expected answer takes in this tokenizer plus 8 (RULER sized its budgets for Llama's tokenizer;
-    a character-level vocabulary needs more to write five variable names)."""
+def generation_budget(task: Task, tokenizer: Any, samples: Sequence[Sample]) -> int:
+    """Greedy tokens to generate for ``samples`` (all of one task and length): the source's budget
+    (``task.max_new_tokens``), raised to what the longest expected answer takes in this tokenizer
+    plus 8 (RULER sized its budgets for Llama's tokenizer; a character-level vocabulary needs more
+    to write five variable names)."""
     needed = max(
         len(tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False)["input_ids"])
-        for sample in batch
+        for sample in samples
     )
     return max(task.max_new_tokens, needed + 8)
 
@@ -84,10 +93,11 @@ def evaluate_samples(
     for (task_name, _), group in itertools.groupby(ordered, key=lambda s: (s.task, s.length)):
         task = TASKS[task_name]
         members = list(group)
+        budget = generation_budget(task, tokenizer, members)  # one budget per task and length
         for start in range(0, len(members), batch_size):
             batch = members[start : start + batch_size]
             began = time.perf_counter()
-            outputs = _generate(model, tokenizer, batch, generation_budget(task, tokenizer, batch), device)
+            outputs = _generate(model, tokenizer, batch, budget, device)
             seconds = (time.perf_counter() - began) / len(batch)
             for sample, output in zip(batch, outputs, strict=True):
                 results.append(
