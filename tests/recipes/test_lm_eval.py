@@ -114,15 +114,10 @@ def test_paper_preset_on_local_data_compares_checkpoints(checkpoints, tmp_path, 
 @pytest.mark.slow  # multi-second; CI runs it
 def test_leaderboard_preset_runs_each_task_with_its_own_shots(checkpoints, tmp_path, capsys):
     """The leaderboard preset gives HellaSwag 10, ARC 25 and MMLU 5 shots, drawn from the train
-    (dev for MMLU) files; the fixtures' few-shot files are padded to enough rows here."""
-    data = tmp_path / "data"
-    shutil.copytree(FIXTURES, data)
-    for path in [*data.glob("*/train.jsonl"), *data.glob("mmlu/*/dev.jsonl")]:
-        rows = path.read_text().splitlines()
-        path.write_text("\n".join(itertools.islice(itertools.cycle(rows), 25)) + "\n")
+    (dev for MMLU) files of the shipped fixtures, which hold enough rows for them (offline)."""
     output = tmp_path / "out"
     code, out, err = lm_eval_cli(
-        capsys, "--preset", "leaderboard", "--pretrained", checkpoints["alibi"], "--data-dir", data,
+        capsys, "--preset", "leaderboard", "--pretrained", checkpoints["alibi"], "--data-dir", FIXTURES,
         "--mmlu-subjects", "philosophy", "--limit", 1, "--output", output,
     )  # fmt: skip
     assert code == 0, err
@@ -131,7 +126,9 @@ def test_leaderboard_preset_runs_each_task_with_its_own_shots(checkpoints, tmp_p
     shots = {name: results["n-shot"][name] for name in ("hellaswag", "arc_easy", "arc_challenge")}
     assert shots == {"hellaswag": 10, "arc_easy": 25, "arc_challenge": 25}
     assert results["n-shot"]["mmlu_philosophy"] == 5
-    assert "| value" in out and "| stderr" in out  # one model: value and stderr columns
+    assert "| value" in out and "| ± stderr" in out and "| n " in out  # one model: value, stderr, count
+    comparison = (output / "comparison.md").read_text()
+    assert "standard error" in comparison and "versions: " in comparison and "command: " in comparison
 
 
 @pytest.mark.slow  # multi-second (process launches, waits, full runs): CI runs it
@@ -253,6 +250,15 @@ def _without_arc_easy_test(tmp_path: Path) -> Path:
     return data
 
 
+def _short_hellaswag_train(tmp_path: Path) -> Path:
+    """The fixtures with 10 HellaSwag train rows: one short of what 10 shots need."""
+    data = tmp_path / "short"
+    shutil.copytree(FIXTURES, data)
+    train = data / "hellaswag" / "train.jsonl"
+    train.write_text("\n".join(train.read_text().splitlines()[:10]) + "\n")
+    return data
+
+
 BAD_INPUTS = {
     "unknown task": (["--tasks", "hellaswagg"], "unknown task 'hellaswagg'. Did you mean 'hellaswag'?"),
     "unknown preset": (
@@ -263,8 +269,8 @@ BAD_INPUTS = {
     "missing data dir": (["--preset", "paper", "--data-dir", "{tmp}/nowhere"], "is not a directory"),
     "missing fixture file": (["--tasks", "arc_easy", "--data-dir", "{no_arc_test}"], "arc_easy/test.jsonl"),
     "too few few-shot rows": (
-        ["--preset", "leaderboard", "--data-dir", "{fixtures}"],
-        "10-shot needs at least 10 rows",
+        ["--preset", "leaderboard", "--data-dir", "{short_hellaswag}"],
+        "10-shot needs at least 11 rows",
     ),
     "missing checkpoint": (["--tasks", "arc_easy", "--pretrained", "{tmp}/no-such-ckpt"], "does not exist"),
     "unwritable output": (["--tasks", "arc_easy", "--output", "{tmp}/a-file/out"], "cannot be created"),
@@ -328,6 +334,8 @@ def test_bad_input_is_rejected_before_evaluation(case, checkpoints, tmp_path, ca
     values = dict(tmp=tmp_path, fixtures=FIXTURES, plain=checkpoints["plain"], alibi=checkpoints["alibi"])
     if "{no_arc_test}" in args:
         values["no_arc_test"] = _without_arc_easy_test(tmp_path)
+    if "{short_hellaswag}" in args:
+        values["short_hellaswag"] = _short_hellaswag_train(tmp_path)
     args = [a.format(**values) for a in args]
     if not any(a in args for a in ("--pretrained", "--model_args")):
         args += ["--pretrained", str(checkpoints["alibi"])]

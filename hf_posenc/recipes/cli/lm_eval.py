@@ -431,7 +431,16 @@ def run_recipe(opts: argparse.Namespace) -> int:
     )
     print(table)
     if opts.output:
-        (Path(opts.output) / "comparison.md").write_text(table + "\n", encoding="utf-8")
+        from ..provenance import provenance
+
+        record = provenance()
+        versions = ", ".join(f"{k} {v}" for k, v in record["versions"].items())
+        footer = (
+            f"\n\nvalue: lm-eval's metric (accuracies as fractions of 1); ± stderr: its standard error over the "
+            f"n examples scored.\n\ndate: {record['date']}  \ngit commit: {record['git_commit']}  \n"
+            f"versions: {versions}  \ncommand: `{record['command']}`\n"
+        )
+        (Path(opts.output) / "comparison.md").write_text(table + footer, encoding="utf-8")
     return 0
 
 

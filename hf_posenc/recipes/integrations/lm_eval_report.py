@@ -22,6 +22,21 @@ def task_metrics(results: Mapping[str, Any], task: str) -> dict[str, tuple[Any, 
     return out
 
 
+def sample_count(results: Mapping[str, Any], task: str) -> int | None:
+    """How many examples of ``task`` were scored (lm-eval's ``n-samples``: ``effective``, after --limit);
+    for a group (mmlu) the sum over its subtasks (``group_subtasks``)."""
+    counts = results.get("n-samples", {}).get(task)
+    if isinstance(counts, Mapping):
+        value = counts.get("effective", counts.get("original"))
+        return value if isinstance(value, int) else None
+    subtasks = results.get("group_subtasks", {}).get(task)
+    if not subtasks:
+        return None
+    found = [sample_count(results, name) for name in subtasks if name != task]
+    known = [n for n in found if n is not None]
+    return sum(known) if known and len(known) == len(found) else None
+
+
 def _number(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else ("-" if value is None else str(value))
 
@@ -31,23 +46,27 @@ def comparison_rows(
 ) -> tuple[list[str], list[list[str]]]:
     """Headers and rows for ``runs`` = [(model label, lm-eval results), ...] on ``tasks`` = {name: shots}.
 
-    One model: columns task, n-shot, metric, value, stderr. Several: one ``value ± stderr``
-    column per model.
+    One model: columns task, n-shot, metric, value, ± stderr, n (examples scored). Several: one
+    ``value ± stderr (n=N)`` column per model. Values are lm-eval's (accuracies are fractions
+    of 1; stderr is lm-eval's standard error of the mean over the n examples).
     """
     single = len(runs) == 1
-    headers = ["task", "n-shot", "metric"] + (["value", "stderr"] if single else [label for label, _ in runs])
+    headers = ["task", "n-shot", "metric"]
+    headers += ["value", "± stderr", "n"] if single else [f"{label}: value ± stderr (n)" for label, _ in runs]
     rows = []
     for task, shots in tasks.items():
         per_model = [task_metrics(results, task) for _, results in runs]
+        counts = [sample_count(results, task) for _, results in runs]
         metrics = list(dict.fromkeys(m for found in per_model for m in found))
         for metric in metrics:
             cells = [task, str(shots), metric]
-            for found in per_model:
+            for found, count in zip(per_model, counts, strict=True):
                 value, stderr = found.get(metric, (None, None))
+                n = "-" if count is None else str(count)
                 if single:
-                    cells += [_number(value), _number(stderr)]
+                    cells += [_number(value), _number(stderr), n]
                 else:
-                    cells.append("-" if value is None else f"{_number(value)} ± {_number(stderr)}")
+                    cells.append("-" if value is None else f"{_number(value)} ± {_number(stderr)} (n={n})")
             rows.append(cells)
     return headers, rows
 

@@ -17,7 +17,8 @@ Local data layout (rows in the hub datasets' own schemas, JSON lines or a JSON a
     DATA_DIR/mmlu/<subject>/{test,dev,validation}.jsonl     cais/mmlu <subject>
 
 The evaluation split's file is required, and the few-shot split's file (train; dev for
-MMLU) when ``num_fewshot > 0``, with at least ``num_fewshot`` rows.
+MMLU) when ``num_fewshot > 0``, with at least ``num_fewshot + 1`` rows (lm-eval's random sampler
+draws one more to leave out the evaluated row; ``num_fewshot`` for the ``first_n`` sampler).
 """
 
 from __future__ import annotations
@@ -203,9 +204,13 @@ def _local_run(name: str, include: Path, shots: int, folder: Path) -> TaskRun:
         else:
             data_files[split] = str(path.resolve())
     counts = {split: check_rows(name, Path(path)) for split, path in data_files.items()}  # schema, row by row
-    if shots > 0 and fewshot is not None and (rows := counts[fewshot]) < shots:
+    # lm-eval's random sampler draws shots + 1 rows (to leave out the evaluated one); first_n takes shots
+    sampler = (config.get("fewshot_config") or {}).get("sampler", "default")
+    need = shots if sampler == "first_n" else shots + 1
+    if shots > 0 and fewshot is not None and (rows := counts[fewshot]) < need:
         raise BenchmarkError(
-            f"{name}: {shots}-shot needs at least {shots} rows in {data_files[fewshot]}, found {rows}"
+            f"{name}: {shots}-shot needs at least {need} rows in {data_files[fewshot]} (lm-eval's "
+            f"{sampler} sampler), found {rows}"
         )
     return TaskRun(name, include, shots, data_files, tuple(null_splits))
 
