@@ -215,29 +215,32 @@ def _tokenizer_key(tokenizer) -> str:
     return hashlib.sha1(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()
 
 
-def command_perplexity(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+@dataclasses.dataclass
+class Checked:
+    """What ``command_perplexity`` checked before loading anything: where to write, the models and
+    how each is evaluated, the lengths, the device."""
 
-    from ...core.loading import load_model
+    output: Path
+    directories: list[Path]
+    multiples: list[int]
+    lengths: list[int]
+    params: dict[str, Any]
+    device: str
+    plans: list[Plan]
+    labels: list[str]
+
+
+def check_inputs(args: argparse.Namespace) -> Checked:
+    """Every flag, the output folder, the model folders, the data sources, the encoding request and
+    each model's position limit, before any model or data is loaded."""
+    import torch
+
     from ...core.request import check_request
     from ..data import check_sources
-    from ..evaluation.perplexity import check_multiples, evaluate_lengths, token_budget
-    from ..evaluation.ranking import result_warnings
-    from ..evaluation.report import (
-        FILE_NAMES,
-        check_output_dir,
-        format_table,
-        write_csv,
-        write_json,
-        write_report,
-    )
-    from ..provenance import provenance
-    from ..threads import check_threads, use_threads
+    from ..evaluation.perplexity import check_multiples
+    from ..evaluation.report import check_output_dir
+    from ..threads import check_threads
 
-    hf_logging.set_verbosity_error()
-    # -- everything is checked before the first model is loaded --------------------------
     output = check_output_dir(args.output)
     directories = [_check_model_dir(d) for d in args.model]
     check_sources(args.data)
@@ -259,80 +262,140 @@ def command_perplexity(args: argparse.Namespace) -> int:
         raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     plans = [_plan(str(d), args.encoding, params, max(lengths)) for d in directories]
     labels = _labels(args, plans, params)
-    streams: dict[str, torch.Tensor] = {}
+    return Checked(output, directories, multiples, lengths, params, device, plans, labels)
+
+
+def read_token_streams(args: argparse.Namespace, checked: Checked) -> list[tuple[Any, int]]:
+    """(token stream, token budget) per model; models sharing a tokenizer share the stream. Too few
+    tokens for the longest length fails here, before any model loads."""
+    from transformers import AutoTokenizer
+
+    from ..evaluation.perplexity import token_budget
+
+    streams: dict[str, Any] = {}
     model_streams = []
-    for directory in directories:
+    for directory in checked.directories:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         key = _tokenizer_key(tokenizer)
         if key not in streams:
             streams[key] = _token_stream(args, tokenizer)
         tokens = streams[key]
-        budget = token_budget(tokens.numel(), lengths, args.max_tokens)  # too few tokens fails here
-        model_streams.append((tokens, budget))
+        model_streams.append((tokens, token_budget(tokens.numel(), checked.lengths, args.max_tokens)))
+    return model_streams
 
-    # -- the long work ---------------------------------------------------------------------
-    dtype = getattr(torch, args.dtype)
-    results: dict[str, list] = {}
-    metadata: dict[str, Any] = {
+
+def run_metadata(args: argparse.Namespace, checked: Checked) -> dict[str, Any]:
+    """The settings and provenance results.json records (``models`` is filled as they finish)."""
+    from ..provenance import provenance
+
+    return {
         "data": list(args.data),
-        "multiples": multiples,
+        "multiples": checked.multiples,
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
-        "device": device,
+        "device": checked.device,
         "batch_size": args.batch_size,
         "models": {},
         "provenance": provenance(),
     }
-    kinds = {label: "eval-only" for label, plan in zip(labels, plans, strict=True) if plan.eval_overrides}
-    title = args.title or f"Loss at multiples of the training length ({args.train_length} tokens)"
-    for number, (directory, label, plan, (tokens, budget)) in enumerate(
-        zip(directories, labels, plans, model_streams, strict=True), 1
-    ):
-        print(f"[{number}/{len(directories)}] {label}: {directory}, {budget} of {tokens.numel()} tokens")
-        start = time.perf_counter()
-        model = load_model(str(directory), args.encoding, params or None, dtype=dtype)
-        metadata["provenance"]["threads"] = use_threads(args.threads, model).as_dict()
-        results[label] = evaluate_lengths(
-            model,
-            tokens,
-            args.train_length,
-            multiples,
-            max_tokens=args.max_tokens,
-            batch_size=args.batch_size,
-            device=device,
-            progress=not args.no_progress,
-        )
-        seconds = time.perf_counter() - start
-        metadata["models"][label] = {
-            "path": str(directory),
-            "encoding": plan.encoding,
-            "encoding_params": plan.params,
-            "eval_overrides": plan.eval_overrides,
-            "token_budget": budget,
-            "seconds": round(seconds, 3),
-        }
-        print(
-            "  " + ", ".join(f"ev={r.multiple}: {r.loss:.4f}" for r in results[label]) + f"  ({seconds:.1f}s)"
-        )
-        del model
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        # partial results survive a failure in a later model
-        write_csv(results, output / FILE_NAMES["csv"], metadata=metadata, kinds=kinds)
-        write_json(
-            results,
-            output / FILE_NAMES["json"],
-            train_length=args.train_length,
-            title=title,
-            metadata=metadata,
-            kinds=kinds,
-        )
-    paths = write_report(results, output, args.train_length, title, metadata=metadata, kinds=kinds)
+
+
+def evaluate_model(
+    args: argparse.Namespace,
+    checked: Checked,
+    number: int,
+    tokens: Any,
+    budget: int,
+    metadata: dict[str, Any],
+) -> list[Any]:
+    """Load model ``number``, measure its loss at every length, record it in ``metadata`` and print it."""
+    import torch
+
+    from ...core.loading import load_model
+    from ..evaluation.perplexity import evaluate_lengths
+    from ..threads import use_threads
+
+    directory, label, plan = checked.directories[number], checked.labels[number], checked.plans[number]
+    print(
+        f"[{number + 1}/{len(checked.directories)}] {label}: {directory}, {budget} of {tokens.numel()} tokens"
+    )
+    start = time.perf_counter()
+    model = load_model(
+        str(directory), args.encoding, checked.params or None, dtype=getattr(torch, args.dtype)
+    )
+    metadata["provenance"]["threads"] = use_threads(args.threads, model).as_dict()
+    results = evaluate_lengths(
+        model,
+        tokens,
+        args.train_length,
+        checked.multiples,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        device=checked.device,
+        progress=not args.no_progress,
+    )
+    seconds = time.perf_counter() - start
+    metadata["models"][label] = {
+        "path": str(directory),
+        "encoding": plan.encoding,
+        "encoding_params": plan.params,
+        "eval_overrides": plan.eval_overrides,
+        "token_budget": budget,
+        "seconds": round(seconds, 3),
+    }
+    print("  " + ", ".join(f"ev={r.multiple}: {r.loss:.4f}" for r in results) + f"  ({seconds:.1f}s)")
+    del model
+    if checked.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return results
+
+
+def write_partial_results(args, checked: Checked, results, metadata, kinds, title: str) -> None:
+    """results.csv and results.json of the models finished so far (they survive a later model's failure)."""
+    from ..evaluation.report import FILE_NAMES, write_csv, write_json
+
+    write_csv(results, checked.output / FILE_NAMES["csv"], metadata=metadata, kinds=kinds)
+    write_json(
+        results,
+        checked.output / FILE_NAMES["json"],
+        train_length=args.train_length,
+        title=title,
+        metadata=metadata,
+        kinds=kinds,
+    )
+
+
+def write_final_report(args, checked: Checked, results, metadata, kinds, title: str) -> None:
+    """Every results file and the plot; the table and the paths on screen."""
+    from ..evaluation.ranking import result_warnings
+    from ..evaluation.report import format_table, write_report
+
+    paths = write_report(results, checked.output, args.train_length, title, metadata=metadata, kinds=kinds)
     print()
     print(format_table(results, perplexity=args.perplexity, kinds=kinds, warnings=result_warnings(results)))
     print()
     for kind, path in paths.items():
         print(f"{kind:>5}: {path}")
+
+
+def command_perplexity(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    checked = check_inputs(args)  # everything is checked before the first model is loaded
+    streams = read_token_streams(args, checked)
+    metadata = run_metadata(args, checked)
+    kinds = {
+        label: "eval-only"
+        for label, plan in zip(checked.labels, checked.plans, strict=True)
+        if plan.eval_overrides
+    }
+    title = args.title or f"Loss at multiples of the training length ({args.train_length} tokens)"
+    results: dict[str, list] = {}
+    for number, (tokens, budget) in enumerate(streams):
+        results[checked.labels[number]] = evaluate_model(args, checked, number, tokens, budget, metadata)
+        write_partial_results(args, checked, results, metadata, kinds, title)
+    write_final_report(args, checked, results, metadata, kinds, title)
     return 0
 
 
