@@ -13,11 +13,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_api_example_runs(tmp_path, monkeypatch):
+    """The example runs as written and writes only into the temporary folder it names, nothing into
+    the directory it is run from."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     example = next(b for b in blocks if "save_pretrained" in b)
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README.md", "exec"), {})
-    assert (tmp_path / "patched-model" / "config.json").exists()
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert (Path(namespace["folder"]) / "config.json").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_readme_test_command_is_what_ci_runs():
