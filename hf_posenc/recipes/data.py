@@ -194,6 +194,23 @@ def check_sources(sources: Sequence[str]) -> None:
     for source in sources:
         if source != BUILTIN_STDLIB and not source.startswith("hf:"):
             _local_files(source)
+            if Path(source).is_file():
+                check_not_blank(Path(source))
+
+
+#: files up to this size are read by the early checks to see whether they hold only blank space
+BLANK_CHECK_BYTES = 1 << 16
+
+
+def check_not_blank(path: Path) -> None:
+    """Refuse a data file given by name that holds no document (empty, or blank space only)."""
+    size = path.stat().st_size
+    if size == 0 or (size <= BLANK_CHECK_BYTES and not path.read_bytes().strip()):
+        what = "is empty (0 bytes)" if size == 0 else "holds only blank space"
+        raise DataError(
+            f"{path}: the data file {what}, so it holds no document; allowed: a file with at least one "
+            "non-empty document (remove it from --data, or fill it)"
+        )
 
 
 def read_documents(

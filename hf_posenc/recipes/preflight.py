@@ -27,8 +27,10 @@ def looks_local(path: str) -> bool:
 def check_model_path(path: str, *, what: str = "--model", need_tokenizer: bool = False) -> dict | None:
     """For a local model folder: check it holds a saved model (and a tokenizer); return its config.json.
 
-    A hub id is left to transformers (returns None)."""
+    A hub id is checked for what can be told at once (:func:`check_hub_id`), then left to
+    transformers (returns None)."""
     if not looks_local(path):
+        check_hub_id(path, what)
         return None
     folder = Path(os.path.expanduser(path))
     if not folder.exists():
@@ -50,6 +52,57 @@ def check_model_path(path: str, *, what: str = "--model", need_tokenizer: bool =
         return json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidParameterError(f"{config_file} is not valid JSON ({error})") from None
+
+
+#: seconds the hub reachability probe may take (transformers would retry for over a minute)
+HUB_PROBE_SECONDS = 2.0
+
+
+def check_hub_id(name: str, what: str = "--model") -> None:
+    """A value that is not a local path must be a hub id that can be had: valid as a repo id, and
+    in the local Hugging Face cache, or the hub reachable (not offline). Refused at once, in one
+    line naming the value, where transformers would retry the hub for over a minute."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    allowed = (
+        "allowed: a local model folder (with config.json) or a hub id such as HuggingFaceTB/SmolLM2-135M"
+    )
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local folder (no such path) nor a valid hub id; {allowed}"
+        ) from None
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # cached: transformers loads it without the network
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local folder (no such path) and not in the Hugging Face cache, and the hub "
+            f"is offline (HF_HUB_OFFLINE); {allowed}"
+        )
+    reason = _hub_unreachable(constants.ENDPOINT)
+    if reason is not None:
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local folder (no such path) and not in the Hugging Face cache, and the hub "
+            f"({constants.ENDPOINT}) cannot be reached ({reason}); {allowed}"
+        )
+
+
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why a TCP connection to the hub fails within :data:`HUB_PROBE_SECONDS`, or None when it opens."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(endpoint)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return None  # behind a proxy a direct probe says nothing: leave it to transformers
+    try:
+        socket.create_connection((parsed.hostname or "", port), timeout=HUB_PROBE_SECONDS).close()
+    except OSError as error:
+        return str(error) or type(error).__name__
+    return None
 
 
 def check_tokenizer_path(path: str, *, what: str = "--tokenizer") -> None:

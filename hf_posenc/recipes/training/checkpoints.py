@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .space import saving
+
 STATE_FILE = "trainer_state.json"
 PREFIX = "checkpoint-"
 
@@ -106,16 +108,18 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
+    with saving(partial, f"checkpoint {step}"):
+        accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        for path in partial.rglob("*"):
-            if path.is_file():
-                _fsync(path)
-        state = {**state, "files": checksums(partial)}
-        state_path = partial / STATE_FILE
-        state_path.write_text(json.dumps(state, indent=2), encoding="utf-8")
-        _fsync(state_path)
+        with saving(partial, f"checkpoint {step}"):
+            for path in partial.rglob("*"):
+                if path.is_file():
+                    _fsync(path)
+            state = {**state, "files": checksums(partial)}
+            state_path = partial / STATE_FILE
+            state_path.write_text(json.dumps(state, indent=2), encoding="utf-8")
+            _fsync(state_path)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)

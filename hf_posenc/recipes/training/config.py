@@ -82,6 +82,16 @@ class TrainConfig:
                 raise InvalidParameterError(
                     f"train: {name}={value!r} is not allowed; allowed: a finite number >= 0"
                 )
+        if not 0 <= self.lora_dropout < 1:
+            raise InvalidParameterError(
+                f"train: lora_dropout={self.lora_dropout!r} is not allowed; allowed: a probability in [0, 1)"
+            )
+        if self.lora_targets is not None and (
+            not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets)
+        ):
+            raise InvalidParameterError(
+                f"train: lora_targets={self.lora_targets!r} is not allowed; allowed: module names such as q_proj"
+            )
         if self.encoding_lr is not None and not (math.isfinite(self.encoding_lr) and self.encoding_lr >= 0):
             raise InvalidParameterError(
                 f"train: encoding_lr={self.encoding_lr!r} is not allowed; allowed: a finite number >= 0"
@@ -138,6 +148,10 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
     check_sources(config.data)
     if model is None or _patch_info(model) is None:
         check_encoding(config.encoding, config.encoding_params, saved)
+    if config.lora and config.lora_targets and saved is not None:
+        from .lora import check_lora_targets_of_config
+
+        check_lora_targets_of_config(config.model, config.lora_targets)
 
 
 def _patch_info(model: Any) -> Any:

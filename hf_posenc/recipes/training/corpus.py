@@ -39,7 +39,9 @@ TOKEN_COLUMN = "input_ids"
 BATCH_DOCUMENTS = 64
 
 
-def _local_documents(sources: list[str], text_field: str, split: str, stamps: list[Any]) -> Iterator[dict]:
+def _local_documents(
+    sources: list[str], text_field: str, split: str, stamps: tuple[Any, ...]
+) -> Iterator[dict]:
     """``Dataset.from_generator``'s generator (``stamps`` only key its cache)."""
     for document in read_documents(sources, text_field=text_field, split=split):
         yield {"text": document}
@@ -78,6 +80,14 @@ def _generate(**kwargs):
         if isinstance(cause, (DataError, OSError)):
             raise cause from None
         raise
+    except ValueError as error:  # datasets: 'Instruction "train" corresponds to no data!'
+        if "corresponds to no data" not in str(error):
+            raise
+        sources = kwargs.get("gen_kwargs", {}).get("sources")
+        raise DataError(
+            f"the data files of {sources} hold no non-empty document (every file is empty or blank); "
+            "allowed: files with at least one non-empty document"
+        ) from None
 
 
 def document_dataset(
@@ -105,7 +115,8 @@ def document_dataset(
                         "sources": list(local),
                         "text_field": text_field,
                         "split": split,
-                        "stamps": source_stamps(local),
+                        # a tuple: datasets shards over the lists in gen_kwargs (sources), not this
+                        "stamps": tuple(source_stamps(local)),
                     },
                     features=Features({"text": Value("string")}),
                     cache_dir=str(cache_dir / "documents"),

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..provenance import provenance
 from .config import TrainConfig
+from .space import saving
 
 RUN_FILE = "training_run.json"
 
@@ -90,6 +91,21 @@ def write_final(
     partial = output_dir / "final.tmp"
     if partial.exists():
         shutil.rmtree(partial)
+    with saving(partial, "the final model"):
+        _write_partial(model, tokenizer, partial, config, losses, blocks, num_processes, state_dict)
+    old = output_dir / "final.old"
+    if final_dir.exists():
+        os.replace(final_dir, old)
+    os.replace(partial, final_dir)
+    if old.exists():
+        shutil.rmtree(old)
+    return final_dir
+
+
+def _write_partial(
+    model, tokenizer, partial: Path, config, losses, blocks, num_processes, state_dict
+) -> None:
+    """Every file of the final model, into ``partial``."""
     model.save_pretrained(partial, state_dict=state_dict)
     tokenizer.save_pretrained(partial)
     record = {
@@ -105,10 +121,3 @@ def write_final(
     (partial / "losses.json").write_text(json.dumps(losses))
     (partial / RUN_FILE).write_text(json.dumps(record, indent=2))
     (partial / "README.md").write_text(model_card(config, losses, record), encoding="utf-8")
-    old = output_dir / "final.old"
-    if final_dir.exists():
-        os.replace(final_dir, old)
-    os.replace(partial, final_dir)
-    if old.exists():
-        shutil.rmtree(old)
-    return final_dir
