@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 
 import pytest
-import reference as ref
 import torch
 from conftest import make_model, token_ids
+from references.alibi import alibi_slopes
 
 import hf_posenc
 from hf_posenc.errors import InvalidParameterError
@@ -70,7 +70,7 @@ def test_a_factor_below_the_range_is_refused_with_the_bound_and_the_bound_runs(n
         ("rope", HORIZON * 1.0 / FLOAT32_MAX),
         ("rope2d", HORIZON * 1.0 / FLOAT32_MAX),
         ("tape", HORIZON * 1.0 / FLOAT32_MAX),
-        ("alibi", max(ref.alibi_slopes(4)) / FLOAT32_MAX),  # the llama test model has 4 heads
+        ("alibi", max(alibi_slopes(4)) / FLOAT32_MAX),  # the llama test model has 4 heads
         ("fire", HORIZON * max(1.0, 0.1) / FLOAT32_MAX),  # the distance itself, and c (init_c = 0.1) times it
     ],
 )
