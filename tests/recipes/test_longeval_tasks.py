@@ -163,3 +163,34 @@ def test_bad_requests_are_one_line_errors(longeval_tokenizers):
     shortest = minimum_length(TASKS["passkey"], tokenizer, 64)
     with pytest.raises(PromptLengthError, match=f"shorter than the task's minimum of {shortest} tokens"):
         next(task_samples(TASKS["passkey"], tokenizer, shortest - 1, [0.5], 1, seed=0))
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single", "vt"])
+def test_training_documents_end_with_their_answer_at_the_training_length(longeval_tokenizers, task):
+    """A training document is a prompt whose answer (by the reference solver) follows it, within a token
+    of the requested length, with keys apart from the evaluation's for the same seed."""
+    from hf_posenc.recipes.longeval.training_data import training_documents
+
+    tokenizer = longeval_tokenizers["bpe"]
+    length = _length_for(task, tokenizer, 80)
+    documents = list(training_documents(TASKS[task], tokenizer, length, 4, seed=0))
+    evaluation = {s.answers for s in task_samples(TASKS[task], tokenizer, length, [0.5], 4, seed=0)}
+    for document in documents:
+        assert abs(len(tokenizer(document)["input_ids"]) - length) <= 1
+        answers = solve(document)
+        assert document.rstrip(".").endswith(", ".join(answers)) or document.rstrip(".").endswith(answers[0])
+        assert tuple(answers) not in evaluation
+
+
+def test_heatmap_grid_draws_one_panel_per_model(tmp_path):
+    from hf_posenc.recipes.longeval.report import plot_heatmap_grid
+    from hf_posenc.recipes.longeval.runner import Cell
+
+    results = {
+        name: [Cell("passkey", n, d, 1.0 if n <= 128 else 0.5, 2, n) for n in (128, 256) for d in (0.0, 1.0)]
+        for name in ("rope", "alibi", "nope")
+    }
+    path = plot_heatmap_grid(tmp_path / "grid.png", results, "passkey", 128, "study")
+    assert path.stat().st_size > 0
+    with pytest.raises(ValueError, match="no depth results of 'vt'"):
+        plot_heatmap_grid(tmp_path / "none.png", results, "vt", 128, "study")

@@ -239,3 +239,56 @@ def plot_accuracy(path: Path, results: Results, train_lengths: Mapping[str, int 
     figure.legend(handles, labels, loc="outside right center", fontsize="small", frameon=False)
     figure.savefig(path, format="png")
     return path
+
+
+def plot_heatmap_grid(path: Path, results: Results, task: str, train_length: int | None, title: str) -> Path:
+    """One depth x length panel of ``task`` per model (e.g. one per encoding of a study), one colour scale."""
+    from matplotlib import colormaps
+
+    labels = [
+        label
+        for label, cells in results.items()
+        if any(c.task == task and c.depth is not None for c in cells)
+    ]
+    if not labels:
+        raise ValueError(f"no depth results of {task!r} to draw")
+    lengths = sorted({c.length for label in labels for c in results[label] if c.task == task})
+    depths = sorted(
+        {c.depth for label in labels for c in results[label] if c.task == task and c.depth is not None}
+    )
+    columns = min(len(labels), 4)
+    rows = -(-len(labels) // columns)
+    figure = _canvas(
+        max(7.0, 1.6 + (0.6 + 0.6 * len(lengths)) * columns), 1.2 + (1.0 + 0.38 * len(depths)) * rows
+    )
+    grid = figure.subplots(rows, columns, squeeze=False)
+    image = None
+    for axes, label in zip(grid.flat, labels, strict=False):
+        by_key = {
+            (c.depth, c.length): c.accuracy for c in results[label] if c.task == task and c.depth is not None
+        }
+        values = [[by_key.get((d, n), float("nan")) for n in lengths] for d in depths]
+        image = axes.imshow(values, cmap=colormaps["RdYlGn"], vmin=0, vmax=1, aspect="auto")
+        for i, row in enumerate(values):
+            for j, value in enumerate(row):
+                if value == value:
+                    axes.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize="x-small")
+        axes.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize="small")
+        axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize="small")
+        axes.set_title(label, fontsize="medium")
+        if axes in grid[-1, :] or axes is grid.flat[len(labels) - 1]:
+            axes.set_xlabel("prompt length (tokens)")
+        if axes in grid[:, 0]:
+            axes.set_ylabel("needle depth")
+        if train_length is not None:
+            _mark_training_length(axes, lengths, train_length)
+    for axes in list(grid.flat)[len(labels) :]:
+        axes.set_visible(False)
+    trained = f"; black line: training length {train_length}" if train_length else ""
+    figure.suptitle(
+        f"{title}\n{task}: needle found (green) or missed (red), accuracy in %{trained}", fontsize="medium"
+    )
+    if image is not None:
+        figure.colorbar(image, ax=list(grid.flat), shrink=0.9, label="accuracy", fraction=0.04)
+    figure.savefig(path, format="png")
+    return path

@@ -1,0 +1,48 @@
+"""Retrieval documents to train on: a task's prompt followed by its answer, about ``length`` tokens.
+
+A model pretrained on ordinary text never retrieves a pass key, so the classic "train short, test
+long" retrieval experiment mixes such documents into (continued) pretraining at the training
+length and then scores the tasks at 1x-16x that length. The documents come from the same
+generators as the evaluation, with values drawn from a different seed stream (``("train",
+seed)``), so no evaluation prompt is trained on, and the needle at a uniformly random depth.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from .fit import token_counter
+from .task import Task, build_sample
+
+
+def answer_text(task: Task, answers: tuple[str, ...]) -> str:
+    """How a model should continue the prompt: ``" 12345."`` for the passkey (Landmark's key line),
+    the expected strings joined by ``", "`` for RULER's tasks."""
+    if task.metric == "first_integer":
+        return f" {answers[0]}."
+    return " " + ", ".join(answers) + "."
+
+
+def training_documents(task: Task, tokenizer: Any, length: int, count: int, seed: int) -> Iterator[str]:
+    """``count`` documents of ``task``: a prompt fitted to ``length`` minus the answer's tokens, then the
+    answer (the whole document is ``length`` tokens up to a token where prompt and answer meet)."""
+    count_tokens = token_counter(tokenizer)
+    depths = random.Random(f"depths|{seed}|{task.name}")
+    hint = None
+    for index in range(count):
+        depth = depths.random() if task.uses_depth else None
+        probe = build_sample(task, count_tokens, length, depth, index, hash_seed(seed), hint=hint)
+        answer = answer_text(task, probe.answers)
+        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        sample = build_sample(
+            task, count_tokens, length - answer_tokens, depth, index, hash_seed(seed), hint=hint
+        )
+        hint = sample.haystack_size
+        yield sample.prompt + (answer.lstrip() if sample.prompt.endswith(" ") else answer)  # vt's prefix ends in " "
+
+
+def hash_seed(seed: int) -> int:
+    """The training documents' seed stream, apart from the evaluation's (whose seed is ``seed``)."""
+    return random.Random(f"train|{seed}").getrandbits(48)
