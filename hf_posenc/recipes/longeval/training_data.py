@@ -40,7 +40,8 @@ def training_documents(task: Task, tokenizer: Any, length: int, count: int, seed
             task, count_tokens, length - answer_tokens, depth, index, hash_seed(seed), hint=hint
         )
         hint = sample.haystack_size
-        yield sample.prompt + (answer.lstrip() if sample.prompt.endswith(" ") else answer)  # vt's prefix ends in " "
+        joined = answer.lstrip() if sample.prompt.endswith(" ") else answer  # vt's answer prefix ends in " "
+        yield sample.prompt + joined
 
 
 def hash_seed(seed: int) -> int:
