@@ -60,6 +60,35 @@ def checksums(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+#: the key of the trainer state's checksum of itself (every other key, canonical JSON)
+STATE_DIGEST = "state_sha256"
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of ``state`` without its own digest, as canonical JSON (sorted keys)."""
+    body = {k: v for k, v in state.items() if k != STATE_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _state_problem(checkpoint: Path, state: dict[str, Any]) -> str | None:
+    """What is wrong with the trainer state itself: its checksum, its step against the folder's,
+    its losses against its step."""
+    path = checkpoint / STATE_FILE
+    if STATE_DIGEST in state and state[STATE_DIGEST] != state_digest(state):
+        return f"{path} does not match its recorded SHA-256 (edited or damaged)"
+    folder_step = int(checkpoint.name[len(PREFIX) :])
+    if state["step"] != folder_step:
+        return (
+            f"{path} records step {state['step']!r} in the folder of step {folder_step} (edited or misplaced)"
+        )
+    losses = state["losses"]
+    if not isinstance(losses, list) or (
+        losses and (not isinstance(losses[-1], list) or losses[-1][0] != folder_step)
+    ):
+        return f"{path} records losses that do not end at step {folder_step}"
+    return None
+
+
 def verify(checkpoint: Path) -> str | None:
     """None if ``checkpoint`` is intact, else what is wrong with it (one line)."""
     try:
@@ -68,6 +97,9 @@ def verify(checkpoint: Path) -> str | None:
         return f"{checkpoint / STATE_FILE} is unreadable ({error})"
     if not isinstance(state, dict) or not {"step", "losses", "config"} <= set(state):
         return f"{checkpoint / STATE_FILE} is not a trainer state (no step/losses/config)"
+    problem = _state_problem(checkpoint, state)
+    if problem is not None:
+        return problem
     recorded = state.get("files")
     if recorded is None:  # written before checkpoints recorded checksums: cannot be verified
         return None
@@ -117,6 +149,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
                 if path.is_file():
                     _fsync(path)
             state = {**state, "files": checksums(partial)}
+            state[STATE_DIGEST] = state_digest(state)
             state_path = partial / STATE_FILE
             state_path.write_text(json.dumps(state, indent=2), encoding="utf-8")
             _fsync(state_path)

@@ -33,6 +33,7 @@ from ..data import (
     source_stamps,
     tokenizer_fingerprint,
 )
+from .cache_check import record_cache, verify_cache
 
 TOKEN_COLUMN = "input_ids"
 #: documents tokenised (and written) at a time: memory depends on this, not on the corpus size
@@ -156,13 +157,25 @@ class _Tokenize:
 
 
 def token_dataset(documents, tokenizer: Any, cache_dir: Path, num_proc: int | None = None):
-    """The documents' token ids (int32 lists), cached in ``cache_dir`` by documents and tokenizer."""
-    from datasets import Features, Sequence, Value
+    """The documents' token ids (int32 lists), cached in ``cache_dir`` by documents and tokenizer.
 
+    The cache's Arrow files are verified against the sizes and SHA-256 recorded when they were
+    written (:mod:`.cache_check`) before they are reused: a damaged or truncated cache is named
+    with what to do instead of feeding other tokens to a resumed run."""
     key = hashlib.sha256(
         json.dumps([documents._fingerprint, tokenizer_fingerprint(tokenizer), "v1"]).encode()
     ).hexdigest()[:20]
     cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_file = cache_dir / f"tokens-{key}.arrow"
+    verify_cache(cache_file)
+    tokens = _tokenize(documents, tokenizer, cache_file, key, num_proc)
+    record_cache(cache_file, [Path(f["filename"]) for f in tokens.cache_files])
+    return tokens
+
+
+def _tokenize(documents, tokenizer: Any, cache_file: Path, key: str, num_proc: int | None):
+    from datasets import Features, Sequence, Value
+
     workers = num_proc if num_proc and num_proc > 1 and len(documents) >= 2 * num_proc else None
     return documents.map(
         _Tokenize(tokenizer),
@@ -172,7 +185,7 @@ def token_dataset(documents, tokenizer: Any, cache_dir: Path, num_proc: int | No
         num_proc=workers,
         remove_columns=documents.column_names,
         features=Features({TOKEN_COLUMN: Sequence(Value("int32"))}),
-        cache_file_name=str(cache_dir / f"tokens-{key}.arrow"),
+        cache_file_name=str(cache_file),
         new_fingerprint=key,
         desc="tokenize",
     )

@@ -188,7 +188,10 @@ def _resume_point(config: TrainConfig, accelerator, output_dir: Path) -> Path:
     warn = print if accelerator.is_main_process else (lambda _: None)
     checkpoint = intact_checkpoint(output_dir, warn=warn)
     if checkpoint is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint (none intact) in {str(output_dir)!r}")
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint (none intact) in {str(output_dir)!r}; each damaged one is named "
+            "above: restore it from a copy, or start the run again with --overwrite"
+        )
     changed = resume_differences(read_state(checkpoint)["config"], dataclasses.asdict(config))
     if changed:
         raise InvalidParameterError(
