@@ -58,23 +58,22 @@ def check_model_path(path: str, *, what: str = "--model", need_tokenizer: bool =
 HUB_PROBE_SECONDS = 2.0
 
 
-def check_hub_id(name: str, what: str = "--model") -> None:
+def check_hub_id(name: str, what: str = "--model", filename: str = "config.json") -> None:
     """A value that is not a local path must be a hub id that can be had: valid as a repo id, and
     in the local Hugging Face cache, or the hub reachable (not offline). Refused at once, in one
     line naming the value, where transformers would retry the hub for over a minute."""
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    allowed = (
-        "allowed: a local model folder (with config.json) or a hub id such as HuggingFaceTB/SmolLM2-135M"
-    )
+    folder = "model folder (with config.json)" if filename == "config.json" else f"folder with {filename}"
+    allowed = f"allowed: a local {folder} or a hub id such as HuggingFaceTB/SmolLM2-135M"
     try:
         validate_repo_id(name)
     except HFValidationError:
         raise FileNotFoundError(
             f"{what} {name!r} is not a local folder (no such path) nor a valid hub id; {allowed}"
         ) from None
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+    if isinstance(try_to_load_from_cache(name, filename), str):
         return  # cached: transformers loads it without the network
     if constants.HF_HUB_OFFLINE:
         raise FileNotFoundError(
@@ -107,6 +106,7 @@ def _hub_unreachable(endpoint: str) -> str | None:
 
 def check_tokenizer_path(path: str, *, what: str = "--tokenizer") -> None:
     if not looks_local(path):
+        check_hub_id(path, what, "tokenizer_config.json")
         return
     folder = Path(os.path.expanduser(path))
     if not folder.is_dir():

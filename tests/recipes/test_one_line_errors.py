@@ -140,6 +140,16 @@ def test_a_model_that_is_neither_a_folder_nor_a_hub_id_to_be_had_is_refused_at_o
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tokenizer_that_is_no_folder_nor_a_hub_id_to_be_had_is_refused_at_once(
+    workspace, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(preflight, "_hub_unreachable", lambda endpoint: "test: no network")
+    argv = ["train", "--model", str(workspace / "base"), "--tokenizer", "nodir"]
+    assert main([*argv, "--output-dir", str(tmp_path / "run"), "--data", str(workspace / "data.txt")]) == 2
+    line = one_error(capsys)
+    assert "--tokenizer 'nodir'" in line and "tokenizer_config.json" in line, line
+
+
 def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device", "/full/disk/file")
 
