@@ -117,6 +117,21 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="train every run with documents packed per block, positions restarting per document",
     )
     parser.add_argument(
+        "--retrieval-documents",
+        type=int,
+        default=defaults.retrieval_documents,
+        metavar="N",
+        help="passkey documents (one training block each) mixed into every pretraining, then passkey accuracy "
+        "at every evaluation length: a second table and retrieval_heatmaps.png (0: off)",
+    )
+    parser.add_argument(
+        "--retrieval-samples",
+        type=int,
+        default=defaults.retrieval_samples,
+        metavar="N",
+        help="passkey prompts per evaluation length and depth (depths 0, 0.5, 1)",
+    )
+    parser.add_argument(
         "--eval-only",
         nargs="*",
         default=None,

@@ -96,6 +96,11 @@ def _pretrain_base(config: StudyConfig, settings, status: str):
         config.data, text_field=config.text_field, split=config.train_split, limit=config.max_documents
     )
     tokenizer = train_bpe_tokenizer(documents, vocab_size=config.vocab_size)
+    from .retrieval import write_training_documents
+
+    write_training_documents(
+        config, tokenizer
+    )  # the passkey documents listed first in the data, if asked for
     model = tiny_model(
         DEFAULT_FAMILY,
         vocab_size=len(tokenizer),
@@ -146,7 +151,7 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
         return {}
     (out / "study_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     to_train = sum(s.max_steps for _, s, status in plan if status != "reuse")
-    progress = _Progress(len(plan) + 1, to_train)
+    progress = _Progress(len(plan) + 1 + (1 if config.retrieval_documents else 0), to_train)
     finals: dict[str, Path] = {}
     try:
         for label, settings, status in plan:
@@ -162,6 +167,7 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
             else:
                 from ..training import train
 
+                _ensure_retrieval_documents(config, finals)
                 finals[label] = train(
                     settings, resume=status == "resume", overwrite=status == "retrain"
                 ).final_dir
@@ -170,6 +176,7 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
         raise KeyboardInterrupt(f"{stop or 'stopped'}; run the same command again to continue") from None
     from .evaluate import eval_only_rows, evaluate_study
 
+    trained = dict(finals)  # evaluate_study takes the base out of finals
     extra = len(eval_only_rows(config.eval_only, config.encodings))
     rows = len(finals) + (1 if config.base_model else 0) + extra
     progress.phase(f"evaluating {rows} rows ({extra} evaluation-only)")
@@ -196,4 +203,38 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
     )
     print(format_table(results, kinds=kinds, warnings=[*warnings, *result_warnings(results)]))
     print(f"[study] report: {', '.join(str(p) for p in paths.values())}")
+    if config.retrieval_documents:
+        progress.phase(f"passkey retrieval of {len(trained) + (1 if config.base_model else 0)} rows")
+        paths.update(_retrieval(config, trained))
     return paths
+
+
+def _base_dir(config: StudyConfig, finals: dict[str, Path]) -> Path:
+    return Path(config.base_model) if config.base_model else finals["base (RoPE pretraining)"]
+
+
+def _ensure_retrieval_documents(config: StudyConfig, finals: dict[str, Path]) -> None:
+    """The passkey documents exist before a continued pretraining reads its data (written with the
+    base model's tokenizer when the base was reused or given)."""
+    if config.retrieval_documents:
+        from transformers import AutoTokenizer
+
+        from .retrieval import write_training_documents
+
+        write_training_documents(config, AutoTokenizer.from_pretrained(str(_base_dir(config, finals))))
+
+
+def _retrieval(config: StudyConfig, trained: dict[str, Path]) -> dict[str, Path]:
+    """Passkey accuracy of the base and every trained run at every evaluation length: table and picture."""
+    from transformers import AutoTokenizer
+
+    from ..provenance import provenance
+    from .evaluate import base_label
+    from .retrieval import evaluate_retrieval, write_retrieval_report
+    from .spec import display_label
+
+    base = _base_dir(config, trained)
+    runs = {base_label(config): base}
+    runs.update({display_label(spec): path for spec, path in trained.items() if not spec.startswith("base")})
+    results = evaluate_retrieval(config, runs, AutoTokenizer.from_pretrained(str(base)))
+    return write_retrieval_report(config, results, {"provenance": provenance()})

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import InvalidParameterError
 from ...models import DEFAULT_FAMILY
+from .retrieval import training_source
 from .spec import StudyConfig, parse_encoding_spec, spec_slug
 
 
@@ -27,7 +28,7 @@ def _base_settings(config: StudyConfig, out: Path):
     return TrainConfig(
         model=_tiny_spec(config),
         output_dir=str(out / "base"),
-        data=list(config.data),
+        data=[*training_source(config), *config.data],
         split=config.train_split,
         text_field=config.text_field,
         max_documents=config.max_documents,
@@ -52,7 +53,7 @@ def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
     return TrainConfig(
         model=str(base),
         output_dir=str(out / "runs" / spec_slug(spec)),
-        data=list(config.data),
+        data=[*training_source(config), *config.data],
         split=config.train_split,
         text_field=config.text_field,
         max_documents=config.max_documents,

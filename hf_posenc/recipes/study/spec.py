@@ -44,6 +44,9 @@ class StudyConfig:
     #: None: expe/exqpe at factor 2 and rope@interpolate for those of them the study trains
     eval_only: list[str] | None = None
     threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
+    #: passkey documents mixed into every pretraining (0: none); see hf_posenc.recipes.study.retrieval
+    retrieval_documents: int = 0
+    retrieval_samples: int = 4  # passkey prompts per evaluation length and depth
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,6 +57,7 @@ class StudyConfig:
             "eval_tokens",
             "hidden_size",
             "num_layers",
+            "retrieval_samples",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -63,6 +67,14 @@ class StudyConfig:
         from ..threads import check_threads
 
         check_threads(self.threads, flag="study: threads")
+        if (
+            isinstance(self.retrieval_documents, bool)
+            or not isinstance(self.retrieval_documents, int)
+            or (self.retrieval_documents < 0)
+        ):
+            raise InvalidParameterError(
+                f"study: retrieval_documents={self.retrieval_documents!r} is not allowed; allowed: an integer >= 0"
+            )
         if not self.multiples or any(not isinstance(m, int) or m < 1 for m in self.multiples):
             raise InvalidParameterError(
                 f"study: multiples={self.multiples!r} is not allowed; allowed: integers >= 1, e.g. 1 2 4 8 16"

@@ -1,0 +1,131 @@
+"""The study's retrieval experiment ("train short, test long", issue 20.4), off unless
+``retrieval_documents > 0``.
+
+A tiny model pretrained on Python sources never retrieves a pass key, so retrieval is made
+learnable: ``retrieval_documents`` passkey documents (Landmark's prompt followed by the key,
+:mod:`hf_posenc.recipes.longeval.training_data`), each exactly one training block (``train_length``
+tokens with its end-of-text token), are written to ``OUTPUT/retrieval/train.jsonl`` once the
+tokenizer exists and listed *first* among the data sources of the base pretraining and of every
+continued pretraining, so each is one whole block of the token stream (blocks are shuffled).
+After training, every trained row (and the base) is scored on the passkey at 1x-16x the training
+length (prompt and answer within that length: the prompt is ``ANSWER_ROOM`` tokens shorter;
+``retrieval_samples`` per length and depth, depths 0, 0.5, 1; values from the evaluation seed
+stream, never trained on): a table beside the loss table, ``retrieval.json`` and
+``retrieval_heatmaps.png`` (one depth x length panel per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+TASK = "passkey"
+#: tokens kept free for the generated answer: a prompt at k x the training length has this many fewer
+ANSWER_ROOM = 16
+DEPTHS = (0.0, 0.5, 1.0)
+FILE = Path("retrieval") / "train.jsonl"
+
+
+def training_source(config: Any) -> list[str]:
+    """The data source to list before the corpus (``[]`` when the experiment is off)."""
+    if not getattr(config, "retrieval_documents", 0):
+        return []
+    return [str(Path(config.output_dir) / FILE)]
+
+
+def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
+    """Write the passkey training documents for ``tokenizer`` (if the experiment is on and they are
+    not there yet); each is ``train_length - 1`` tokens, one block with its end-of-text token."""
+    if not getattr(config, "retrieval_documents", 0):
+        return None
+    from ...errors import InvalidParameterError
+    from ..longeval.tasks import TASKS, minimum_length
+    from ..longeval.training_data import training_documents
+
+    path = Path(config.output_dir) / FILE
+    if path.is_file():
+        return path
+    task = TASKS[TASK]
+    # the training pipeline adds only the end-of-text token; the length fitting counts what the
+    # tokenizer adds by default (a BOS), so aim at one block of text tokens plus those
+    added = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    length = config.train_length - (1 if tokenizer.eos_token_id is not None else 0) + added
+    shortest = minimum_length(task, tokenizer, length, 1, config.seed) + 8
+    if length < shortest:
+        raise InvalidParameterError(
+            f"study: retrieval documents need a training length of at least {shortest} tokens for this tokenizer "
+            f"(the passkey prompt and its answer); --train-length is {config.train_length}"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    with partial.open("w", encoding="utf-8") as handle:
+        for text in training_documents(task, tokenizer, length, config.retrieval_documents, config.seed):
+            handle.write(json.dumps({"text": text}) + "\n")
+    partial.replace(path)
+    return path
+
+
+def evaluate_retrieval(config: Any, runs: dict[str, Path], tokenizer: Any) -> dict[str, list]:
+    """Passkey accuracy of each row at every evaluation length (and depth); ``{label: cells}``."""
+    from ...core.loading import load_model
+    from ..longeval.runner import evaluate_samples, summarize
+    from ..longeval.tasks import TASKS, minimum_length, task_samples
+    from ..threads import use_threads
+
+    task = TASKS[TASK]
+    # the prompt and the generated answer together fit each evaluation length (and the model's positions)
+    lengths = {config.train_length * m - ANSWER_ROOM: config.train_length * m for m in config.multiples}
+    shortest = minimum_length(task, tokenizer, min(lengths), config.retrieval_samples, config.seed)
+    samples = [
+        sample
+        for length in lengths
+        if length >= shortest
+        for sample in task_samples(task, tokenizer, length, DEPTHS, config.retrieval_samples, config.seed)
+    ]
+    results = {}
+    for label, directory in runs.items():
+        model = load_model(str(directory)).eval()
+        use_threads(config.threads, model)
+        cells = summarize(evaluate_samples(model, tokenizer, samples, batch_size=len(DEPTHS)))
+        results[label] = [
+            dataclasses.replace(c, length=lengths[c.length]) for c in cells
+        ]  # columns: 1x, 2x, ...
+        del model
+    return results
+
+
+def write_retrieval_report(
+    config: Any, results: dict[str, list], metadata: dict[str, Any]
+) -> dict[str, Path]:
+    """retrieval.json, retrieval.md and retrieval_heatmaps.png in the study's folder; prints the table."""
+    from ..longeval import report
+
+    out = Path(config.output_dir)
+    settings = {
+        "task": TASK,
+        "depths": list(DEPTHS),
+        "samples": config.retrieval_samples,
+        "seed": config.seed,
+    }
+    settings["training_documents"] = config.retrieval_documents
+    paths = {
+        "retrieval json": report.write_json(
+            out / "retrieval.json", results, settings=settings, metadata=metadata
+        )
+    }
+    title = f"Passkey retrieval (trained at {config.train_length} tokens with {config.retrieval_documents} passkey documents)"
+    paths["retrieval png"] = report.plot_heatmap_grid(
+        out / "retrieval_heatmaps.png", results, TASK, config.train_length, title
+    )
+    table = report.markdown_table(results)
+    paths["retrieval md"] = out / "retrieval.md"
+    paths["retrieval md"].write_text(
+        f"# {title}\n\nAccuracy in % over depths {list(DEPTHS)}.\n\n{table}\n\n"
+        "![retrieval heatmaps](retrieval_heatmaps.png)\n",
+        encoding="utf-8",
+    )
+    print(f"\n{title}: accuracy in % over depths {', '.join(map(str, DEPTHS))}")
+    print(report.format_table(results))
+    return paths
