@@ -135,6 +135,34 @@ def test_windows_are_disjoint_and_every_length_reads_the_same_tokens():
         assert result.loss == pytest.approx(math.log(128), rel=1e-6)  # uniform over 128 classes
 
 
+class RandomLogitsModel(nn.Module):
+    """Fixed pseudo-random logits per (position, token id): a loss whose float rounding shows."""
+
+    def __init__(self, vocab: int = 97) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)) * 3)
+
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> types.SimpleNamespace:
+        return types.SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_published_loss_is_reduced_as_every_earlier_report_reduced_it():
+    """Results stay identical to the digit across versions: the loss is cross_entropy's own fp32
+    sum over each batch, accumulated batch by batch in float64, over the predicted tokens (the
+    reduction every earlier report used); exact equality, not a tolerance."""
+    model = RandomLogitsModel()
+    tokens = torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(1))
+    results = evaluate_lengths(model, tokens, 16, multiples=(1, 2), batch_size=3, progress=False)
+    for result in results:
+        windows = tokens[: result.windows * result.length].view(result.windows, result.length)
+        expected = 0.0
+        for start in range(0, result.windows, 3):
+            batch = windows[start : start + 3]
+            logits = model.table[batch[:, :-1]].reshape(-1, 97).float()
+            expected += F.cross_entropy(logits, batch[:, 1:].reshape(-1), reduction="sum").double().item()
+        assert result.loss == expected / result.tokens
+
+
 def test_budget_with_max_tokens_and_lengths_that_do_not_divide_each_other():
     """max_tokens=70 with longest 32 -> 64 tokens; lengths 8 and 12 (lcm 24) fitting twice in
     50 tokens -> 48 each; lcm 48 not fitting in 40 tokens -> cut to whole windows of 16."""

@@ -139,13 +139,24 @@ def _model_device(model: nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def _window_nll(model: nn.Module, ids: torch.Tensor) -> list[float]:
-    """Sum of next-token NLL of each window in ``ids`` (B, L), in float64: a list of B sums."""
+def _window_nll(model: nn.Module, ids: torch.Tensor) -> tuple[float, list[float]]:
+    """Next-token NLL of the windows in ``ids`` (B, L): (their total, each window's sum), float64.
+
+    The total is reduced exactly as the reports have always reduced it (``cross_entropy``'s own
+    fp32 sum per batch or logits chunk, accumulated in float64), so every published loss stays
+    identical to the digit; the per-window sums (for the standard error) read the same
+    log-probabilities (``cross_entropy`` is ``nll_loss(log_softmax(x))``).
+    """
     windows, length = ids.shape
     targets = ids[:, 1:].reshape(-1)  # (B*(L-1),)
     from transformers import PreTrainedModel
 
     from ...core.registry import adapter_for_config
+
+    def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs = logits.float().log_softmax(dim=-1)  # (N, vocab)
+        total = F.nll_loss(log_probs, labels, reduction="sum").double()  # == cross_entropy(sum)
+        return total, F.nll_loss(log_probs, labels, reduction="none").double()  # (N,)
 
     # a family whose causal-LM head is a plain ``lm_head(base_model(...))`` gets its logits in
     # chunks, so a long window never materialises (L, vocab) fp32 logits at once
@@ -157,17 +168,18 @@ def _window_nll(model: nn.Module, ids: torch.Tensor) -> list[float]:
         head = model.get_output_embeddings()
     if head is None or not isinstance(model, PreTrainedModel):
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        logits = logits.reshape(-1, logits.shape[-1])
-        nll = F.cross_entropy(logits.float(), targets, reduction="none").double()  # (B*(L-1),)
-        return nll.view(windows, length - 1).sum(dim=1).tolist()
+        total, nll = token_nll(logits.reshape(-1, logits.shape[-1]), targets)
+        return total.item(), nll.view(windows, length - 1).sum(dim=1).tolist()
     hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (B*(L-1), hidden)
     step = max(1, CHUNK_ELEMENTS // head.out_features)
+    total = torch.zeros((), dtype=torch.float64, device=ids.device)
     nll = torch.empty(hidden.shape[0], dtype=torch.float64, device=ids.device)  # (B*(L-1),)
     for start in range(0, hidden.shape[0], step):
-        logits = head(hidden[start : start + step]).float()
-        nll[start : start + step] = F.cross_entropy(logits, targets[start : start + step], reduction="none")
-    return nll.view(windows, length - 1).sum(dim=1).tolist()
+        chunk_total, chunk_nll = token_nll(head(hidden[start : start + step]), targets[start : start + step])
+        total += chunk_total
+        nll[start : start + step] = chunk_nll
+    return total.item(), nll.view(windows, length - 1).sum(dim=1).tolist()
 
 
 def evaluate_lengths(
@@ -215,13 +227,15 @@ def evaluate_lengths(
                 bar.set_description(f"ev={multiple} (L={length})")
                 count = budget // length
                 windows = stream[: count * length].view(count, length)  # (windows, L)
-                sums: list[float] = []
+                nll, sums = 0.0, []
                 for start in range(0, count, batch_size):
                     batch = windows[start : start + batch_size]
-                    sums += _window_nll(model, batch)
+                    batch_total, batch_sums = _window_nll(model, batch)
+                    nll += batch_total
+                    sums += batch_sums
                     bar.update(batch.numel())
                 predicted = count * (length - 1)
-                loss = math.fsum(sums) / predicted
+                loss = nll / predicted
                 perplexity = math.exp(loss) if loss < 700 else math.inf
                 stderr = standard_error([s / (length - 1) for s in sums])
                 results.append(LengthResult(multiple, length, count, predicted, loss, perplexity, stderr))
