@@ -113,3 +113,33 @@ def test_a_second_train_into_a_running_runs_folder_refuses_at_once(tmp_path):
         first.wait()
     run_lock.acquire(tmp_path / "run")  # kill -9 left no stuck lock
     run_lock.release(tmp_path / "run")
+
+
+@pytest.mark.slow  # a 2-process accelerate launch
+def test_every_process_of_a_two_process_launch_refuses_a_folder_in_use(tmp_path):
+    """The main process finds the folder held; the other one learns it from the main one (a
+    broadcast) instead of waiting for it forever: the launch ends with the one line."""
+    recipes = Path(__file__).resolve().parents[2] / "recipes" / "accelerate"
+    (tmp_path / "run").mkdir()
+    child = holder(tmp_path / "run")
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("ACCELERATE_USE_CPU", None)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+        command += [str(recipes / "cpu_2proc.yaml"), "--num_processes", "2", "-m", "hf_posenc", "train"]
+        command += ["--output-dir", str(tmp_path / "run"), "--data", "builtin:stdlib", "--max-steps", "1"]
+        command += ["--model", str(tmp_path / "base")]
+        from hf_posenc.recipes.data import stdlib_documents
+        from hf_posenc.recipes.tiny import tiny_model
+
+        tokenizer = train_bpe_tokenizer(list(stdlib_documents())[:4], vocab_size=300)
+        tiny_model("llama", vocab_size=len(tokenizer), max_positions=64).save_pretrained(tmp_path / "base")
+        tokenizer.save_pretrained(tmp_path / "base")
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert completed.returncode != 0
+    errors = [line for line in completed.stderr.splitlines() if "hf-posenc train: error:" in line]
+    assert len(errors) == 2, completed.stderr[-3000:]  # one line from each process, the same
+    assert all(f"in use by another hf-posenc train run (pid {child.pid}" in line for line in errors)
