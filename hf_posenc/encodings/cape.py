@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import EncodingConfig, check_number, fail
+from ..core.interpolation import ScaledRange
 from ..core.registry import encoding_names, get_encoding, register_encoding
 from ..errors import InvalidParameterError
 from .base import Encoding
@@ -104,6 +105,10 @@ class CAPE(Encoding[CAPEConfig]):
 
     def initialise_from_model(self, model: nn.Module, adapter) -> None:
         self.base.initialise_from_model(model, adapter)
+
+    def scaled_range(self) -> ScaledRange | None:
+        """The base encoding's (its ``base_params`` carry the scaling)."""
+        return self.base.scaled_range()
 
     def rows_independent(self) -> bool:
         return not self.base.stateful  # a stateful base (FoX) accumulates over all queries

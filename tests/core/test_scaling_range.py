@@ -95,6 +95,14 @@ def test_a_hybrid_part_with_such_a_factor_is_refused():
         hf_posenc.patch_model(model(), [("rope", {"scaling": linear(1e-40)}), "nope"])
 
 
+def test_cape_asks_its_base_encoding():
+    """CAPE's scaling lives in ``base_params``: the base encoding's bound applies."""
+    with pytest.raises(
+        InvalidParameterError, match=r"^cape: parameter scaling=.*slopes m / f.*allowed: factor >= "
+    ):
+        hf_posenc.patch_model(model(), "cape", base_params={"scaling": linear(1e-45)})
+
+
 def test_liere_reads_its_generators_as_trained():
     """A generator grown in training lowers how small the factor may be: reconfigure reads the
     tensors the model holds, not the initial ones."""
