@@ -93,6 +93,12 @@ def test_unknown_lora_targets_are_named_with_the_models_modules_before_loading(w
     assert not (tmp_path / "run" / "final").exists()
 
 
+def test_lora_targets_without_lora_are_not_ignored(workspace, tmp_path, capsys):
+    assert run(workspace, tmp_path, "--data", str(workspace / "data.txt"), "--lora-targets", "q_proj") == 2
+    line = one_error(capsys)
+    assert "lora_targets=['q_proj'] without lora would be ignored" in line, line
+
+
 def test_unknown_lora_targets_are_refused_through_the_api_too(workspace, tmp_path):
     from hf_posenc import InvalidParameterError
 

@@ -86,6 +86,11 @@ class TrainConfig:
             raise InvalidParameterError(
                 f"train: lora_dropout={self.lora_dropout!r} is not allowed; allowed: a probability in [0, 1)"
             )
+        if self.lora_targets is not None and not self.lora:
+            raise InvalidParameterError(
+                f"train: lora_targets={self.lora_targets!r} without lora would be ignored; allowed: add --lora "
+                "(LoRA on those modules) or drop --lora-targets"
+            )
         if self.lora_targets is not None and (
             not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets)
         ):
