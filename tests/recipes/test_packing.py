@@ -232,3 +232,21 @@ def test_packing_throughput_benchmark_runs_on_a_tiny_model(workspace, capsys):
     assert [row["mode"] for row in rows] == ["blocks", "packing", "padding"]
     assert all(row["steps"] == 2 and row["real_tokens_per_s"] > 0 for row in rows)
     assert lines[3].startswith("packing/padding ")
+
+
+@pytest.mark.slow  # multi-second (2 short runs); CI runs it
+def test_chunked_loss_trains_like_the_full_loss(workspace):
+    """--loss chunked (no (tokens x vocabulary) logits) follows --loss full's trajectory, packed."""
+    from hf_posenc.recipes.training import loss as loss_module
+
+    full = train(config(workspace, "loss-full", grad_accum=2, batch_size=2), progress=False)
+    small_chunks = pytest.MonkeyPatch()
+    small_chunks.setattr(loss_module, "CHUNK_ELEMENTS", 5 * 512)  # 5 tokens of the 512-token vocabulary
+    try:
+        chunked = train(
+            config(workspace, "loss-chunked", grad_accum=2, batch_size=2, loss="chunked"), progress=False
+        )
+    finally:
+        small_chunks.undo()
+    for (step_a, a), (step_b, b) in zip(full.losses, chunked.losses, strict=True):
+        assert step_a == step_b and abs(a - b) < 1e-5, (full.losses, chunked.losses)

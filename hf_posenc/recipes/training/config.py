@@ -53,6 +53,7 @@ class TrainConfig:
     data_cache: str | None = None  # tokenised data (Arrow); default: OUTPUT_DIR/data-cache
     num_proc: int | None = None  # tokenisation workers
     threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
+    loss: str = "full"  # "chunked": no (tokens x vocabulary) logits (see loss.py)
     packing: bool = False  # positions restart per document, attention stays inside it (see feed.py)
 
     def __post_init__(self) -> None:
@@ -119,6 +120,8 @@ class TrainConfig:
                 "resolution are lost and the loss overflows to NaN; allowed: --dtype float32 (with "
                 "--mixed-precision fp16 or bf16 on a GPU) or --dtype bfloat16"
             )
+        if self.loss not in ("full", "chunked"):
+            raise InvalidParameterError(f"train: loss={self.loss!r} is not allowed; allowed: full, chunked")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise InvalidParameterError(
                 f"train: mixed_precision={self.mixed_precision!r}; allowed: no, bf16, fp16"

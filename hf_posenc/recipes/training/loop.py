@@ -40,6 +40,7 @@ from .guards import (
 )
 from .interrupt import StopRequest
 from .lora import apply_lora, merge_lora
+from .loss import LossFunction, loss_function
 from .outputs import write_final
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -149,6 +150,7 @@ class _Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     feed: Feed
     losses: list[tuple[int, float]]
+    loss: LossFunction
     bar: Any = None
 
 
@@ -270,7 +272,7 @@ def _optimizer_step(run: _Run, step: int) -> float:
     for micro in range(config.grad_accum):
         inputs = run.feed.inputs(step * config.grad_accum + micro, accelerator.device)
         with accelerator.accumulate(model):
-            loss = model(**inputs).loss
+            loss = run.loss(model, inputs)
             accelerator.backward(loss)
             if accelerator.sync_gradients and config.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -410,7 +412,8 @@ def _train_held(
     if config.report_to:
         accelerator.init_trackers("hf-posenc", config=_tracker_config(config))
     feed = Feed(blocks, order, packing=config.packing, grad_accum=config.grad_accum)
-    run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, feed, losses)
+    loss = loss_function(config.loss, accelerator.unwrap_model(model))
+    run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, feed, losses, loss)
     run.bar = tqdm(
         total=config.max_steps,
         initial=start,
