@@ -1,7 +1,7 @@
 """The longest sequence one training step fits, for the native model and every encoding.
 
     python -m hf_posenc.recipes.benchmark.max_length --memory-gb 24 [--device cpu|cuda] \
-        [--encodings rope alibi ...] [--family llama] [--hidden-size 512] [--num-layers 8] \
+        [--encodings rope alibi ...] [--family NAME] [--hidden-size 512] [--num-layers 8] \
         [--num-heads 8] [--vocab-size 32000] [--loss chunked] [--gradient-checkpointing] \
         [--backend auto] [--start 1024] [--limit 1048576] [--resolution 0.05]
 
@@ -31,6 +31,8 @@ import sys
 from typing import Any
 
 import torch
+
+from ...models import DEFAULT_FAMILY
 
 NATIVE = "native"
 
@@ -167,7 +169,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding")
-    p.add_argument("--family", default="llama")
+    p.add_argument("--family", default=DEFAULT_FAMILY)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=8)
