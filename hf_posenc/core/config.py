@@ -22,6 +22,23 @@ HYBRID_FORMAT_VERSION = 2
 ValueT = TypeVar("ValueT")
 
 
+@dataclasses.dataclass(frozen=True)
+class PositionLimit:
+    """The longest input an encoding takes: ``tokens`` positions, set by ``what`` with ``setting``
+    (``the learned position table``, ``max_positions=512``), stretched by a linear ``factor``."""
+
+    tokens: int
+    what: str
+    setting: str
+    factor: float = 1.0
+
+    def describe(self) -> str:
+        """``the learned position table (max_positions=512, interpolated by 2: 1023 positions)``."""
+        if self.factor == 1.0:
+            return f"{self.what} ({self.setting})"
+        return f"{self.what} ({self.setting}, interpolated by {self.factor:g}: {self.tokens} positions)"
+
+
 @dataclasses.dataclass
 class EncodingConfig:
     """Base class. Subclasses set ``encoding`` and declare their parameters as fields."""
@@ -45,6 +62,11 @@ class EncodingConfig:
     def resolve(self, geometry: Any) -> EncodingConfig:
         """Return a copy with model-dependent defaults filled in and checked against ``geometry``."""
         return dataclasses.replace(self)
+
+    def position_limit(self, geometry: Any) -> PositionLimit | None:
+        """The longest input this configuration takes on a model of ``geometry`` (its scaling
+        included), or None when any length works. Encodings with a hard limit override it."""
+        return None
 
     # -- (de)serialisation ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -4,29 +4,27 @@ from __future__ import annotations
 
 from torch import nn
 
-from .interpolation import covered_positions
-from .patch import MODULE_NAME, patch_info
+from .patch import PATCH_ATTRIBUTE, transformers_model
 from .registry import adapter_for_config
 
 
 def position_limit(model: nn.Module) -> tuple[int, str] | None:
     """``(tokens, what sets it)`` for a model that cannot take longer inputs, else None.
 
-    A model patched with ``learned`` stops at its table (``max_positions``); an unpatched
-    model stops where its family says (``FamilyAdapter.native_position_limit``, e.g. a learned
-    position table). Every other encoding accepts any length.
+    A patched model stops at the shortest limit of its encodings (each says its own:
+    ``Encoding.position_limit``, e.g. ``learned``'s table); an unpatched model stops where its
+    family says (``FamilyAdapter.native_position_limit``, e.g. a learned position table). Every
+    other model accepts any length.
     """
-    info = patch_info(model)
-    if info is not None and info["encoding"] == "learned":
-        encoding = getattr(model, MODULE_NAME)
-        rows, factor = int(encoding.table.shape[0]), encoding.config.factor
-        if factor == 1.0:
-            return rows, "the learned position table (max_positions={})"
-        return covered_positions(rows, factor), f"the learned position table (max_positions={rows}, " + (
-            f"interpolated by {factor:g}: {{}} positions)"
-        )
+    record = getattr(transformers_model(model), PATCH_ATTRIBUTE, None)
+    if record is not None:
+        limits = [limit for part in record.parts if (limit := part.position_limit()) is not None]
+        if not limits:
+            return None
+        shortest = min(limits, key=lambda limit: limit.tokens)
+        return shortest.tokens, shortest.describe().replace("{", "{{").replace("}", "}}")
     config = getattr(model, "config", None)
     adapter = adapter_for_config(config)
-    if info is None and adapter is not None:
+    if adapter is not None:
         return adapter.native_position_limit(config)
     return None

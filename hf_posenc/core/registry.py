@@ -62,6 +62,12 @@ def encoding_names() -> list[str]:
     return sorted(_ENCODINGS)
 
 
+def encoding_classes() -> list[type[Encoding]]:
+    """Every registered encoding class, by name."""
+    _ensure_registered()
+    return [cls for _, cls in sorted(_ENCODINGS.items())]
+
+
 @dataclasses.dataclass(frozen=True)
 class EncodingInfo:
     """What :func:`hf_posenc.list_encodings` returns for one encoding."""

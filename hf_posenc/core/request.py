@@ -39,7 +39,7 @@ from typing import Any
 from .._version import __version__
 from ..encodings.base import Encoding
 from ..errors import InvalidParameterError
-from .config import FORMAT_VERSION, HYBRID_FORMAT_VERSION, EncodingConfig
+from .config import FORMAT_VERSION, HYBRID_FORMAT_VERSION, EncodingConfig, PositionLimit
 from .registry import canonical_name, get_encoding
 
 #: ``config.posenc["encoding"]`` of a hybrid patch
@@ -66,6 +66,11 @@ class PatchPlan:
         """The layers ``part`` runs in, in order."""
         return [layer for layer, owner in enumerate(self.layers) if owner == part]
 
+    def position_limit(self, geometry: Any) -> PositionLimit | None:
+        """The shortest limit of its parts on a model of ``geometry`` (None: any length works)."""
+        limits = [limit for _, config in self.parts if (limit := config.position_limit(geometry)) is not None]
+        return min(limits, key=lambda limit: limit.tokens) if limits else None
+
 
 #: the name this plan had when only hybrids were planned
 HybridPlan = PatchPlan
@@ -79,6 +84,15 @@ def plan_request(encoding: Any, num_layers: int, params: Mapping[str, Any] | Non
         return plan_hybrid(encoding, num_layers, params)
     cls, config = _encoding_config(encoding, params or {})
     return PatchPlan([(cls, config)], [0] * num_layers)
+
+
+def plan_saved(saved: Mapping[str, Any], overrides: Mapping[str, Any] | None, num_layers: int) -> PatchPlan:
+    """The plan of a saved ``config.posenc`` entry with ``overrides`` of its parameters (what
+    ``from_pretrained(..., encoding_overrides=overrides)`` runs)."""
+    if saved.get("encoding") == HYBRID:
+        return plan_hybrid(saved, num_layers, overrides)
+    params = {**dict(saved.get("params") or {}), **dict(overrides or {})}
+    return plan_request({**saved, "params": params}, num_layers)
 
 
 # -- one encoding ------------------------------------------------------------------------------------

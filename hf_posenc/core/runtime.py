@@ -239,10 +239,13 @@ def prepare_forward(
     # N-D token coordinates for encodings that take them; transformers never sees the keyword
     coordinates = kwargs.pop("position_coordinates", None)
     if coordinates is not None and not any(encoding.takes_coordinates for encoding in encodings):
+        from .registry import encoding_classes
+
         names = "+".join(encoding.name for encoding in encodings)
+        takers = ", ".join(cls.name for cls in encoding_classes() if cls.takes_coordinates)
         raise InvalidParameterError(
             f"position_coordinates is not allowed with encoding {names!r}; allowed only with "
-            "encodings that take N-D coordinates (e.g. rope2d, comrope)"
+            f"encodings that take N-D coordinates ({takers})"
         )
     check_attn_implementation(base)
     streaming = [encoding.name for encoding in encodings if encoding.carries_layer_stream]

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 from torch import nn
 
-from ..core.config import FORMAT_VERSION, EncodingConfig
+from ..core.config import FORMAT_VERSION, EncodingConfig, PositionLimit
 from ..core.interpolation import ScaledRange
 from ..core.layout import query_key_indices
 from ..core.memo import ForwardMemo
@@ -148,6 +148,10 @@ class Encoding(nn.Module, Generic[ConfigT]):
     def stages(cls) -> list[str]:
         """Stages this class overrides, in pipeline order."""
         return [s for s in STAGES if getattr(cls, s) is not getattr(Encoding, s)]
+
+    def position_limit(self) -> PositionLimit | None:
+        """The longest input this encoding takes (``EncodingConfig.position_limit``), or None."""
+        return self.config.position_limit(self.geometry)
 
     @classmethod
     def mixing_refusal(cls) -> str | None:

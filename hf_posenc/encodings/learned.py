@@ -23,8 +23,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..core.config import EncodingConfig, check_choice, check_number, resolved
-from ..core.interpolation import PositionInterpolation, interpolate
+from ..core.config import EncodingConfig, PositionLimit, check_choice, check_number, resolved
+from ..core.interpolation import PositionInterpolation, covered_positions, interpolate
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError, PositionRangeError
 from .base import Encoding
@@ -57,6 +57,16 @@ class LearnedConfig(PositionInterpolation, EncodingConfig):
                 f"{geometry.family} model has none; use init='zeros' or init='sinusoidal'"
             )
         return out
+
+    def position_limit(self, geometry) -> PositionLimit:
+        """The table's rows, or with ``scaling`` the positions n with n / f <= max_positions - 1."""
+        rows = self.max_positions if self.max_positions is not None else geometry.max_position_embeddings
+        return PositionLimit(
+            covered_positions(rows, self.factor),
+            "the learned position table",
+            f"max_positions={rows}",
+            self.factor,
+        )
 
 
 @register_encoding

@@ -1,6 +1,6 @@
 """A model family is one registered module in hf_posenc/models/: every family is in the test
 matrix, its adapter's facts match the model transformers builds, unsupported features are
-refused by name, and nothing outside models/ names a family."""
+refused by name, and nothing outside models/ names a family (nor outside encodings/ an encoding)."""
 
 from __future__ import annotations
 
@@ -215,4 +215,62 @@ def test_nothing_outside_models_names_a_family():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[-1] in names:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports {node.module}")
+    assert not offenders, offenders
+
+
+#: aliases that are ordinary words of prose and option values ("none", "exact", "relative"): never
+#: read as naming an encoding; "learned" is read as one only where a string is exactly that word
+ENGLISH_ALIASES = frozenset({"none", "exact", "relative", "absolute", "contextual", "rotary"})
+PROSE_NAMES = frozenset({"learned"})
+#: where naming encodings is the point, with the names each place may use
+ENCODING_NAME_EXCEPTIONS = {
+    # the public face re-exports every encoding's config class (``hf_posenc.ALiBiConfig``, ...)
+    "__init__.py": None,
+    # flash-linear-attention's stick-breaking kernel is the kernel of the ``sba`` encoding
+    "attention/kernels.py": {"sba"},
+    # usage examples in help and error texts (``--encoding rope*3+nope``, ``e.g. alibi``)
+    "core/request.py": {"rope", "nope"},
+    "recipes/cli/common.py": {"rope", "nope"},
+    "recipes/cli/inspect.py": {"rope", "nope"},
+    "recipes/cli/lm_eval.py": {"alibi", "expe", "rope"},
+    "recipes/cli/perplexity.py": {"alibi"},
+    "recipes/cli/study.py": {"alibi", "expe", "exqpe", "nope", "rope", "sinusoidal", "t5"},
+    "recipes/evaluation/perplexity.py": {"alibi"},
+    # the study's default settings: the encodings the ExPE paper compares, its evaluation-only rows
+    "recipes/study/spec.py": {"alibi", "expe", "exqpe", "nope", "rope", "sinusoidal", "t5"},
+    "recipes/study/evaluate.py": {"expe", "exqpe", "rope"},
+}
+
+
+def test_nothing_outside_encodings_names_an_encoding():
+    """No module outside hf_posenc/encodings/ has an encoding's name or alias as a word in a string
+    (docstrings aside), nor imports an encoding's module: what an encoding is and refuses (its
+    position limit, whether it may run in some layers only, its scaling) is asked of the encoding.
+    The places where naming encodings is the point are listed in ``ENCODING_NAME_EXCEPTIONS``."""
+    listing = hf_posenc.list_encodings()
+    names = (
+        {info.name for info in listing} | {alias for info in listing for alias in info.aliases}
+    ) - ENGLISH_ALIASES
+    encodings = PACKAGE / "encodings"
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if encodings in path.parents:
+            continue
+        where = str(path.relative_to(PACKAGE))
+        allowed = ENCODING_NAME_EXCEPTIONS.get(where, set())
+        if allowed is None:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in _non_docstring_strings(tree):
+            words = set(re.findall(r"[A-Za-z0-9_]+", node.value))
+            hits = (names - PROSE_NAMES) & words | (PROSE_NAMES & {node.value.strip()})
+            if hits - allowed:
+                offenders.append(f"{where}:{node.lineno} {sorted(hits - allowed)}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[-1] in names - allowed
+            ):
+                offenders.append(f"{where}:{node.lineno} imports {node.module}")
     assert not offenders, offenders

@@ -72,15 +72,6 @@ class Plan:
         return encoding_label(self.encoding, self.eval_overrides)
 
 
-def _learned_limit(max_positions: int, params: dict[str, Any]) -> int:
-    """Longest input a learned table of ``max_positions`` rows covers at the ``scaling`` in ``params``."""
-    from ...core.interpolation import covered_positions
-
-    scaling = params.get("scaling") or {}
-    factor = float(scaling.get("factor", 1.0)) if scaling.get("type") == "linear" else 1.0
-    return covered_positions(max_positions, factor)
-
-
 def _plan(
     directory: str,
     encoding: str | None,
@@ -94,7 +85,14 @@ def _plan(
 
     from ...core.loading import extension_of
     from ...core.registry import adapter_for_config, get_encoding
-    from ...core.request import canonical_request, check_overrides, matches_saved, saved_description
+    from ...core.request import (
+        canonical_request,
+        check_overrides,
+        matches_saved,
+        plan_request,
+        plan_saved,
+        saved_description,
+    )
 
     config = AutoConfig.from_pretrained(directory)
     saved = getattr(config, "posenc", None)
@@ -125,16 +123,21 @@ def _plan(
         )
     else:
         name, resolved = (canonical_request(encoding) if encoding else None), params
-    if name == "learned":
-        rows = resolved.get("max_positions") or config.max_position_embeddings
-        limit = _learned_limit(rows, resolved)
-        if longest > limit:
-            raise PositionRangeError(
-                f"{directory!r}: evaluation length {longest} is longer than the learned position table "
-                f"(max_positions={rows}) covers ({limit} positions at this scaling); lower {shorten} "
-                f"to at most {limit} tokens"
-            )
     adapter = adapter_for_config(config)
+    if name is not None and adapter is not None:
+        geometry = adapter.geometry(config)
+        plan = (
+            plan_saved(saved, overrides, geometry.num_layers)
+            if saved
+            else plan_request(encoding, geometry.num_layers, resolved)
+        )
+        limit = plan.position_limit(geometry)
+        if limit is not None and longest > limit.tokens:
+            raise PositionRangeError(
+                f"{directory!r}: evaluation length {longest} is longer than {limit.what} ({limit.setting}) "
+                f"covers ({limit.tokens} positions at this scaling); lower {shorten} to at most {limit.tokens} "
+                "tokens"
+            )
     native_limit = adapter.native_position_limit(config) if name is None and adapter is not None else None
     if native_limit is not None and longest > native_limit[0]:
         raise PositionRangeError(
