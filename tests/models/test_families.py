@@ -234,11 +234,21 @@ ENCODING_NAME_EXCEPTIONS = {
     "recipes/cli/inspect.py": {"rope", "nope"},
     "recipes/cli/lm_eval.py": {"alibi", "expe", "rope"},
     "recipes/cli/perplexity.py": {"alibi"},
-    "recipes/cli/study.py": {"alibi", "expe", "exqpe", "nope", "rope", "sinusoidal", "t5"},
+    "recipes/cli/study.py": {
+        "alibi",
+        "expe",
+        "exqpe",
+        "nope",
+        "rope",
+        "sinusoidal",
+        "t5",
+        "selfextend",
+        "rerope",
+    },
     "recipes/evaluation/perplexity.py": {"alibi"},
     # the study's default settings: the encodings the ExPE paper compares, its evaluation-only rows
     "recipes/study/spec.py": {"alibi", "expe", "exqpe", "nope", "rope", "sinusoidal", "t5"},
-    "recipes/study/evaluate.py": {"expe", "exqpe", "rope"},
+    "recipes/study/evaluate.py": {"expe", "exqpe", "rope", "selfextend"},
 }
 
 
