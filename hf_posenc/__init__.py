@@ -16,6 +16,7 @@ from . import _moved
 from ._version import __version__
 from .errors import (  # light: no torch
     AlreadyPatchedError,
+    CheckpointError,
     InvalidParameterError,
     NotPatchedError,
     PosencError,
@@ -154,4 +155,5 @@ __all__ = [
     "AlreadyPatchedError",
     "NotPatchedError",
     "PositionRangeError",
+    "CheckpointError",
 ]

@@ -29,3 +29,8 @@ class NotPatchedError(PosencError, RuntimeError):
 
 class PositionRangeError(PosencError, ValueError):
     """An input position lies outside what the encoding can represent (e.g. a learned table)."""
+
+
+class CheckpointError(PosencError, ValueError):
+    """A checkpoint does not hold what was asked of it: no ``posenc`` entry, another encoding than
+    the one requested, or missing encoding tensors."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..compat import ignore_unexpected_keys, resolve_checkpoint_file
+from ..errors import CheckpointError, InvalidParameterError
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, patch_model
 from .reconfiguration import reconfigure
 from .request import check_format_version, check_overrides, matches_saved, saved_description
@@ -78,7 +79,7 @@ def from_pretrained(
     :func:`hf_posenc.reconfigure` does (e.g. ``{"scaling": {"type": "linear", "factor": 2.0}}``);
     the learned tensors are the checkpoint's. ``kwargs`` go to
     ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``, ``revision``, ...).
-    Raises ``ValueError`` if the checkpoint carries no ``posenc`` entry.
+    Raises :class:`~hf_posenc.errors.CheckpointError` if the checkpoint carries no ``posenc`` entry.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -87,7 +88,7 @@ def from_pretrained(
     config = kwargs.get("config") or AutoConfig.from_pretrained(path, **hub_kwargs)
     posenc = getattr(config, CONFIG_KEY, None)
     if not posenc:
-        raise ValueError(
+        raise CheckpointError(
             f"{path!r} was not saved from a model patched by hf_posenc (its config has no 'posenc' entry); "
             "load it with transformers and call hf_posenc.patch_model(model, name)"
         )
@@ -108,7 +109,7 @@ def from_pretrained(
     encoding = getattr(model, MODULE_NAME)
     missing = sorted(set(encoding.state_dict()) - set(state))
     if missing:
-        raise ValueError(
+        raise CheckpointError(
             f"{path!r} names encoding {saved.get('encoding')!r} but lacks its tensors {missing}; "
             "the checkpoint is incomplete"
         )
@@ -140,13 +141,16 @@ def load_model(
         if extension is not None:
             return _load_extended(path, extension, encoding_params, **kwargs)
         if encoding is not None and not matches_saved(encoding, saved):
-            raise ValueError(
+            raise CheckpointError(
                 f"{path!r} was saved with encoding {saved_description(saved)!r}; cannot load it as {encoding!r} "
                 "(load the original checkpoint to switch encodings)"
             )
         return from_pretrained(path, encoding_overrides=encoding_params, **kwargs)
     if encoding is None and encoding_params:
-        raise ValueError(f"encoding parameters {sorted(encoding_params)} were given without an encoding name")
+        raise InvalidParameterError(
+            f"encoding parameters {sorted(encoding_params)} were given without an encoding name; allowed: "
+            "an encoding with them, or none for a plain checkpoint"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if encoding is not None:
         patch_model(model, encoding, **(encoding_params or {}))

@@ -126,10 +126,14 @@ def adapter_for(model: Any) -> FamilyAdapter:
 
 
 def get_family(name: str) -> FamilyAdapter:
-    """The adapter of family ``name``; an unknown name gets a did-you-mean."""
+    """The adapter of family ``name`` (or of the ``config.model_type`` it serves: ``gemma3_text`` is
+    ``gemma3``); an unknown name gets a did-you-mean."""
     known = families()
     if name in known:
         return known[name]
+    served = adapter_for_model_type(name)
+    if served is not None:
+        return served
     close = difflib.get_close_matches(str(name), sorted(known), n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
     raise UnsupportedModelError(f"unknown model family {name!r}.{hint} Known families: {', '.join(known)}")

@@ -55,6 +55,16 @@ def adapter_for_model_type(model_type: str | None) -> FamilyAdapter | None:
     return _BY_MODEL_TYPE.get(model_type) if model_type is not None else None
 
 
+def canonical_family(name: str) -> str:
+    """A family name as users write it -> the family: the family's own name (``gemma3``) or a
+    ``config.model_type`` it serves (``gemma3_text``); anything else is returned unchanged (for the
+    caller's did-you-mean). Imports the families only for a name that is not a family's."""
+    if name in family_names():
+        return name
+    adapter = adapter_for_model_type(name)
+    return adapter.family if adapter is not None else name
+
+
 def served_model_types() -> list[str]:
     """Every ``config.model_type`` some family serves, sorted."""
     load_families()

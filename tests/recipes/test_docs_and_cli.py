@@ -49,3 +49,18 @@ def test_cli_check_rejects_an_unknown_encoding(capsys):
     assert main(["check", "--encodings", "alibbi"]) == 2
     err = capsys.readouterr().err
     assert "unknown encoding 'alibbi'" in err and "Did you mean 'alibi'" in err
+
+
+def test_readme_encoding_table_matches_the_catalogue():
+    """README's table under "## Encodings" names every encoding `hf-posenc list` knows, with the same
+    aliases, and nothing else."""
+    text = README.read_text()
+    section = text[text.index("## Encodings") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and re.fullmatch(r"`[a-z0-9_]+`", cells[0]):
+            rows[cells[0].strip("`")] = sorted(re.findall(r"`([^`]+)`", cells[1]))
+    listed = {info.name: sorted(info.aliases) for info in hf_posenc.list_encodings()}
+    assert rows == listed

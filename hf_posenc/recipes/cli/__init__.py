@@ -73,6 +73,18 @@ def _hub_error(error: BaseException) -> bool:
     )
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again on the closed
+    pipe (the recipe in Python's documentation, "Note on SIGPIPE")."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ..provenance import set_command
 
@@ -82,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_command(["hf-posenc", *args._argv])
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:  # `hf-posenc list | head`: the reader has what it wanted
+        _silence_stdout()
+        return 0
     except KeyboardInterrupt as stop:
         if getattr(args, "traceback", False):
             raise

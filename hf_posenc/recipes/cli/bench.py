@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ...errors import InvalidParameterError
-from ...models import family_names
+from ...models import canonical_family, family_names
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -33,7 +33,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="forward pass, forward+backward, token-by-token decoding with a cache",
     )
     parser.add_argument(
-        "--family", default=defaults.family, choices=family_names(), help="model family of the random model"
+        "--family",
+        default=defaults.family,
+        choices=family_names(),
+        type=canonical_family,
+        help="model family of the random model",
     )
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size, help="of the random model")
     parser.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="of the random model")

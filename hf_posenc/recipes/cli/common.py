@@ -8,7 +8,8 @@ from typing import Any
 
 
 def parse_encoding_params(items: list[str] | None) -> dict[str, Any]:
-    """``["k=v", ...]`` -> dict; values are JSON when they parse (numbers, bools, dicts), else strings."""
+    """``["k=v", ...]`` -> dict; values are JSON when they parse (numbers, bools, dicts), else strings;
+    a value that starts like JSON (``{``, ``[``, ``"``) but does not parse is an error naming the column."""
     params: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -19,8 +20,13 @@ def parse_encoding_params(items: list[str] | None) -> dict[str, Any]:
         key = key.strip()
         try:
             params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
+        except json.JSONDecodeError as error:
+            if value.lstrip().startswith(("{", "[", '"')):  # meant as JSON: say where it breaks
+                raise argparse.ArgumentTypeError(
+                    f"--encoding-param {key}: malformed JSON at column {error.colno}: {error.msg} "
+                    f'({value!r}); allowed: JSON, e.g. {key}=\'{{"type":"linear","factor":2}}\''
+                ) from None
+            params[key] = value  # a plain string value
     return params
 
 

@@ -13,7 +13,7 @@ import json
 import tempfile
 import time
 
-from ...models import family_names
+from ...models import canonical_family, family_names
 
 
 def _format_parameters(parameters: dict) -> str:
@@ -122,7 +122,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     check = commands.add_parser("check", help="patch a tiny random model with each encoding and verify it")
     check.add_argument(
-        "--families", nargs="+", default=family_names(), choices=family_names(), help="families to check"
+        "--families",
+        nargs="+",
+        default=family_names(),
+        choices=family_names(),
+        type=canonical_family,
+        help="families to check",
     )
     check.add_argument("--encodings", nargs="+", default=None, metavar="NAME", help="default: every encoding")
     check.add_argument("--seed", type=int, default=0, help="seed of the random weights")

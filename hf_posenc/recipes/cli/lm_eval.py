@@ -194,8 +194,9 @@ def run_lm_eval_cli(argv: Sequence[str]) -> int:
     """lm-eval's own command line on ``argv`` (model default ``hf-posenc``), with the model registered."""
     from lm_eval.__main__ import cli_evaluate
 
-    from ..integrations import lm_eval_model  # noqa: F401  (registers the model)
+    from ..integrations import lm_eval_model  # registers the model
 
+    lm_eval_model.quiet_git_probe()
     saved = sys.argv
     sys.argv = ["lm-eval", *_with_default_model(argv)]
     try:
@@ -278,6 +279,10 @@ def _evaluate(opts: argparse.Namespace, label: str, model_args: dict, task_names
     """One simple_evaluate call; saves lm-eval's JSON under --output. Returns results, or None off rank 0."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
+
+    from ..integrations.lm_eval_model import quiet_git_probe
+
+    quiet_git_probe()
 
     tracker = EvaluationTracker(output_path=str(opts.output)) if opts.output else None
     limit = int(opts.limit) if opts.limit is not None and opts.limit >= 1 else opts.limit
@@ -380,6 +385,11 @@ def _retrieval_configs(
 
 def run_recipe(opts: argparse.Namespace) -> int:
     """Check every input, then evaluate each model on the planned tasks and print the table."""
+    from ..preflight import check_model_path
+
+    for path in opts.pretrained or []:  # a missing folder is answered before lm-eval is imported
+        check_model_path(path, what="--pretrained")
+    models = collect_models(opts)
     from ..integrations.lm_eval_longeval import GROUP
     from ..integrations.lm_eval_report import comparison_rows, format_table
     from ..integrations.lm_eval_tasks import plan_tasks, write_task_configs
@@ -388,7 +398,6 @@ def run_recipe(opts: argparse.Namespace) -> int:
     if opts.mmlu_subjects and "mmlu" not in shots:
         raise BenchmarkError("--mmlu-subjects needs mmlu among the tasks")
     runs = plan_tasks(shots, opts.data_dir, opts.mmlu_subjects)
-    models = collect_models(opts)
     if opts.model == "hf-posenc":
         from ..integrations.lm_eval_model import check_model_args, split_model_args
 

@@ -235,18 +235,18 @@ class Checked:
 
 def check_inputs(args: argparse.Namespace) -> Checked:
     """Every flag, the output folder, the model folders, the data sources, the encoding request and
-    each model's position limit, before any model or data is loaded."""
-    import torch
-
-    from ...core.request import check_request
+    each model's position limit, before any model or data is loaded; paths and values before torch
+    and transformers are imported (a missing model folder is answered at once)."""
     from ..data import check_sources
-    from ..evaluation.perplexity import check_multiples
     from ..evaluation.report import check_output_dir
     from ..threads import check_threads
 
     output = check_output_dir(args.output)
     directories = [_check_model_dir(d) for d in args.model]
     check_sources(args.data)
+    from ...core.request import check_request
+    from ..evaluation.perplexity import check_multiples
+
     multiples = check_multiples(args.multiples, args.train_length)
     lengths = [m * args.train_length for m in multiples]
     for name, value in (
@@ -260,6 +260,8 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     params = parse_encoding_params(args.encoding_param)
     if args.encoding is not None:
         check_request(args.encoding, params)  # unknown name / bad value / a pattern refusing an entry
+    import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
@@ -382,10 +384,10 @@ def write_final_report(args, checked: Checked, results, metadata, kinds, title: 
 
 
 def command_perplexity(args: argparse.Namespace) -> int:
+    checked = check_inputs(args)  # everything is checked before the first model is loaded
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    checked = check_inputs(args)  # everything is checked before the first model is loaded
     streams = read_token_streams(args, checked)
     metadata = run_metadata(args, checked)
     kinds = {

@@ -112,6 +112,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of data order and init")
     add_threads_argument(parser)
     parser.add_argument(
+        "--report-to",
+        nargs="+",
+        default=[],
+        metavar="TRACKER",
+        help="accelerate trackers for every run's training loss and lr (as train --report-to): tensorboard, "
+        "wandb, mlflow, comet_ml, aim, clearml, dvclive, all; each run logs under its own folder",
+    )
+    parser.add_argument(
         "--packing",
         action="store_true",
         help="train every run with documents packed per block, positions restarting per document",
@@ -157,5 +165,9 @@ def command_study(args: argparse.Namespace) -> int:
     fields = [f.name for f in dataclasses.fields(StudyConfig)]
     file_values = load_study_config(args.config) if args.config else {}
     values = merge_settings(args, fields, file_values)  # flags given on the command line win
+    if values.get("base_model"):  # a missing folder is answered before the encodings import torch
+        from ..preflight import check_model_path
+
+        check_model_path(values["base_model"], what="--base-model", need_tokenizer=True)
     run_study(StudyConfig(**values), overwrite=args.overwrite, dry_run=args.dry_run)
     return 0

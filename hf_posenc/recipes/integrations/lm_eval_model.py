@@ -230,3 +230,26 @@ class PosencLM(HFLM):
             info = super().get_model_info()
         info["posenc"] = patch_info(self._model)
         return info
+
+
+def quiet_git_probe() -> None:
+    """Keep lm-eval's git probe off the console.
+
+    lm-eval records ``git describe --always`` of the working directory in its results and lets
+    git's stderr through, so every run outside a git checkout printed ``fatal: not a git
+    repository``. lm-eval has no option for this; its evaluator's probe is replaced by the same
+    command with git's stderr discarded (same value in the results, None outside a checkout)."""
+    import subprocess
+
+    from lm_eval import evaluator
+
+    def git_commit_hash() -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "describe", "--always"], capture_output=True, text=True, check=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() or None
+
+    evaluator.get_git_commit_hash = git_commit_hash

@@ -43,6 +43,7 @@ def _base_settings(config: StudyConfig, out: Path):
         data_cache=str(out / "data-cache"),
         threads=config.threads,
         packing=config.packing,
+        report_to=list(config.report_to),
     )
 
 
@@ -71,6 +72,7 @@ def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
         data_cache=str(out / "data-cache"),
         threads=config.threads,
         packing=config.packing,
+        report_to=list(config.report_to),
     )
 
 

@@ -47,6 +47,7 @@ class StudyConfig:
     #: passkey documents mixed into every pretraining (0: none); see hf_posenc.recipes.study.retrieval
     retrieval_documents: int = 0
     retrieval_samples: int = 4  # passkey prompts per evaluation length and depth
+    report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers of every run
 
     def __post_init__(self) -> None:
         for name in (
