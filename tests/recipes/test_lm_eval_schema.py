@@ -79,7 +79,10 @@ def test_a_bad_row_is_named_by_file_and_line_before_any_model_loads(case, tmp_pa
     import lm_eval
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda *a, **k: pytest.fail("evaluated bad data"))
-    argv = ["lm-eval", "--tasks", task, "--data-dir", str(data), "--pretrained", str(tmp_path / "unused")]
+    unused = tmp_path / "unused"  # a checkpoint folder as far as the path check goes; never loaded
+    unused.mkdir()
+    (unused / "config.json").write_text("{}")
+    argv = ["lm-eval", "--tasks", task, "--data-dir", str(data), "--pretrained", str(unused)]
     if subjects:
         argv += ["--mmlu-subjects", *subjects]
     assert main(argv) == 2
