@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .space import saving
+from .space import saving_together
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "checkpoint-"
@@ -140,11 +140,10 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)
     accelerator.wait_for_everyone()
-    with saving(partial, f"checkpoint {step}"):
+    with saving_together(accelerator, partial, f"checkpoint {step}"):
         accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with saving(partial, f"checkpoint {step}"):
+    with saving_together(accelerator, partial, f"checkpoint {step}"):
+        if accelerator.is_main_process:
             for path in partial.rglob("*"):
                 if path.is_file():
                     _fsync(path)
@@ -153,6 +152,7 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
             state_path = partial / STATE_FILE
             state_path.write_text(json.dumps(state, indent=2), encoding="utf-8")
             _fsync(state_path)
+    if accelerator.is_main_process:
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)

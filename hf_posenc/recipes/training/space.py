@@ -69,3 +69,25 @@ def saving(partial: Path, what: str) -> Iterator[None]:
             "earlier checkpoints are untouched: free space there (or choose another --output-dir), then run "
             "the same command again (with --resume when the run has checkpoints)"
         ) from None
+
+
+@contextmanager
+def saving_together(accelerator, partial: Path, what: str) -> Iterator[None]:
+    """:func:`saving` on every process of a launch, which then all stop together: a process whose
+    disk filled up tells the others (instead of leaving them waiting at the next barrier), and
+    every process raises the same :class:`DiskFullError`. Ends with a barrier."""
+    failure = None
+    try:
+        with saving(partial, what):
+            yield
+    except DiskFullError as error:
+        failure = str(error)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        failure = next((f for f in gather_object([failure]) if f is not None), None)
+    else:
+        accelerator.wait_for_everyone()
+    if failure is not None:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise DiskFullError(failure)
