@@ -175,6 +175,30 @@ def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_validation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Held-out loss during training."""
+    group = parser.add_argument_group("validation")
+    group.add_argument(
+        "--eval-every",
+        type=int,
+        default=DEFAULTS.eval_every,
+        metavar="N",
+        help="held-out loss every N steps and at the end, printed, logged to the --report-to trackers as "
+        "eval_loss and written to OUTPUT_DIR/eval_losses.json (0: never)",
+    )
+    group.add_argument(
+        "--eval-data",
+        nargs="+",
+        default=None,
+        metavar="SRC",
+        help="held-out text (as --data); default: the --eval-split of --data (builtin:stdlib, hf:NAME only)",
+    )
+    group.add_argument("--eval-split", default=DEFAULTS.eval_split, help="split of --data held out")
+    group.add_argument(
+        "--eval-tokens", type=int, default=DEFAULTS.eval_tokens, help="held-out tokens each evaluation reads"
+    )
+
+
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     """Several processes (``accelerate launch``)."""
     group = parser.add_argument_group("several processes (accelerate launch)")
@@ -212,6 +236,7 @@ ARGUMENT_STEPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_precision_arguments,
     add_checkpoint_arguments,
     add_tracking_arguments,
+    add_validation_arguments,
     add_distributed_arguments,
     add_lora_arguments,
     add_long_context_arguments,

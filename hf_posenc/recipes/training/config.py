@@ -55,6 +55,10 @@ class TrainConfig:
     threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
     loss: str = "full"  # "chunked": no (tokens x vocabulary) logits (see loss.py)
     packing: bool = False  # positions restart per document, attention stays inside it (see feed.py)
+    eval_every: int = 0  # held-out loss every N steps (0: never); see validation.py
+    eval_data: list[str] | None = None  # held-out sources; default: the eval_split of data
+    eval_split: str = "validation"
+    eval_tokens: int = 16384  # held-out tokens each evaluation reads
 
     def __post_init__(self) -> None:
         positive = (
@@ -73,6 +77,11 @@ class TrainConfig:
                 raise InvalidParameterError(
                     f"train: {name}={value!r} is not allowed; allowed: an integer >= 1"
                 )
+        if self.eval_every < 0 or self.eval_tokens < 1:
+            raise InvalidParameterError(
+                f"train: eval_every={self.eval_every!r}, eval_tokens={self.eval_tokens!r}; allowed: "
+                "eval_every >= 0 (0: never), eval_tokens >= 1"
+            )
         if self.save_every < 0:
             raise InvalidParameterError(
                 f"train: save_every={self.save_every!r} is not allowed; allowed: >= 0"
@@ -154,6 +163,12 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
     if config.tokenizer is not None and tokenizer is None:
         check_tokenizer_path(config.tokenizer)
     check_sources(config.data)
+    if config.eval_every:
+        from .validation import check_validation
+
+        check_validation(config)
+        if config.eval_data:
+            check_sources(config.eval_data)
     if model is None or _patch_info(model) is None:
         check_encoding(config.encoding, config.encoding_params, saved)
     if config.lora and config.lora_targets and saved is not None:

@@ -27,6 +27,10 @@ RESUMABLE_CHANGES = frozenset(
         "data_cache",
         "num_proc",
         "threads",
+        "eval_every",
+        "eval_data",
+        "eval_split",
+        "eval_tokens",
     }
 )
 

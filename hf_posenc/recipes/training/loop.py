@@ -420,6 +420,10 @@ def _train_held(
         desc="train",
         disable=not (progress and accelerator.is_main_process),
     )
+    if config.eval_every:
+        from .validation import validation_callback
+
+        callbacks = [*callbacks, validation_callback(run, tokenizer)]
     _run_steps(run, start, callbacks)
     final_dir = _write_final_model(run, tokenizer, blocks)
     if config.report_to:
