@@ -159,6 +159,31 @@ REFERENCE_CASES: list[Case] = [
     ("tape", {"position_size": 3}),
 ]
 
+#: encodings with a score bias, with parameters that exercise their variants: the block backends
+#: (chunked, flex, auto) are compared with eager on them (tests/attention/test_backends.py), and
+#: every view of their bias with its full matrix (tests/attention/test_block_bias.py)
+BLOCK_CASES: list[Case] = [
+    ("alibi", {}),
+    ("t5", {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}),
+    ("kerple", {}),
+    ("kerple", {"variant": "power"}),
+    ("sandwich", {"dim": 16}),
+    ("fire", {"init_L": 6.0}),  # L below the inputs' lengths: the non-Toeplitz rows are exercised
+    ("fox", {}),
+    ("fox_pro", {}),
+]
+
+#: encodings with explicit scores (transform_scores / normalize), each row-local: ``auto`` runs
+#: them one block of queries at a time, compared with eager in tests/attention/test_backends.py
+ROW_CASES: list[Case] = [
+    ("cope", {}),
+    ("cape", {}),
+    ("cape", {"base": "kerple"}),
+    ("cape", {"base": "fire", "base_params": {"init_L": 6.0}}),
+    ("sba", {}),
+    ("sba", {"attend_current": True, "remainder": "drop"}),
+]
+
 #: encodings whose attention needs explicit scores (stage ``logits``, ``transform_scores`` or
 #: ``normalize``): ``sdpa`` and ``eager`` run the same explicit-score core for them (the window-split
 #: ones have a block backend of their own under ``auto``, compared with eager in their test module)
