@@ -19,7 +19,13 @@ from ..compat import ignore_unexpected_keys, resolve_checkpoint_file
 from ..errors import CheckpointError, InvalidParameterError
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, patch_model
 from .reconfiguration import reconfigure
-from .request import check_format_version, check_overrides, matches_saved, saved_description
+from .request import (
+    check_format_version,
+    check_overrides,
+    check_saved_entry,
+    matches_saved,
+    saved_description,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -92,6 +98,7 @@ def from_pretrained(
             f"{path!r} was not saved from a model patched by hf_posenc (its config has no 'posenc' entry); "
             "load it with transformers and call hf_posenc.patch_model(model, name)"
         )
+    check_saved_entry(posenc, repr(path))
     check_format_version(posenc.get("format_version"))
     check_overrides(posenc, encoding_overrides, where=repr(path))
     model_class = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
@@ -137,6 +144,7 @@ def load_model(
     hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     saved = getattr(AutoConfig.from_pretrained(path, **hub_kwargs), CONFIG_KEY, None)
     if saved:
+        check_saved_entry(saved, repr(path))
         extension = extension_of(encoding, saved)
         if extension is not None:
             return _load_extended(path, extension, encoding_params, **kwargs)
@@ -170,6 +178,7 @@ def extension_of(encoding: str | None, saved: Mapping[str, Any]) -> str | None:
     except UnknownEncodingError:
         return None  # a pattern or an unknown name: matches_saved decides
     extends = get_encoding(name).config_class.extends
+    check_saved_entry(saved)
     return name if extends and saved.get("encoding") == extends and name != extends else None
 
 

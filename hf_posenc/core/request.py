@@ -13,7 +13,8 @@ Accepted forms:
 - a per-layer hybrid, every entry being a name, a config object, a ``(name, params)`` pair or the
   ``{"encoding": ..., "params": ...}`` mapping:
 
-  - a list: a pattern repeated over the depth (truncated at the last layer);
+  - a list: a pattern repeated over the depth (one longer than the depth is refused: its entries
+    past the last layer would run nowhere);
   - a mapping of layer indices to entries, with ``"default"`` for the layers not named:
     ``{"default": "rope", 3: "nope", 7: "nope"}`` (the explicit layer -> encoding form);
   - the text form used by the recipes: entries joined by ``+``, ``NAME*N`` repeating one N times:
@@ -46,6 +47,8 @@ from .registry import canonical_name, get_encoding
 HYBRID = "hybrid"
 #: the key of the explicit form naming the encoding of every layer not listed
 DEFAULT_KEY = "default"
+#: keys of a hybrid's ``params`` in the saved form
+HYBRID_KEYS = ("parts", "layers")
 #: keys of one hybrid entry in the mapping form
 PART_KEYS = ("encoding", "params")
 #: keys of the mapping form (what ``config.posenc`` holds)
@@ -98,7 +101,7 @@ def plan_saved(saved: Mapping[str, Any], overrides: Mapping[str, Any] | None, nu
 # -- one encoding ------------------------------------------------------------------------------------
 def check_mapping(encoding: Mapping[str, Any]) -> None:
     """Refuse a malformed mapping form (unknown keys, no name, params not a mapping, bad format)."""
-    unknown = sorted(set(encoding) - set(MAPPING_KEYS))
+    unknown = sorted(set(encoding) - set(MAPPING_KEYS), key=repr)
     if unknown:
         raise InvalidParameterError(
             f"the encoding mapping has unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -173,15 +176,19 @@ def is_hybrid_request(encoding: Any) -> bool:
     if isinstance(encoding, Mapping):
         if encoding.get("encoding") == HYBRID:
             return True
-        return bool(encoding) and all(
-            key == DEFAULT_KEY or (isinstance(key, int) and not isinstance(key, bool)) for key in encoding
+        # a mapping keyed by layers (or with "default"); keys that are neither are refused there
+        return (
+            bool(encoding)
+            and "encoding" not in encoding
+            and any(key == DEFAULT_KEY or not isinstance(key, str) for key in encoding)
         )
     return False
 
 
-def parse_pattern_text(text: str) -> list[str]:
-    """``"rope*3+nope"`` -> ``["rope", "rope", "rope", "nope"]``."""
-    entries: list[str] = []
+def parse_pattern_runs(text: str) -> list[tuple[str, int]]:
+    """``"rope*3+nope"`` -> ``[("rope", 3), ("nope", 1)]``: the counts are read, never expanded, so a
+    count of 10**10 costs nothing (a plan refuses a pattern longer than the model's depth)."""
+    runs: list[tuple[str, int]] = []
     for item in str(text).split("+"):
         name, star, count = item.strip().partition("*")
         name = name.strip()
@@ -196,8 +203,24 @@ def parse_pattern_text(text: str) -> list[str]:
                 f"encoding pattern {text!r}: entry {item.strip()!r} is not allowed; allowed: NAME or NAME*N "
                 "(N >= 1) joined by '+', e.g. 'rope*3+nope'"
             )
-        entries.extend([name] * repeat)
+        runs.append((name, repeat))
+    return runs
+
+
+def expand_runs(runs: Sequence[tuple[Any, int]], limit: int) -> list[Any]:
+    """The first ``limit`` entries of a run-length pattern (fewer when it is shorter)."""
+    entries: list[Any] = []
+    for entry, count in runs:
+        if len(entries) >= limit:
+            break
+        entries.extend([entry] * min(count, limit - len(entries)))
     return entries
+
+
+def parse_pattern_text(text: str, limit: int | None = None) -> list[str]:
+    """``"rope*3+nope"`` -> ``["rope", "rope", "rope", "nope"]`` (at most ``limit`` entries when given)."""
+    runs = parse_pattern_runs(text)
+    return expand_runs(runs, sum(count for _, count in runs) if limit is None else limit)
 
 
 def pattern_text(names: Sequence[str]) -> str:
@@ -237,15 +260,32 @@ def entry_config(entry: Any) -> tuple[type[Encoding], EncodingConfig]:
 
 
 def _per_layer_entries(encoding: Any, num_layers: int) -> list[Any]:
-    if is_pattern_text(encoding):
-        encoding = parse_pattern_text(encoding)
     if _is_pair(encoding):
         return [encoding] * num_layers
-    if isinstance(encoding, (list, tuple)):
-        if not encoding:
+    if is_pattern_text(encoding) or isinstance(encoding, (list, tuple)):
+        runs = (
+            parse_pattern_runs(encoding) if isinstance(encoding, str) else [(entry, 1) for entry in encoding]
+        )
+        if not runs:
             raise InvalidParameterError("an encoding pattern needs at least one entry; got an empty list")
-        return [encoding[layer % len(encoding)] for layer in range(num_layers)]
+        length = sum(count for _, count in runs)
+        if length > num_layers:
+            raise InvalidParameterError(
+                f"encoding pattern {_shown(encoding)} has {length} entries but the model has {num_layers} "
+                f"layer(s), so entries past layer {num_layers - 1} would run nowhere; allowed: a pattern of at "
+                f"most {num_layers} entries (it repeats over the depth), or a per-layer mapping"
+            )
+        period = expand_runs(runs, length)
+        return [period[layer % length] for layer in range(num_layers)]
     assert isinstance(encoding, Mapping)
+    bad = [
+        key for key in encoding if key != DEFAULT_KEY and (isinstance(key, bool) or not isinstance(key, int))
+    ]
+    if bad:
+        raise InvalidParameterError(
+            f"per-layer encodings: key {bad[0]!r} is not allowed; allowed keys: layer indices (int, "
+            f"0 .. {num_layers - 1}) and {DEFAULT_KEY!r}"
+        )
     layers = {key: value for key, value in encoding.items() if key != DEFAULT_KEY}
     outside = sorted(layer for layer in layers if not 0 <= layer < num_layers)
     if outside:
@@ -262,6 +302,12 @@ def _per_layer_entries(encoding: Any, num_layers: int) -> list[Any]:
     return [layers.get(layer, encoding.get(DEFAULT_KEY)) for layer in range(num_layers)]
 
 
+def _shown(encoding: Any) -> str:
+    """A pattern as a message quotes it: the text, or the list (long ones cut)."""
+    text = repr(encoding)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _serialised_parts(
     encoding: Mapping[str, Any], num_layers: int
 ) -> tuple[list[tuple[type[Encoding], EncodingConfig]], list[int]]:
@@ -275,6 +321,13 @@ def _serialised_parts(
         raise InvalidParameterError(
             "a hybrid config.posenc needs params {'parts': [{'encoding': ..., 'params': ...}, ...], "
             f"'layers': [part index per layer]}}; got {params!r}"
+        )
+    assert isinstance(params, Mapping)
+    unknown = sorted(set(params) - set(HYBRID_KEYS), key=repr)
+    if unknown:
+        raise InvalidParameterError(
+            f"a hybrid config.posenc's params have unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {', '.join(map(repr, HYBRID_KEYS))}"
         )
     if len(layers) != num_layers or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(parts) for i in layers
@@ -401,20 +454,43 @@ def canonical_request(text: str) -> str:
     """An encoding name or pattern text with aliases resolved: ``"RoPE*3+NoPE"`` -> ``"rope*3+nope"``."""
     if not is_pattern_text(text):
         return canonical_name(text)
-    return pattern_text([canonical_name(name) for name in parse_pattern_text(text)])
+    runs: list[list[Any]] = []
+    for name, count in parse_pattern_runs(text):
+        name = canonical_name(name)
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += count
+        else:
+            runs.append([name, count])
+    return "+".join(name if count == 1 else f"{name}*{count}" for name, count in runs)
 
 
 def check_request(text: str, params: Mapping[str, Any] | None = None) -> None:
-    """Validate a recipe's ``--encoding`` (name or pattern text) and its parameters without a model."""
+    """Validate a recipe's ``--encoding`` (name or pattern text) and its parameters without a model
+    (a pattern's length is checked against the model's depth when it is patched)."""
     if not is_pattern_text(text):
         get_encoding(text).config_class.from_params(dict(params or {}))
         return
-    names = parse_pattern_text(text)
+    names = [name for name, _ in parse_pattern_runs(text)]  # one entry per run: the same checks
     plan_hybrid(names, len(names), params)
+
+
+def check_saved_entry(saved: Any, where: str = "") -> Mapping[str, Any]:
+    """Refuse a ``config.posenc`` that is not a mapping (e.g. hand-edited into a string) or names a
+    format this version cannot read, with one line; return it."""
+    prefix = f"{where}: " if where else ""
+    if not isinstance(saved, Mapping):
+        raise InvalidParameterError(
+            f"{prefix}config.posenc={saved!r} is not allowed; allowed: the mapping hf_posenc writes "
+            "({'encoding': NAME, 'params': {...}, 'format_version': N, ...})"
+        )
+    if "format_version" in saved:
+        check_format_version(saved["format_version"])
+    return saved
 
 
 def saved_description(saved: Mapping[str, Any]) -> str:
     """A saved ``config.posenc``'s encoding as a recipe names it: the name, or the per-layer text."""
+    check_saved_entry(saved)
     if saved.get("encoding") != HYBRID:
         return str(saved.get("encoding"))
     params = saved.get("params") or {}
@@ -425,11 +501,14 @@ def saved_description(saved: Mapping[str, Any]) -> str:
 def matches_saved(text: str, saved: Mapping[str, Any]) -> bool:
     """Whether a recipe's ``--encoding`` names the encoding a checkpoint was saved with (a pattern
     matches a hybrid whose layers repeat it)."""
+    check_saved_entry(saved)
     requested = canonical_request(text)
     if saved.get("encoding") != HYBRID:
         return requested == saved.get("encoding")
     layers = parse_pattern_text(saved_description(saved))
-    names = parse_pattern_text(requested)
+    runs = parse_pattern_runs(requested)
+    length = sum(count for _, count in runs)
+    names = expand_runs(runs, min(length, len(layers)))
     return [names[i % len(names)] for i in range(len(layers))] == layers
 
 
@@ -438,6 +517,7 @@ def check_overrides(
 ) -> None:
     """Validate ``overrides`` of a saved ``config.posenc`` (names and values) without a model: the
     checks :func:`hf_posenc.reconfigure` makes against the learned tensors come after loading."""
+    check_saved_entry(saved, where)
     if not overrides:
         return
     if not isinstance(overrides, Mapping):
