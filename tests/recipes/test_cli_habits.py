@@ -116,3 +116,15 @@ def test_a_missing_model_is_answered_before_torch_is_imported(argv, tmp_path):
     )
     assert out.stdout.split() == ["2", "[]"], (out.stdout, out.stderr)
     assert "./nope" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_rows_are_named_after_the_run(tmp_path, monkeypatch):
+    from hf_posenc.recipes.evaluation.labels import run_name
+
+    assert run_name("runs/alibi/final") == "alibi"
+    assert run_name("runs/alibi/final/") == "alibi"
+    assert run_name("runs/alibi/checkpoint-200") == "alibi/checkpoint-200"
+    assert run_name("HuggingFaceTB/SmolLM2-135M") == "SmolLM2-135M"
+    (tmp_path / "my-run" / "final").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "my-run")
+    assert run_name("final") == "my-run" and run_name("./final") == "my-run"

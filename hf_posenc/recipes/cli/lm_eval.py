@@ -220,8 +220,8 @@ def _parse_model_args(tokens: Sequence[str]) -> dict[str, Any]:
 def _label(args: dict[str, Any], model: str = "hf-posenc") -> str:
     """``folder-name (encoding)``: the requested encoding, else the one a patched checkpoint carries;
     a patched checkpoint evaluated with overridden encoding parameters says so
-    (``final (expe, x0.5 at eval)``)."""
-    from ..evaluation.labels import encoding_label
+    (``expe (expe, x0.5 at eval)`` for ``runs/expe/final``: the run's name, see ``run_name``)."""
+    from ..evaluation.labels import encoding_label, run_name
 
     path = os.path.expanduser(str(args.get("pretrained", "model")))
     encoding = args.get("encoding")
@@ -233,7 +233,7 @@ def _label(args: dict[str, Any], model: str = "hf-posenc") -> str:
             from ..integrations.lm_eval_model import split_model_args
 
             overrides = split_model_args(args).encoding_params
-    name = os.path.basename(path.rstrip("/")) or path
+    name = run_name(path)
     return f"{name} ({encoding_label(encoding, overrides)})" if encoding else name
 
 

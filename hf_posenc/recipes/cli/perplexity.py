@@ -11,13 +11,13 @@ position interpolation of a model trained unscaled::
 
     hf-posenc perplexity --model runs/expe/final --encoding-param scaling='{"type":"linear","factor":2}' ...
 
-and its row is labelled ``final (expe, x0.5 at eval)``. ``--encoding`` naming an encoding that
+and its row is labelled ``expe (expe, x0.5 at eval)`` (the run's name for ``runs/expe/final``). ``--encoding`` naming an encoding that
 extends the saved one without training evaluates the run with it, its RoPE settings carried over::
 
     hf-posenc perplexity --model runs/rope/final --encoding selfextend --encoding-param window=64 \
         --encoding-param group_size=32 ...
 
-(``final (selfextend, group_size=32, window=64 at eval)``). Every input is checked (model directories and
+(``rope (selfextend, group_size=32, window=64 at eval)``). Every input is checked (model directories and
 tokenizers, data sources, the output directory, encoding parameters, enough tokens, learned
 tables, or a family's native limit, long enough) before any model is loaded. Prints the table
 and writes results.txt, results.csv, results.json and loss_vs_length.png to ``--output``.
@@ -148,17 +148,6 @@ def _plan(
     return Plan(name or "native", dict(resolved) if name else None, overrides)
 
 
-def run_name(directory: str) -> str:
-    """The name a row is known by: the folder's, or for a run's ``final``/``checkpoint-N`` folder the
-    run's (``runs/alibi/final`` -> ``alibi``, ``runs/alibi/checkpoint-200`` -> ``alibi/checkpoint-200``)."""
-    folder = Path(directory).resolve()
-    if folder.name == "final" and folder.parent.name:
-        return folder.parent.name
-    if folder.name.startswith("checkpoint-") and folder.parent.name:
-        return f"{folder.parent.name}/{folder.name}"
-    return folder.name
-
-
 def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any]) -> list[str]:
     """``--labels``, or ``folder (encoding)`` per model; a row evaluated with overridden parameters says so
     (``run (expe, x0.5 at eval)``), a plain checkpoint patched with parameters shows them."""
@@ -175,6 +164,8 @@ def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any])
         described = plan.label
         if params and plan.eval_overrides is None and plan.encoding != "native":
             described += " " + json.dumps(params, separators=(",", ":"))
+        from ..evaluation.labels import run_name
+
         label = f"{run_name(directory)} ({described})"
         candidate, number = label, 2
         while candidate in labels:

@@ -10,8 +10,24 @@ anything else shows as ``key=value``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+
+def run_name(path: str) -> str:
+    """The name a report row is known by: the folder's, or for a run's ``final``/``checkpoint-N``
+    folder the run's (``runs/alibi/final`` -> ``alibi``, ``runs/alibi/checkpoint-200`` ->
+    ``alibi/checkpoint-200``); a hub id keeps its last part."""
+    folder = Path(os.path.expanduser(str(path).rstrip("/") or "/"))
+    if folder.name in ("", ".", "..") or (folder.parent.name in ("", ".", "..") and os.path.isdir(folder)):
+        folder = folder.resolve()
+    if folder.name == "final" and folder.parent.name:
+        return folder.parent.name
+    if folder.name.startswith("checkpoint-") and folder.parent.name:
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name or str(path)
 
 
 def _compact(value: Any) -> str:
