@@ -170,7 +170,15 @@ def plot_heatmap(path: Path, label: str, cells: Sequence[Cell], train_length: in
         for i, row in enumerate(values):
             for j, value in enumerate(row):
                 if value == value:
-                    axes.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize="small")
+                    axes.text(
+                        j,
+                        i,
+                        f"{100 * value:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize="small",
+                        color=_ink(value),
+                    )
         axes.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         axes.set_xlabel("prompt length (tokens)")
@@ -189,6 +197,11 @@ def plot_heatmap(path: Path, label: str, cells: Sequence[Cell], train_length: in
         figure.colorbar(image, ax=list(grid.flat), shrink=0.9, label="accuracy", fraction=0.05)
     figure.savefig(path, format="png")
     return path
+
+
+def _ink(accuracy: float) -> str:
+    """Text colour readable on the RdYlGn cell of ``accuracy`` (white on dark red and dark green)."""
+    return "white" if accuracy < 0.2 or accuracy > 0.85 else "black"
 
 
 def _mark_training_length(axes, lengths: Sequence[int], train_length: int) -> None:
@@ -272,7 +285,15 @@ def plot_heatmap_grid(path: Path, results: Results, task: str, train_length: int
         for i, row in enumerate(values):
             for j, value in enumerate(row):
                 if value == value:
-                    axes.text(j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize="x-small")
+                    axes.text(
+                        j,
+                        i,
+                        f"{100 * value:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize="x-small",
+                        color=_ink(value),
+                    )
         axes.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize="small")
         axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize="small")
         axes.set_title(label, fontsize="medium")
