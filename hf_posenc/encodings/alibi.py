@@ -50,6 +50,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 @register_encoding
 class ALiBi(Encoding[ALiBiConfig]):
     name = "alibi"
+    reads_positions = False  # see Encoding.reads_positions
     aliases = ("linear_bias",)
     config_class = ALiBiConfig
     paper = "Press et al. 2022, arXiv:2108.12409"

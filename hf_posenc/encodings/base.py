@@ -96,6 +96,11 @@ class Encoding(nn.Module, Generic[ConfigT]):
     config_class: ClassVar[type[EncodingConfig]] = EncodingConfig
     paper: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: True when the attention depends on the position ids a caller passes (rotations, absolute
+    #: embeddings, position-indexed tables); False when it reads only token order, key-index
+    #: distances or content (score biases over index distances, forget gates, contextual
+    #: positions, no positions at all): position sampling (PoSE, randomized) is refused there
+    reads_positions: ClassVar[bool] = True
     #: True when the encoding keeps state between decoding steps (see ``LayerCall.state``)
     stateful: ClassVar[bool] = False
     #: True when ``rotate`` reads ``call.coordinates``: the (B|1,T,axes) N-D positions a caller
@@ -229,6 +234,11 @@ class Encoding(nn.Module, Generic[ConfigT]):
         attention call, whatever the backend.
         """
         raise NotImplementedError
+
+    def reads_position_ids(self) -> bool:
+        """Whether this instance's attention depends on position ids (:attr:`reads_positions`,
+        unless the configuration decides it, e.g. CAPE's base encoding)."""
+        return self.reads_positions
 
     def rows_independent(self) -> bool:
         """True when ``transform_scores`` / ``normalize`` treat each query's row of scores on its

@@ -88,6 +88,7 @@ class HeadMixer(nn.Module):
 @register_encoding
 class CAPE(Encoding[CAPEConfig]):
     name = "cape"
+    reads_positions = False  # with its default base; see reads_position_ids
     aliases = ("dape",)
     config_class = CAPEConfig
     paper = "Zheng et al. 2024, arXiv:2405.14722"
@@ -109,6 +110,9 @@ class CAPE(Encoding[CAPEConfig]):
     def scaled_range(self) -> ScaledRange | None:
         """The base encoding's (its ``base_params`` carry the scaling)."""
         return self.base.scaled_range()
+
+    def reads_position_ids(self) -> bool:
+        return self.base.reads_position_ids()  # FIRE's threshold reads the query's position
 
     def rows_independent(self) -> bool:
         return not self.base.stateful  # a stateful base (FoX) accumulates over all queries

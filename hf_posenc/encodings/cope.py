@@ -69,6 +69,7 @@ def interpolate_position_logits(z: torch.Tensor, positions: torch.Tensor) -> tor
 @register_encoding
 class CoPE(Encoding[CoPEConfig]):
     name = "cope"
+    reads_positions = False  # see Encoding.reads_positions
     aliases = ("contextual", "contextual_position")
     config_class = CoPEConfig
     paper = "Golovneva et al. 2024, arXiv:2405.18719"

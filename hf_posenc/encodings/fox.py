@@ -43,6 +43,7 @@ class FoXConfig(ForgetGateConfig):
 @register_encoding
 class FoX(Encoding[ForgetGateConfig]):
     name = "fox"
+    reads_positions = False  # see Encoding.reads_positions
     # typed as the base declares them, so FoX (Pro) may set its own
     aliases: ClassVar[tuple[str, ...]] = ("forgetting_transformer", "forgetting_attention")
     config_class: ClassVar[type[EncodingConfig]] = FoXConfig

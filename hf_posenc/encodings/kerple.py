@@ -60,6 +60,7 @@ class KERPLEConfig(PositionInterpolation, EncodingConfig):
 @register_encoding
 class KERPLE(Encoding[KERPLEConfig]):
     name = "kerple"
+    reads_positions = False  # see Encoding.reads_positions
     config_class = KERPLEConfig
     paper = "Chi et al. 2022, arXiv:2205.09921"
     summary = "learned per-head log or power kernel of the query-key distance"

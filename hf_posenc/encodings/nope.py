@@ -25,6 +25,7 @@ class NoPEConfig(EncodingConfig):
 @register_encoding
 class NoPE(Encoding[NoPEConfig]):
     name = "nope"
+    reads_positions = False  # see Encoding.reads_positions
     aliases = ("none", "no_pe")
     config_class = NoPEConfig
     paper = "Kazemnejad et al. 2023, arXiv:2305.19466"

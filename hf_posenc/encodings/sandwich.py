@@ -58,6 +58,7 @@ def sandwich_ratios(num_heads: int) -> torch.Tensor:
 @register_encoding
 class Sandwich(Encoding[SandwichConfig]):
     name = "sandwich"
+    reads_positions = False  # see Encoding.reads_positions
     config_class = SandwichConfig
     paper = "Chi et al. 2023, arXiv:2212.10356"
     summary = "fixed sinusoidal-kernel bias p_i.p_j - d'/2, scaled per head by H/(8h)"

@@ -65,6 +65,7 @@ def stick_breaking_weights(scores: torch.Tensor, breaks: torch.Tensor) -> torch.
 @register_encoding
 class StickBreaking(Encoding[SBAConfig]):
     name = "sba"
+    reads_positions = False  # see Encoding.reads_positions
     aliases = ("stickbreaking", "stick_breaking")
     config_class = SBAConfig
     paper = "Tan et al. 2024, arXiv:2410.17980"

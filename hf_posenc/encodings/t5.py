@@ -69,6 +69,7 @@ def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_dista
 @register_encoding
 class T5Bias(Encoding[T5Config]):
     name = "t5"
+    reads_positions = False  # see Encoding.reads_positions
     aliases = ("t5_bias", "relative", "t5_relative")
     config_class = T5Config
     paper = "Raffel et al. 2020, arXiv:1910.10683"

@@ -250,3 +250,26 @@ def test_chunked_loss_trains_like_the_full_loss(workspace):
         small_chunks.undo()
     for (step_a, a), (step_b, b) in zip(full.losses, chunked.losses, strict=True):
         assert step_a == step_b and abs(a - b) < 1e-5, (full.losses, chunked.losses)
+
+
+@pytest.mark.slow  # multi-second; CI runs it
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "blocks"])
+@pytest.mark.parametrize("sampling", ["pose", "randomized"])
+def test_a_run_with_position_sampling_resumes_bit_exactly(workspace, sampling, packing):
+    """--position-sampling, with and without --packing: killed after step 3, resumed from checkpoint-2, the
+    losses and weights of a straight run (the sampled ids depend on seed and sequence index only)."""
+    settings = dict(
+        save_every=2, encoding="rope", position_sampling=sampling, target_length=96, packing=packing
+    )
+    name = f"{sampling}-{'packed' if packing else 'blocks'}"
+    straight = train(config(workspace, f"{name}-straight", **settings), progress=False)
+    with pytest.raises(Interrupt):
+        train(config(workspace, f"{name}-killed", **settings), callbacks=[interrupt_at(3)], progress=False)
+    resumed = train(config(workspace, f"{name}-killed", **settings), resume=True, progress=False)
+    assert resumed.losses == straight.losses
+    plain = train(config(workspace, f"{name}-none", encoding="rope", packing=packing), progress=False)
+    assert plain.losses[0] != straight.losses[0]  # the sampled ids reach the model
+    expected = hf_posenc.from_pretrained(str(straight.final_dir)).state_dict()
+    got = hf_posenc.from_pretrained(str(resumed.final_dir)).state_dict()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key

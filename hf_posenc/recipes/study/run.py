@@ -71,6 +71,7 @@ def check_study(config: StudyConfig) -> Path:
     for spec in config.encodings:
         name, params = parse_encoding_spec(spec)
         check_encoding(name, params, saved, where=f"study: encoding {spec!r}")
+        check_row_sampling(spec, name, params)
         if spec_slug(spec) in slugs:
             raise InvalidParameterError(
                 f"study: encodings {slugs[spec_slug(spec)]!r} and {spec!r} share the run folder {spec_slug(spec)!r}"
@@ -238,3 +239,17 @@ def _retrieval(config: StudyConfig, trained: dict[str, Path]) -> dict[str, Path]
     runs.update({display_label(spec): path for spec, path in trained.items() if not spec.startswith("base")})
     results = evaluate_retrieval(config, runs, AutoTokenizer.from_pretrained(str(base)))
     return write_retrieval_report(config, results, {"provenance": provenance()})
+
+
+def check_row_sampling(spec: str, name: str, params: dict) -> None:
+    """A ``~pose`` / ``~randomized`` row of an encoding that reads no position ids: one line, before
+    anything trains (asked of the encoding; parameters that may change it are checked at training)."""
+    from ...core.registry import get_encoding
+    from .spec import row_sampling
+
+    sampling = row_sampling(spec)[1]
+    if sampling != "none" and not params and not get_encoding(name).reads_positions:
+        raise InvalidParameterError(
+            f"study: row {spec!r}: position sampling is not allowed with {name!r}, whose attention reads no "
+            "position ids; allowed: ~pose / ~randomized on an encoding that reads positions (e.g. rope~pose)"
+        )

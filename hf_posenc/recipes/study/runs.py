@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import InvalidParameterError
 from ...models import DEFAULT_FAMILY
 from .retrieval import training_source
-from .spec import StudyConfig, parse_encoding_spec, spec_slug
+from .spec import StudyConfig, parse_encoding_spec, row_sampling, spec_slug
 
 
 def _tiny_spec(config: StudyConfig) -> str:
@@ -51,6 +51,7 @@ def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
     from ..training import TrainConfig
 
     name, params = parse_encoding_spec(spec)
+    sampling = row_sampling(spec)[1]
     return TrainConfig(
         model=str(base),
         output_dir=str(out / "runs" / spec_slug(spec)),
@@ -73,6 +74,8 @@ def _run_settings(config: StudyConfig, base: Path, spec: str, out: Path):
         threads=config.threads,
         packing=config.packing,
         report_to=list(config.report_to),
+        position_sampling=sampling,
+        target_length=None if sampling == "none" else config.train_length * max(config.multiples),
     )
 
 

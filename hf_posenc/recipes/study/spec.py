@@ -96,8 +96,23 @@ class StudyConfig:
             )
 
 
+#: row suffixes that train the row with position sampling up to the longest evaluated length
+SAMPLING_SUFFIXES = {"~pose": "pose", "~randomized": "randomized"}
+
+
+def row_sampling(spec: str) -> tuple[str, str]:
+    """``"rope~pose"`` -> (``"rope"``, ``"pose"``): a row trained with PoSE (Zhu et al. 2024) or
+    randomized positions (Ruoss et al. 2023) to ``train_length * max(multiples)``; else ``"none"``."""
+    for suffix, kind in SAMPLING_SUFFIXES.items():
+        if spec.endswith(suffix):
+            return spec[: -len(suffix)], kind
+    return spec, "none"
+
+
 def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"alibi"`` or ``'expe{"scaling": {"type": "linear", "factor": 2}}'`` -> (name, params)."""
+    """``"alibi"`` or ``'expe{"scaling": {"type": "linear", "factor": 2}}'`` -> (name, params)
+    (a ``~pose`` / ``~randomized`` row suffix is not part of the encoding: :func:`row_sampling`)."""
+    spec, _ = row_sampling(spec)
     name, brace, rest = spec.partition("{")
     params: dict[str, Any] = {}
     if brace:
@@ -139,7 +154,8 @@ def display_label(spec: str) -> str:
             parts.extend(f"{key}.{k}={v}" for k, v in value.items())
         else:
             parts.append(f"{key}={value}")
-    return f"{name} ({', '.join(parts)})" if parts else name
+    sampling = {"none": "", "pose": " + PoSE", "randomized": " + randomized positions"}[row_sampling(spec)[1]]
+    return (f"{name} ({', '.join(parts)})" if parts else name) + sampling
 
 
 def spec_slug(spec: str) -> str:

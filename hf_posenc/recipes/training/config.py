@@ -54,6 +54,8 @@ class TrainConfig:
     num_proc: int | None = None  # tokenisation workers
     threads: int | None = None  # torch threads; None: hf_posenc.recipes.threads decides
     loss: str = "full"  # "chunked": no (tokens x vocabulary) logits (see loss.py)
+    position_sampling: str = "none"  # "pose" or "randomized" (see sampling.py)
+    target_length: int | None = None  # the length sampled positions reach
     packing: bool = False  # positions restart per document, attention stays inside it (see feed.py)
     eval_every: int = 0  # held-out loss every N steps (0: never); see validation.py
     eval_data: list[str] | None = None  # held-out sources; default: the eval_split of data
@@ -129,6 +131,9 @@ class TrainConfig:
                 "resolution are lost and the loss overflows to NaN; allowed: --dtype float32 (with "
                 "--mixed-precision fp16 or bf16 on a GPU) or --dtype bfloat16"
             )
+        from .sampling import check_position_sampling
+
+        check_position_sampling(self.position_sampling, self.target_length, self.seq_len)
         if self.loss not in ("full", "chunked"):
             raise InvalidParameterError(f"train: loss={self.loss!r} is not allowed; allowed: full, chunked")
         if self.mixed_precision not in ("no", "bf16", "fp16"):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .batches import BatchOrder
+from .sampling import document_mask, sample_positions
 
 IGNORE = -100  # transformers' ignore_index
 
@@ -49,8 +50,19 @@ def label_count(blocks: Any, indices: torch.Tensor) -> int:
 class Feed:
     """The keyword arguments of the model's forward at each micro-step."""
 
-    def __init__(self, blocks: Any, order: BatchOrder, *, packing: bool, grad_accum: int) -> None:
+    def __init__(
+        self,
+        blocks: Any,
+        order: BatchOrder,
+        *,
+        packing: bool,
+        grad_accum: int,
+        sampling: str = "none",
+        target_length: int | None = None,
+        seed: int = 0,
+    ) -> None:
         self.blocks, self.order, self.packing, self.grad_accum = blocks, order, packing, grad_accum
+        self.sampling, self.target_length, self.seed = sampling, target_length, seed
         self._labels: tuple[int, int] | None = None  # (step, labels of the whole step)
 
     def step_labels(self, step: int) -> int:
@@ -63,12 +75,40 @@ class Feed:
 
     def inputs(self, micro_step: int, device: torch.device) -> dict[str, Any]:
         """Model keywords of ``micro_step`` on ``device``."""
+        if self.sampling != "none":
+            return {
+                k: v.to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in self._sampled(micro_step).items()
+            }
         if not self.packing:
             batch = self.order.micro_batch(micro_step).to(device)
             return {"input_ids": batch, "labels": batch}
         inputs: dict[str, Any] = {
             k: v.to(device) for k, v in packed_inputs(self.blocks, self.order.indices(micro_step)).items()
         }
+        return self._normalised(inputs, micro_step)
+
+    def _sampled(self, micro_step: int) -> dict[str, Any]:
+        """Inputs with sampled position ids (PoSE / randomized) and the explicit mask they need."""
+        indices = self.order.indices(micro_step)
+        order = self.order
+        first = micro_step * order.per_process * order.num_processes + order.rank * order.per_process
+        if self.packing:
+            inputs: dict[str, Any] = packed_inputs(self.blocks, indices)
+            restarting = inputs["position_ids"]
+            inputs["attention_mask"] = document_mask(restarting)  # (B, 1, L, L)
+        else:
+            ids = self.blocks[indices]
+            restarting = torch.zeros_like(ids)
+            restarting[:, 1:] = 1  # one piece per row
+            inputs = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+        assert self.target_length is not None  # checked by TrainConfig
+        inputs["position_ids"] = sample_positions(
+            self.sampling, restarting, self.target_length, self.seed, first
+        )
+        return self._normalised(inputs, micro_step) if self.packing else {**inputs, "use_cache": False}
+
+    def _normalised(self, inputs: dict[str, Any], micro_step: int) -> dict[str, Any]:
         # accelerate divides each micro-batch's loss by grad_accum and DDP averages over the
         # processes: a sum over labels divided by labels / (grad_accum * processes) undoes both
         shares = self.grad_accum * self.order.num_processes

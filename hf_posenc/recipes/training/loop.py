@@ -42,6 +42,7 @@ from .interrupt import StopRequest
 from .lora import apply_lora, merge_lora
 from .loss import LossFunction, loss_function
 from .outputs import write_final
+from .sampling import check_encoding_reads_positions
 
 StepCallback = Callable[[int, dict[str, float]], None]
 
@@ -220,7 +221,8 @@ def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: P
 def _trainable_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
     """The model loaded or patched, checked against seq_len, with checkpointing/LoRA, in train mode."""
     model = prepare_model(config, model)  # the data is ready (or its error known) before the model loads
-    _check_positions(model, config.seq_len)
+    _check_positions(model, max(config.seq_len, config.target_length or 0))
+    check_encoding_reads_positions(config.position_sampling, getattr(model, "posenc", None))
     if config.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.lora:
@@ -411,7 +413,15 @@ def _train_held(
         (output_dir / "train_config.json").write_text(config.to_json())
     if config.report_to:
         accelerator.init_trackers("hf-posenc", config=_tracker_config(config))
-    feed = Feed(blocks, order, packing=config.packing, grad_accum=config.grad_accum)
+    feed = Feed(
+        blocks,
+        order,
+        packing=config.packing,
+        grad_accum=config.grad_accum,
+        sampling=config.position_sampling,
+        target_length=config.target_length,
+        seed=config.seed,
+    )
     loss = loss_function(config.loss, accelerator.unwrap_model(model))
     run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, feed, losses, loss)
     run.bar = tqdm(
