@@ -131,8 +131,6 @@ class TrainConfig:
                 "resolution are lost and the loss overflows to NaN; allowed: --dtype float32 (with "
                 "--mixed-precision fp16 or bf16 on a GPU) or --dtype bfloat16"
             )
-        from .sampling import check_position_sampling
-
         check_position_sampling(self.position_sampling, self.target_length, self.seq_len)
         if self.loss not in ("full", "chunked"):
             raise InvalidParameterError(f"train: loss={self.loss!r} is not allowed; allowed: full, chunked")
@@ -186,3 +184,27 @@ def _patch_info(model: Any) -> Any:
     from ...core.patch import patch_info
 
     return patch_info(model)
+
+
+#: ``--position-sampling`` choices (the samplers are in :mod:`.sampling`)
+SAMPLINGS = ("none", "pose", "randomized")
+
+
+def check_position_sampling(kind: str, target: int | None, seq_len: int) -> None:
+    """One line for a sampling, target length and window that do not go together."""
+    if kind not in SAMPLINGS:
+        raise InvalidParameterError(
+            f"train: position_sampling={kind!r} is not allowed; allowed: {', '.join(SAMPLINGS)}"
+        )
+    if kind == "none":
+        if target is not None:
+            raise InvalidParameterError(
+                f"train: target_length={target} does nothing without --position-sampling; allowed: "
+                "--position-sampling pose or randomized with it, or no --target-length"
+            )
+        return
+    if target is None or isinstance(target, bool) or not isinstance(target, int) or target < seq_len:
+        raise InvalidParameterError(
+            f"train: target_length={target!r} with --position-sampling {kind} is not allowed; allowed: an "
+            f"integer >= seq_len ({seq_len}), the length the sampled positions should reach"
+        )

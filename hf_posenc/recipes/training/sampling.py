@@ -25,7 +25,6 @@ import torch
 
 from ...errors import InvalidParameterError
 
-SAMPLINGS = ("none", "pose", "randomized")
 #: room for 2**40 sequences per seed in the generator seeds
 _SEED_STRIDE = 1 << 40
 
@@ -68,26 +67,6 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     same = documents[:, :, None] == documents[:, None, :]
     causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool).tril()
     return (same & causal)[:, None]
-
-
-def check_position_sampling(kind: str, target: int | None, seq_len: int) -> None:
-    """One line for a sampling, target length and window that do not go together."""
-    if kind not in SAMPLINGS:
-        raise InvalidParameterError(
-            f"train: position_sampling={kind!r} is not allowed; allowed: {', '.join(SAMPLINGS)}"
-        )
-    if kind == "none":
-        if target is not None:
-            raise InvalidParameterError(
-                f"train: target_length={target} does nothing without --position-sampling; allowed: "
-                "--position-sampling pose or randomized with it, or no --target-length"
-            )
-        return
-    if target is None or isinstance(target, bool) or not isinstance(target, int) or target < seq_len:
-        raise InvalidParameterError(
-            f"train: target_length={target!r} with --position-sampling {kind} is not allowed; allowed: an "
-            f"integer >= seq_len ({seq_len}), the length the sampled positions should reach"
-        )
 
 
 def check_encoding_reads_positions(kind: str, posenc: Any) -> None:
