@@ -251,5 +251,5 @@ def check_row_sampling(spec: str, name: str, params: dict) -> None:
     if sampling != "none" and not params and not get_encoding(name).reads_positions:
         raise InvalidParameterError(
             f"study: row {spec!r}: position sampling is not allowed with {name!r}, whose attention reads no "
-            "position ids; allowed: ~pose / ~randomized on an encoding that reads positions (e.g. rope~pose)"
+            "position ids; allowed: ~pose / ~randomized after an encoding that reads position ids"
         )

@@ -80,5 +80,12 @@ def check_encoding_reads_positions(kind: str, posenc: Any) -> None:
         raise InvalidParameterError(
             f"--position-sampling {kind} is not allowed with encoding {names!r}: its attention reads no "
             "position ids (index distances, forget gates, contextual positions or none), so sampled ids "
-            "would change nothing; allowed: an encoding that reads positions (e.g. rope, expe, learned)"
+            "would change nothing; allowed: an encoding that reads them (" + ", ".join(_readers()) + ")"
         )
+
+
+def _readers() -> list[str]:
+    """The registered encodings whose attention reads position ids (with their defaults)."""
+    from ...core.registry import get_encoding, list_encodings
+
+    return [info.name for info in list_encodings() if get_encoding(info.name).reads_positions]
