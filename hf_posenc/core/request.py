@@ -524,13 +524,9 @@ def check_overrides(
         raise InvalidParameterError(
             f"encoding_overrides={overrides!r} is not allowed; allowed: a dict of encoding parameters"
         )
+    layers = (saved.get("params") or {}).get("layers") if saved.get("encoding") == HYBRID else None
     try:
-        if saved.get("encoding") == HYBRID:
-            parts = [entry_config(part) for part in (saved.get("params") or {}).get("parts") or []]
-            plan_hybrid([config for _, config in parts], len(parts), overrides)
-        else:
-            cls = get_encoding(str(saved.get("encoding")))
-            cls.config_class.from_params({**dict(saved.get("params") or {}), **dict(overrides)})
+        plan_saved(saved, overrides, len(layers) if isinstance(layers, list) else 1)
     except InvalidParameterError as error:
         prefix = f"{where}: " if where else ""
         raise InvalidParameterError(f"{prefix}overriding the saved encoding parameters: {error}") from None
