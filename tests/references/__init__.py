@@ -14,7 +14,8 @@ tests compare the package against something it did not compute. A module gives
 plus the formula pieces other tests check directly (``alibi.alibi_slopes``, ``t5.t5_bucket``,
 ``rope.rotation_matrix``, ...). The shared loops (projections, softmax over allowed keys, output
 projection) are in :mod:`references.attention`; what a model's config states (sliding window,
-query heads, native RoPE) in :mod:`references.config`.
+query heads, native RoPE) in :mod:`references.config`. Beside them, :mod:`references.perplexity`
+writes the recipes' length-extrapolation loss by hand.
 
 To add an encoding's reference: write ``references/<name>.py`` with its formula in the module
 docstring and a ``layer_reference`` (or ``model_reference``), register it in ``REFERENCES``
