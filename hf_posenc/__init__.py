@@ -1,5 +1,5 @@
 """hf_posenc: switch the positional encoding of a pretrained Transformers model (Llama, Mistral,
-Qwen2, Qwen3, OLMo 2, GPT-2; `hf_posenc.supported_families()`).
+Qwen2, Qwen3, OLMo 2, Gemma 3, Phi-3, SmolLM3, GPT-2; `hf_posenc.supported_families()`).
 
 import hf_posenc
 hf_posenc.patch_model(model, "alibi")        # in place; returns the model

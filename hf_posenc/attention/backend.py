@@ -6,8 +6,9 @@ what priority; :func:`dispatch` asks them from the highest priority down and tak
 answer. A backend may still decline in :meth:`Backend.attend` (returns None, e.g. a kernel that
 failed to compile), and the next one serves. ``eager`` serves every call, so one always does.
 
-Adding a backend is one file: subclass :class:`Backend`, decorate it with
-:func:`register_backend`, and import the module in ``attention/__init__.py``.
+Adding a backend is one file: subclass :class:`Backend` and decorate it with
+:func:`register_backend`; importing the package imports every module in it
+(``attention/__init__.py``), so nothing else changes.
 """
 
 from __future__ import annotations
