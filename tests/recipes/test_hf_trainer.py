@@ -96,7 +96,7 @@ def test_lora_through_peft_trains_adapters_and_the_encoding_only(tmp_path):
 
 @pytest.mark.slow  # a short SFTTrainer run
 def test_trl_sft_trainer_with_padding_free_packing(tmp_path):
-    trl = pytest.importorskip("trl", reason="TRL is an optional dependency (pip install trl)")
+    import trl  # in the dev extra: CI runs this test
     from datasets import Dataset
 
     from hf_posenc.recipes.data import stdlib_documents
