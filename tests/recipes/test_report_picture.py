@@ -124,7 +124,7 @@ def test_each_line_style_means_one_kind_of_row_and_the_legend_names_it():
     for label, style in styles.items():
         assert style == KIND_LINESTYLE[kinds.get(label, "trained")], label
     legend_texts = {t.get_text() for t in figure.legends[0].get_texts()}
-    assert {ROW_KINDS["trained"], ROW_KINDS["base"], ROW_KINDS["eval-only"]} <= legend_texts
+    assert {"line style: " + ROW_KINDS[kind] for kind in ("trained", "base", "eval-only")} <= legend_texts
     assert set(_study_like()) <= legend_texts
     # the training length is a shaded span, not another dashed line
     assert all(
@@ -139,3 +139,36 @@ def test_lower_is_better_and_warnings_are_written_on_the_figure():
     ranked = figure.axes[1]
     assert "lower is better" in ranked.get_xlabel() and "lower is better" in figure.axes[0].get_ylabel()
     assert any("too short: 4 steps" in t.get_text() for t in figure.texts)
+
+
+def test_the_untrained_base_is_a_reference_below_the_ranked_rows_never_ranked():
+    """The base barely moves when it never learned the longer lengths' positions: ranking it would
+    make "no training" look like the best extrapolator. It comes last, with rank None; the other
+    rows are ranked 1..n by increase."""
+    results = {
+        "base": [row(1, 7.0), row(2, 7.0)],  # increase 0: would be first
+        "rope": [row(1, 5.0), row(2, 5.4)],
+        "alibi": [row(1, 5.0), row(2, 5.1)],
+    }
+    ranked = ranking(results, {"base": "base"})
+    assert [(r["label"], r["rank"]) for r in ranked] == [("alibi", 1), ("rope", 2), ("base", None)]
+    assert [r["rank"] for r in ranking(results)] == [1, 2, 3]  # without kinds every row competes
+
+
+@pytest.mark.slow  # draws a figure (seconds)
+def test_every_ranking_interval_lies_inside_the_panel_on_both_sides_of_zero():
+    """Negative increases with wide intervals: each bar's whole 95% interval (increase ± 1.96 SE)
+    is in view, so no error bar is cut off at the panel's edge; the base is labelled a reference."""
+    results = {
+        "base": [row(1, 7.27, 0.02), row(2, 7.271, 0.03)],
+        "rope": [row(1, 7.113, 0.035), row(2, 7.110, 0.053)],
+        "alibi": [row(1, 7.112, 0.037), row(2, 7.107, 0.056)],
+    }
+    figure = draw_losses(results, train_length=128, kinds={"base": "base"})
+    ranked = figure.axes[1]
+    low, high = ranked.get_xlim()
+    for entry in ranking(results, {"base": "base"}):
+        half = 1.96 * entry["increase_stderr_nats"]
+        assert low < entry["increase_nats"] - half and entry["increase_nats"] + half < high, entry
+    labels = [t.get_text() for t in ranked.get_yticklabels()]
+    assert "base (reference)" in labels and "1. alibi" in labels

@@ -8,8 +8,10 @@ Two panels on a bare Agg canvas (no pyplot, no display, the global backend untou
   base. The training length is a grey shaded bar, not a line style. Points far above the rest
   are not drawn through the frame: each shows as a triangle on the top edge with its value.
 * **right, the ranking**: the loss increase from 1x to the longest length, one bar per row,
-  sorted, lower is better (said on the axis), with 95% error bars; evaluation-only bars are
-  hatched, the base's grey. A bar far beyond the rest is clipped at the edge with its value.
+  sorted, lower is better (said on the axis), with 95% error bars (the numbers beside them give
+  ± one standard error, as the table does); evaluation-only bars are hatched; the untrained base
+  is grey, unranked and set apart below the ranked rows (it is what every row was switched from,
+  not a contender). A bar far beyond the rest is clipped at the edge with its value.
 
 Warnings (too few windows, too short runs) are printed under the panels.
 """
@@ -133,7 +135,7 @@ def _length_axis(axes, results: Results, train_length: int) -> None:
 
 
 def _ranking_panel(axes, results: Results, styles: dict[str, dict[str, Any]], kinds: dict[str, str]) -> None:
-    rows = ranking(results)
+    rows = ranking(results, kinds)
     if not rows:
         axes.set_axis_off()
         axes.text(0.5, 0.5, "one length only: nothing to rank", ha="center", va="center")
@@ -170,7 +172,7 @@ def _ranking_panel(axes, results: Results, styles: dict[str, dict[str, Any]], ki
                 fontweight="bold",
             )
         else:
-            text = f"{value:+.3f}" + (f" ± {Z95 * stderr:.3f}" if math.isfinite(stderr) else "")
+            text = f"{value:+.3f}" + (f" ± {stderr:.3f} SE" if math.isfinite(stderr) else "")
             axes.annotate(
                 text,
                 (max(shown, 0, shown + Z95 * _finite(stderr)), position),
@@ -179,16 +181,25 @@ def _ranking_panel(axes, results: Results, styles: dict[str, dict[str, Any]], ki
                 va="center",
                 fontsize="x-small",
             )
-    axes.set_yticks(positions, [f"{row['rank']}. {row['label']}" for row in rows], fontsize="small")
+    names = [
+        f"{row['label']} (reference)" if row["rank"] is None else f"{row['rank']}. {row['label']}"
+        for row in rows
+    ]
+    axes.set_yticks(positions, names, fontsize="small")
+    references = [position for position, row in zip(positions, rows, strict=True) if row["rank"] is None]
+    if references and len(references) < len(rows):  # the untrained base apart from the ranked rows
+        axes.axhline(max(references) + 0.5, color="dimgray", linewidth=0.8, linestyle=(0, (1, 3)))
+    # the whole 95% interval of every row in view, on both sides of zero
+    left = min([0.0] + [row["increase_nats"] - Z95 * _finite(row["increase_stderr_nats"]) for row in rows])
+    right = max(row["increase_nats"] + Z95 * _finite(row["increase_stderr_nats"]) for row in rows)
     if limit is not None:
-        axes.set_xlim(min(floor, 0) * 1.1, limit)
-    else:
-        right = max(row["increase_nats"] + Z95 * _finite(row["increase_stderr_nats"]) for row in rows)
-        axes.set_xlim(min(floor, 0) * 1.1, max(right, 0) * 1.35 or 1.0)
+        right = limit
+    span = (max(right, 0.0) - left) or 1.0
+    axes.set_xlim(left - 0.05 * span, max(right, 0.0) + (0.05 if limit is not None else 0.45) * span)
     axes.axvline(0, color="black", linewidth=0.8)
     first, last = rows[0]["from_length_tokens"], rows[0]["to_length_tokens"]
     axes.set_xlabel(f"loss increase from {first} to {last} tokens (nats) — lower is better")
-    axes.set_title("who extrapolates best (error bars: 95% interval)")
+    axes.set_title("who extrapolates best\n(bars: 95% interval; numbers: ± 1 SE, as in the table)")
     axes.grid(True, axis="x", alpha=0.3)
 
 
@@ -196,18 +207,28 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
 
-def _legend(figure, axes, kinds: dict[str, str]) -> None:
+def _legend(figure, axes, kinds: dict[str, str], bottom: float) -> int:
+    """The rows and the line-style key in a legend across the figure's foot, above ``bottom``
+    (beside the panels it crowded the ranking's numbers); returns its number of text rows."""
     from matplotlib.lines import Line2D
 
     handles, labels = axes.get_legend_handles_labels()
     present = [kind for kind in ROW_KINDS if kind in kinds.values()]
     if len(present) > 1 or present != ["trained"]:
-        handles.append(Line2D([], [], color="none"))
-        labels.append("line style = kind of row:")
         for kind in present:
             handles.append(Line2D([], [], color="black", linestyle=KIND_LINESTYLE[kind]))  # type: ignore[arg-type]
-            labels.append(ROW_KINDS[kind])
-    figure.legend(handles, labels, loc="center right", fontsize="small", frameon=False)
+            labels.append("line style: " + ROW_KINDS[kind])
+    columns = 3
+    figure.legend(
+        handles,
+        labels,
+        loc="lower center",
+        bbox_to_anchor=(0.5, bottom),
+        ncol=columns,
+        fontsize="small",
+        frameon=False,
+    )
+    return -(-len(labels) // columns)
 
 
 def plot_losses(
@@ -246,9 +267,11 @@ def draw_losses(
     from matplotlib.figure import Figure
 
     row_kinds = _row_kinds(list(results), kinds, dashed)
-    figure = Figure(figsize=(15, 6 + 0.25 * len(warnings)), dpi=110)
+    legend_rows = -(-(len(results) + len(set(row_kinds.values()))) // 3)
+    height = 6 + 0.25 * len(warnings) + 0.22 * legend_rows
+    figure = Figure(figsize=(15, height), dpi=110)
     FigureCanvasAgg(figure)
-    curves, ranked = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 1]})
+    curves, ranked = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1]})
     styles = {}
     for label, style in zip(results, line_styles(len(results)), strict=True):
         kind = row_kinds[label]
@@ -260,9 +283,10 @@ def draw_losses(
     _loss_panel(curves, results, styles, train_length)
     _ranking_panel(ranked, results, styles, row_kinds)
     figure.suptitle(title or "Loss against evaluation length")
-    _legend(figure, curves, row_kinds)
-    bottom = 0.04 + 0.035 * len(warnings)
+    line_height = 0.24 / height  # one line of small text, as a fraction of the figure's height
+    bottom = 0.01 + line_height * len(warnings)
     for number, line in enumerate(warnings):
-        figure.text(0.01, bottom - 0.035 * (number + 1), "⚠ " + line, color="darkred", fontsize="small")
-    figure.tight_layout(rect=(0, bottom, 0.76, 0.96))
+        figure.text(0.01, bottom - line_height * (number + 1), "⚠ " + line, color="darkred", fontsize="small")
+    rows = _legend(figure, curves, row_kinds, bottom)
+    figure.tight_layout(rect=(0, bottom + line_height * (rows + 0.5), 1, 0.96))
     return figure

@@ -48,9 +48,13 @@ def loss_increase(entries: Sequence[LengthResult]) -> tuple[float, float] | None
     return last.loss - first.loss, stderr
 
 
-def ranking(results: Results) -> list[dict[str, Any]]:
+def ranking(results: Results, kinds: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Rows sorted by loss increase (lower is better): ``label, increase_nats, increase_stderr_nats,
-    rank, from_length_tokens, to_length_tokens``; rows with no increase are left out."""
+    rank, from_length_tokens, to_length_tokens``; rows with no increase are left out.
+
+    The untrained base (``kinds[label] == "base"``) is the model every row was switched from, not
+    a contender: it is listed after the ranked rows with ``rank`` None (a reference, shown apart),
+    so a base that barely moved never reads as "extrapolates best"."""
     rows: list[dict[str, Any]] = []
     for label, entries in results.items():
         increase = loss_increase(entries)
@@ -66,9 +70,15 @@ def ranking(results: Results) -> list[dict[str, Any]]:
                 "to_length_tokens": lengths[-1],
             }
         )
-    rows.sort(key=lambda row: row["increase_nats"])
-    for rank, row in enumerate(rows, 1):
-        row["rank"] = rank
+    is_reference = {label: (kinds or {}).get(label) == "base" for label in results}
+    rows.sort(key=lambda row: (is_reference[row["label"]], row["increase_nats"]))
+    rank = 0
+    for row in rows:
+        if is_reference[row["label"]]:
+            row["rank"] = None
+        else:
+            rank += 1
+            row["rank"] = rank
     return rows
 
 

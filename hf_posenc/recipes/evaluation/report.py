@@ -105,7 +105,7 @@ def format_table(
     evaluated at shows "-". A note on units and any ``warnings`` follow the table."""
     multiples = _multiples(results)
     lengths = {r.multiple: r.length for rows in results.values() for r in rows}
-    ranked = {row["label"]: row for row in ranking(results)}
+    ranked = {row["label"]: row for row in ranking(results, kinds)}
     header = ["model"]
     if kinds:
         header.append("row")
@@ -123,7 +123,8 @@ def format_table(
         if label in ranked:
             increase, stderr = ranked[label]["increase_nats"], ranked[label]["increase_stderr_nats"]
             error = f" ± {stderr:.{digits}f}" if math.isfinite(stderr) else ""
-            row += [f"{increase:+.{digits}f}{error}", str(ranked[label]["rank"])]
+            rank = ranked[label]["rank"]
+            row += [f"{increase:+.{digits}f}{error}", "ref" if rank is None else str(rank)]
         else:
             row += ["-", "-"]
         if perplexity:
@@ -230,7 +231,7 @@ def write_json(
         "row_kinds": {label: (kinds or {}).get(label, "trained") for label in results},
         "ranking": [
             {k: _json_number(v) if isinstance(v, float) else v for k, v in row.items()}
-            for row in ranking(results)
+            for row in ranking(results, kinds)
         ],
         "results": {
             label: [
