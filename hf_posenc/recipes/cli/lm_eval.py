@@ -350,7 +350,7 @@ def _retrieval_configs(
     from ..integrations.lm_eval_longeval import write_task_configs as write_retrieval
     from ..integrations.lm_eval_tasks import write_task_configs
     from ..longeval.tasks import DEFAULT_DEPTHS, check_depths, check_samples
-    from .perplexity import _tokenizer_key
+    from .perplexity import tokenizer_key
 
     depths = check_depths(opts.depths if opts.depths is not None else DEFAULT_DEPTHS)
     samples = check_samples(opts.samples)
@@ -360,7 +360,7 @@ def _retrieval_configs(
     for label, model_args in models:
         source = os.path.expanduser(str(model_args.get("tokenizer") or model_args["pretrained"]))
         tokenizer = AutoTokenizer.from_pretrained(source)
-        key = _tokenizer_key(tokenizer)
+        key = tokenizer_key(tokenizer)
         if key not in built:
             sub = folder / f"tokenizer-{len(built)}"
             names = write_task_configs(runs, sub) if runs else []

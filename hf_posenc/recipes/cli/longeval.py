@@ -21,7 +21,7 @@ from typing import Any
 
 from ..evaluation.errors import EvaluationError
 from .common import add_threads_argument, parse_encoding_params
-from .perplexity import DTYPES, Plan, _check_model_dir, _labels, _plan, _tokenizer_key
+from .perplexity import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe")
 
@@ -72,7 +72,7 @@ def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
         raise EvaluationError(f"--train-length {args.train_length} is not allowed; allowed: >= 1")
     check_threads(args.threads)
     output = check_output(args.output, args.overwrite)
-    directories = [_check_model_dir(d) for d in args.model]
+    directories = [check_model_dir(d) for d in args.model]
     params = parse_encoding_params(args.encoding_param)
     if args.encoding is not None:
         check_request(args.encoding, params)
@@ -80,7 +80,7 @@ def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     longest = max(lengths) + max(task.max_new_tokens for task in tasks)  # the prompt and what is generated
-    plans = [_plan(str(d), args.encoding, params, longest, shorten="--lengths") for d in directories]
+    plans = [plan_model(str(d), args.encoding, params, longest, shorten="--lengths") for d in directories]
     return {
         "tasks": tasks,
         "lengths": lengths,
@@ -90,7 +90,7 @@ def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
         "params": params,
         "device": device,
         "plans": plans,
-        "labels": _labels(args, plans, params),
+        "labels": model_labels(args, plans, params),
     }
 
 
@@ -105,7 +105,7 @@ def build_prompts(args: argparse.Namespace, checked: dict[str, Any]) -> list[tup
     per_model = []
     for directory in checked["directories"]:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        key = _tokenizer_key(tokenizer)
+        key = tokenizer_key(tokenizer)
         if key not in built:
             samples: list[Any] = []
             for task in checked["tasks"]:

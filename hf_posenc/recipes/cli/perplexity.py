@@ -42,7 +42,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _check_model_dir(directory: str) -> Path:
+def check_model_dir(directory: str) -> Path:
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {directory!r} does not exist (or is not a directory)")
@@ -72,7 +72,7 @@ class Plan:
         return encoding_label(self.encoding, self.eval_overrides)
 
 
-def _plan(
+def plan_model(
     directory: str,
     encoding: str | None,
     params: dict[str, Any],
@@ -148,7 +148,7 @@ def _plan(
     return Plan(name or "native", dict(resolved) if name else None, overrides)
 
 
-def _labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any]) -> list[str]:
+def model_labels(args: argparse.Namespace, plans: list[Plan], params: dict[str, Any]) -> list[str]:
     """``--labels``, or ``folder (encoding)`` per model; a row evaluated with overridden parameters says so
     (``run (expe, x0.5 at eval)``), a plain checkpoint patched with parameters shows them."""
     if args.labels is not None:
@@ -203,7 +203,7 @@ def _token_stream(args: argparse.Namespace, tokenizer):
     return torch.cat(pieces)
 
 
-def _tokenizer_key(tokenizer) -> str:
+def tokenizer_key(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha1(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()
@@ -233,7 +233,7 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     from ..threads import check_threads
 
     output = check_output_dir(args.output)
-    directories = [_check_model_dir(d) for d in args.model]
+    directories = [check_model_dir(d) for d in args.model]
     check_sources(args.data)
     from ...core.request import check_request
     from ..evaluation.perplexity import check_multiples
@@ -256,8 +256,8 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    plans = [_plan(str(d), args.encoding, params, max(lengths)) for d in directories]
-    labels = _labels(args, plans, params)
+    plans = [plan_model(str(d), args.encoding, params, max(lengths)) for d in directories]
+    labels = model_labels(args, plans, params)
     return Checked(output, directories, multiples, lengths, params, device, plans, labels)
 
 
@@ -272,7 +272,7 @@ def read_token_streams(args: argparse.Namespace, checked: Checked) -> list[tuple
     model_streams = []
     for directory in checked.directories:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        key = _tokenizer_key(tokenizer)
+        key = tokenizer_key(tokenizer)
         if key not in streams:
             streams[key] = _token_stream(args, tokenizer)
         tokens = streams[key]
