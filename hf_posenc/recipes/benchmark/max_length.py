@@ -13,8 +13,9 @@ A step *fits* when it finishes and its peak memory is within the budget:
 
 * CUDA: in this process, ``torch.cuda.max_memory_allocated`` over the step (an out-of-memory
   error is a miss), the allocator capped at the budget with ``set_per_process_memory_fraction``;
-* CPU: each trial in a fresh subprocess, its peak resident set (``ru_maxrss``) minus the
-  subprocess's resident set before the step (so the Python and torch import cost is not counted).
+* CPU: each trial in a fresh subprocess, its peak resident set over the step (``VmHWM``, reset
+  just before it) minus its resident set before the step (the model, Python and torch are not
+  counted: the step's own activations, gradients and loss).
 
 Reported per row: the maximum length, its ratio to native's, and the memory per token (the
 slope of peak memory between the two longest lengths that fit). Prints a Markdown table and,
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from typing import Any
@@ -66,14 +66,22 @@ def _step(args: argparse.Namespace, model: torch.nn.Module, length: int) -> None
     loss.backward()
 
 
-def _rss_bytes() -> int:
-    """This process's peak resident set so far, in bytes (``ru_maxrss`` is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
 
 
-def _current_rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * resource.getpagesize()
+def _reset_peak() -> None:
+    """Reset this process's peak resident set (``VmHWM``) to its current size (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:  # not allowed here: the lifetime peak stays (an over-estimate, never an under-estimate)
+        pass
 
 
 def trial(args: argparse.Namespace, name: str, length: int) -> int | None:
@@ -194,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         name, length = args.trial[0], int(args.trial[1])
         model = _model(args, name, length)
-        before = _current_rss_bytes()
+        before = _status_bytes("VmRSS")
+        _reset_peak()  # the step's own peak, not the imports' or the model build's
         _step(args, model, length)
-        print(_rss_bytes() - before)
+        print(_status_bytes("VmHWM") - before)
         return 0
     if args.start < 2 or args.limit < args.start or not 0 < args.resolution < 1 or args.memory_gb <= 0:
         parser().error("need --start >= 2, --limit >= --start, 0 < --resolution < 1, --memory-gb > 0")
