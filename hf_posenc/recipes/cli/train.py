@@ -209,6 +209,22 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a collective waits for the other processes before failing",
     )
+    group.add_argument(
+        "--context-parallel",
+        type=int,
+        default=DEFAULTS.context_parallel,
+        metavar="N",
+        help="split each sequence over N GPUs with accelerate's context parallelism (FSDP2, torch ring "
+        "attention); plain causal SDPA encodings only; launch with recipes/accelerate/cp_fsdp2.yaml",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=DEFAULTS.sequence_parallel,
+        metavar="N",
+        help="DeepSpeed Ulysses over N GPUs through accelerate (needs deepspeed); native (unpatched) models "
+        "only; launch with a DeepSpeed accelerate config",
+    )
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:

@@ -61,6 +61,8 @@ class TrainConfig:
     eval_data: list[str] | None = None  # held-out sources; default: the eval_split of data
     eval_split: str = "validation"
     eval_tokens: int = 16384  # held-out tokens each evaluation reads
+    context_parallel: int = 1  # accelerate CP degree (FSDP2, ring attention); see parallelism.py
+    sequence_parallel: int = 1  # DeepSpeed Ulysses degree through accelerate; see parallelism.py
 
     def __post_init__(self) -> None:
         positive = (
@@ -174,6 +176,19 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
             check_sources(config.eval_data)
     if model is None or _patch_info(model) is None:
         check_encoding(config.encoding, config.encoding_params, saved)
+    from .parallelism import check_parallelism
+
+    check_parallelism(
+        config.context_parallel,
+        config.sequence_parallel,
+        seq_len=config.seq_len,
+        encoding=config.encoding or ((saved or {}).get("posenc") or None),
+        params=config.encoding_params,
+        model_config=saved,
+        loss=config.loss,
+        packing=config.packing,
+        position_sampling=config.position_sampling,
+    )
     if config.lora and config.lora_targets and saved is not None:
         from .lora import check_lora_targets_of_config
 

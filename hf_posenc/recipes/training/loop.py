@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +44,7 @@ from .lora import apply_lora, merge_lora
 from .loss import LossFunction, loss_function
 from .outputs import write_final
 from .parallel import check_parallelism
+from .parallelism import context_parallel_shards, engine_refusal, launch_degrees, model_forms
 from .sampling import check_encoding_reads_positions
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -131,7 +133,16 @@ def _accelerator(config: TrainConfig, output_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    from .parallelism import parallelism_config
+
+    # the world size from the launcher's environment: asking accelerate's state would start the
+    # process group before the Accelerator below, without its timeout
+    sequence_engine = parallelism_config(
+        *launch_degrees(config.context_parallel, config.sequence_parallel),
+        int(os.environ.get("WORLD_SIZE", "1")),
+    )
     return Accelerator(
+        parallelism_config=sequence_engine,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
@@ -224,6 +235,12 @@ def _trainable_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
     model = prepare_model(config, model)  # the data is ready (or its error known) before the model loads
     _check_positions(model, max(config.seq_len, config.target_length or 0))
     check_encoding_reads_positions(config.position_sampling, getattr(model, "posenc", None))
+    cp, sp = launch_degrees(config.context_parallel, config.sequence_parallel)
+    if cp > 1 or sp > 1:  # the loaded model's own encodings (a checkpoint's native scaling included)
+        engine = "context_parallel" if cp > 1 else "sequence_parallel"
+        refusal = engine_refusal(engine, model_forms(model))
+        if refusal:
+            raise InvalidParameterError(refusal)
     if config.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if config.lora:
@@ -274,7 +291,7 @@ def _optimizer_step(run: _Run, step: int) -> float:
     step_loss = torch.zeros((), device=accelerator.device)
     for micro in range(config.grad_accum):
         inputs = run.feed.inputs(step * config.grad_accum + micro, accelerator.device)
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model), context_parallel_shards(accelerator, inputs):
             loss = run.loss(model, inputs)
             accelerator.backward(loss)
             if accelerator.sync_gradients and config.max_grad_norm > 0:

@@ -12,9 +12,8 @@ puts the parallel sizes in the environment (``PARALLELISM_CONFIG_CP_SIZE``, ``..
   on a token alone, from its position) and that keep no state
   (asked of the encoding, after it is built). Refused: no CUDA (torch's ring attention runs the
   flash / memory-efficient SDPA kernels), ``--packing`` and ``--position-sampling`` (they need
-  masks), a ``--seq-len`` not divisible by ``2 x cp_size`` (torch's load-balanced split), and —
-  until it has been run on GPUs — the training loop itself does not shard the batch, so CP is
-  refused with a line saying so rather than silently training unsharded.
+  masks) and a ``--seq-len`` not divisible by ``2 x cp_size`` (torch's load-balanced split). The
+  loop shards each batch (``parallelism.context_parallel_shards``); not run on GPUs yet.
 * Sequence parallelism with DeepSpeed Ulysses (``sp_size > 1``) would give each rank a slice of
   the heads: per-head encoding parameters (ALiBi slopes, T5/KERPLE/FIRE heads, FoX gates) need
   the rank's head offset, which hf_posenc does not pass: refused.
@@ -79,10 +78,8 @@ def check_parallelism(
             f"context parallelism (cp_size={cp}) needs CUDA GPUs (torch's ring attention runs the flash / "
             "memory-efficient SDPA kernels); this machine has none; allowed: cp_size 1"
         )
-    raise InvalidParameterError(
-        f"context parallelism (cp_size={cp}) is not wired into hf-posenc train yet (the batch is not sharded "
-        "over the CP ranks; not run on GPUs); allowed: cp_size 1"
-    )
+    # supported: the loop passes accelerate a ParallelismConfig and shards each micro-batch
+    # (hf_posenc.recipes.training.parallelism); the encodings are checked there
 
 
 def check_context_parallel_encoding(posenc: Any, cp_size: int) -> None:
