@@ -173,18 +173,20 @@ def test_packed_run_resumes_bit_exactly(workspace):
 
 
 @pytest.mark.slow  # multi-second (process launches, full runs): CI runs it
-def test_two_processes_pack_like_one(workspace):
+@pytest.mark.parametrize("loss", ["full", "chunked"])
+def test_two_processes_pack_like_one(workspace, loss):
     """`accelerate launch --num_processes 2 ... --packing` with half the per-process batch: the
-    1-process losses (labels counted over both processes' blocks)."""
-    one = train(config(workspace, "packed-one"), progress=False)
+    1-process losses (labels counted over both processes' blocks); with --loss chunked too (the
+    LM head's weight is used after the DDP forward, and its gradient is still reduced)."""
+    one = train(config(workspace, f"packed-one-{loss}", loss=loss), progress=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("ACCELERATE_USE_CPU", None)
-    output = workspace / "packed-two"
+    output = workspace / f"packed-two-{loss}"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     command += [str(RECIPES / "cpu_2proc.yaml"), "--num_processes", "2", "-m", "hf_posenc", "train"]
     command += ["--model", str(workspace / "base"), "--output-dir", str(output)]
     command += ["--data", str(workspace / "data.jsonl"), "--encoding", "alibi", "--seq-len", "32"]
-    command += ["--batch-size", "2", "--max-steps", "4", "--lr", "3e-3", "--packing"]
+    command += ["--batch-size", "2", "--max-steps", "4", "--lr", "3e-3", "--packing", "--loss", loss]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     losses = json.loads((output / "final" / "losses.json").read_text())
