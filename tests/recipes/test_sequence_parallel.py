@@ -262,3 +262,18 @@ def test_a_flag_contradicting_the_launch_config_is_named(workspace, tmp_path, ca
     # the launch config's degree alone is checked as if given as the flag
     assert _run(workspace, tmp_path, "--encoding", "t5") == 2
     assert "'t5'" in _one_error(capsys)
+
+
+def test_the_loaded_model_is_asked_again():
+    """After loading, the patched model's own encodings answer (every part of a hybrid; a native
+    model has none to refuse)."""
+    import hf_posenc
+
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    hf_posenc.patch_model(model, "+".join(["rope"] * (layers - 1) + ["alibi"]))
+    assert "'alibi'" in engine_refusal("context_parallel", parallelism.model_forms(model))
+    dynamic = tiny_model("llama")
+    hf_posenc.patch_model(dynamic, "rope", scaling={"type": "dynamic", "factor": 2.0})
+    assert engine_refusal("context_parallel", parallelism.model_forms(dynamic)) is not None
+    assert parallelism.model_forms(tiny_model("llama")) == {}
