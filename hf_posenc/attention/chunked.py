@@ -65,6 +65,53 @@ class ToeplitzView(torch.autograd.Function):
         return grad_line, None, None, None
 
 
+class BiasedBlockAttention(torch.autograd.Function):
+    """SDPA of one query block with an additive float ``bias`` that needs its gradient.
+
+    SDPA on CPU differentiates a float mask only on its math path, which keeps the block's
+    (B, H, rows, keys) attention weights until backward. Here forward is the fused kernel with
+    the bias as a plain mask (nothing kept but q, k, v, the output and the bias as given: on
+    the Toeplitz path a strided view of one O(T) line), and backward recomputes the block's
+    weights P once and returns the textbook gradients (dS = P * (dO V^T - rowsum(dO * O))):
+    dq = dS K s, dk = dS^T Q s, dv = P^T dO, dbias = dS summed over the batch (the Toeplitz
+    view's own backward then sums it along anti-diagonals). Computed in fp32; never with
+    dropout (SDPA's own path serves those calls).
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.detach(), scale=scale)
+        ctx.save_for_backward(q, k, v, bias, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, bias, out = ctx.saved_tensors
+        scale, dtype = ctx.scale, q.dtype
+        qf, kf, vf, grad = q.float(), k.float(), v.float(), grad_out.float()
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale + bias.float()  # (B, H, rows, keys)
+        weights = torch.softmax(scores, dim=-1)  # P
+        del scores
+        grad_v = torch.matmul(weights.transpose(-1, -2), grad)
+        row = (grad * out.float()).sum(-1, keepdim=True)  # (B, H, rows, 1)
+        grad_scores = weights.mul_(torch.matmul(grad, vf.transpose(-1, -2)).sub_(row))  # dS, over P
+        grad_q = torch.matmul(grad_scores, kf) * scale
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), qf) * scale
+        grad_bias = grad_scores.sum_to_size(bias.shape).to(bias.dtype) if ctx.needs_input_grad[3] else None
+        return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype), grad_bias, None
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """SDPA of one block with a float ``bias`` mask (B|1, H, rows, keys); a bias that needs its
+    gradient goes through :class:`BiasedBlockAttention` (fused forward, no kept weights)."""
+    if bias.requires_grad and dropout_p == 0.0 and torch.is_grad_enabled():
+        return BiasedBlockAttention.apply(q, k, v, bias, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+
+
 def attend_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,16 +146,8 @@ def attend_chunked(
             first = q_len - stop  # the first reversed key a query of this block may attend
             # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
             view = ToeplitzView.apply(line, start + first, stop - start, k_len - first)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start:stop],
-                    k_rev[:, :, first:],
-                    v_rev[:, :, first:],
-                    attn_mask=view,
-                    dropout_p=dropout_p,
-                    scale=softmax_scale,
-                )
-            )
+            q_block, k_block, v_block = q[:, :, start:stop], k_rev[:, :, first:], v_rev[:, :, first:]
+            outputs.append(block_attention(q_block, k_block, v_block, view, softmax_scale, dropout_p))
         return torch.cat(outputs, dim=2).transpose(1, 2)
 
     def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
@@ -120,14 +159,8 @@ def attend_chunked(
         # (B|1, 1, rows, keys): the block's causal keys are k_start .. k_end-1 (bottom-right aligned)
         allowed = causal_mask(rows, k_end, q.device) if mask is None else mask[..., start:stop, k_start:k_end]
         folded = fold_mask(values, allowed)
-        return F.scaled_dot_product_attention(
-            q_block,
-            k[:, :, k_start:k_end],
-            v[:, :, k_start:k_end],
-            attn_mask=folded,
-            dropout_p=dropout_p,
-            scale=softmax_scale,
-        )
+        k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
+        return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
 
     firsts = [0] * len(spans) if mask is None else block_first_keys(mask, spans, memo)
     recompute = torch.is_grad_enabled() and len(spans) > 1

@@ -73,3 +73,29 @@ def test_bench_plots_only_the_modes_that_ran_and_records_provenance(tmp_path):
     record = json.loads(paths["json"].read_text())["provenance"]
     assert record["versions"]["torch"] == torch.__version__ and record["command"] and record["date"]
     assert paths["png"].read_bytes().startswith(b"\x89PNG")
+
+
+def test_train_lengths_measure_forward_and_training_at_their_own_lengths():
+    """--lengths 48 --train-lengths 32: forward rows at 48, forward+backward rows at 32 (the
+    held-out ratio benchmark, forward at 4096 and training at 2048, is one command)."""
+    from hf_posenc.recipes.benchmark import BenchConfig, run_suite
+
+    config = BenchConfig(
+        encodings=["t5"],
+        lengths=[48],
+        train_lengths=[32],
+        modes=["forward", "train"],
+        vocab_size=64,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        repeats=1,
+        warmup=0,
+    )
+    rows = {(m.encoding, m.mode, m.length) for m in run_suite(config, progress=False)}
+    assert rows == {(e, mode, n) for e in ("native", "t5") for mode, n in (("forward", 48), ("train", 32))}
+
+
+def test_bad_train_length_is_one_line(capsys):
+    assert main(["bench", "--train-lengths", "1"]) != 0
+    assert "--train-lengths 1 is not allowed; allowed: integers >= 2" in capsys.readouterr().err

@@ -12,6 +12,8 @@ class BenchConfig:
     encodings: list[str]
     lengths: list[int] = dataclasses.field(default_factory=lambda: [512, 2048, 4096, 8192])
     modes: list[str] = dataclasses.field(default_factory=lambda: ["forward", "train", "decode"])
+    #: lengths of the ``train`` mode (forward+backward); None: ``lengths``
+    train_lengths: list[int] | None = None
     family: str = DEFAULT_FAMILY
     vocab_size: int = 32000  # a real tokenizer's size: the logits are part of the memory baseline
     hidden_size: int = 256

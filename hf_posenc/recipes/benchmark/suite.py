@@ -97,7 +97,9 @@ class _Bench:
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        longest = max([*config.lengths, config.decode_prompt + config.decode_tokens])
+        longest = max(
+            [*config.lengths, *(config.train_lengths or []), config.decode_prompt + config.decode_tokens]
+        )
         self.native = _model(config, longest)
         self.native_memory: dict[tuple[str, int], int] = {}
         self.native_times: dict[tuple[str, int], list[float]] = {}
@@ -170,7 +172,11 @@ class _Bench:
 
 
 def _lengths(config: BenchConfig, mode: str) -> list[int]:
-    return [config.decode_prompt] if mode == "decode" else config.lengths
+    if mode == "decode":
+        return [config.decode_prompt]
+    if mode == "train" and config.train_lengths:
+        return config.train_lengths
+    return config.lengths
 
 
 def run_suite(config: BenchConfig, progress: bool = True) -> list[Measurement]:

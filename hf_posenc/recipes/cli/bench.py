@@ -26,6 +26,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--lengths", nargs="+", type=int, default=defaults.lengths, help="sequence lengths (tokens)"
     )
     parser.add_argument(
+        "--train-lengths",
+        nargs="+",
+        type=int,
+        default=None,
+        help="lengths of the train mode (default: --lengths), e.g. --lengths 4096 --train-lengths 2048",
+    )
+    parser.add_argument(
         "--modes",
         nargs="+",
         default=defaults.modes,
@@ -68,10 +75,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def check_bench_args(args: argparse.Namespace) -> None:
     """One-line errors for values the suite cannot measure, before any model is built."""
-    for flag in ("lengths",):
-        bad = [n for n in getattr(args, flag) if n < 2]
+    for flag in ("lengths", "train_lengths"):
+        bad = [n for n in getattr(args, flag, None) or [] if n < 2]
         if bad:
-            raise InvalidParameterError(f"--{flag} {bad[0]} is not allowed; allowed: integers >= 2")
+            raise InvalidParameterError(
+                f"--{flag.replace('_', '-')} {bad[0]} is not allowed; allowed: integers >= 2"
+            )
     for flag in ("repeats", "decode_prompt", "decode_tokens", "batch_size", "num_layers", "num_heads"):
         value = getattr(args, flag)
         if value < 1:
