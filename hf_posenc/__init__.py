@@ -33,6 +33,7 @@ _EXPORTS = {
     "patched": "core.patch",
     "patch_info": "core.patch",
     "reconfigure": "core.reconfiguration",
+    "export_native": "core.export",
     "from_pretrained": "core.loading",
     "load_model": "core.loading",
     "list_encodings": "core.registry",

@@ -205,6 +205,24 @@ class FamilyAdapter:
         """The model's own learned position table (n_positions, hidden), for families that have one."""
         raise NotImplementedError(f"{self.family} models have no learned position table")
 
+    def export_positions(
+        self, model: nn.Module, layers: list[tuple[str, dict[str, Any]]], tensors: dict[str, torch.Tensor]
+    ) -> str | None:
+        """Make the *unpatched* ``model`` (its config, and its position table where it has one)
+        compute what ``layers`` — one ``(encoding, resolved params)`` per layer, ``tensors`` the
+        encoding's state dict — computed while patched; return None when done, or why this family's native configuration cannot express
+        them (one clause, no trailing period). :func:`hf_posenc.export_native` verifies the result
+        by reloading it with plain transformers and comparing logits.
+
+        Here: RoPE on every layer, written as transformers' ``rope_parameters`` (see
+        :func:`export_rope_parameters`); families with other native positions override it."""
+        names = {name for name, _ in layers}
+        if names != {"rope"}:
+            return f"its native configuration has RoPE on every layer, not {describe_layers(layers)}"
+        return export_rope_parameters(
+            model.config, [params for _, params in layers], self.geometry(model.config)
+        )
+
     def native_position_limit(self, config: Any) -> tuple[int, str] | None:
         """``(tokens, description with a {} for the number)`` when the *unpatched* model cannot
         take longer inputs (a learned table), else None."""
@@ -242,6 +260,79 @@ class RestoreAttribute:
             setattr(self.owner, self.name, self.previous)
         else:
             self.owner.__dict__.pop(self.name, None)
+
+
+def describe_layers(layers: list[tuple[str, dict[str, Any]]]) -> str:
+    """``rope`` or ``rope on layers 0, 1; nope on layers 2`` for a per-layer list."""
+    names = [name for name, _ in layers]
+    if len(set(names)) == 1:
+        return names[0]
+    parts = []
+    for name in dict.fromkeys(names):
+        indices = [str(i) for i, n in enumerate(names) if n == name]
+        parts.append(f"{name} on layer{'s' if len(indices) > 1 else ''} {', '.join(indices)}")
+    return ", ".join(parts)
+
+
+#: hf_posenc scaling types whose frequencies change with the sequence length: hf_posenc makes them
+#: causal (each query its own length), transformers recomputes them from the whole input
+_CAUSAL_ONLY = ("dynamic", "longrope")
+
+
+def export_rope_parameters(config: Any, params: list[dict[str, Any]], geometry: ModelGeometry) -> str | None:
+    """Write the RoPE of ``params`` (one resolved ``rope`` parameter dict per rotating layer, all
+    equal) into ``config.rope_parameters`` (transformers 5's form); None when done, else why not.
+
+    ``theta=None`` / ``scaling="model"`` (the checkpoint's own per-layer settings) keep the config as
+    it is. ``ntk`` (a static base change) becomes ``default`` with the changed ``rope_theta``."""
+    if any(p != params[0] for p in params):
+        return "its layers would need different RoPE settings"
+    if not params:
+        return None
+    theta, scaling = params[0].get("theta"), params[0].get("scaling")
+    partial = params[0].get("partial_rotary_factor")
+    if partial is not None and abs(float(partial) - geometry.partial_rotary_factor) > 1e-12:
+        return (
+            f"partial_rotary_factor={partial} differs from the checkpoint's {geometry.partial_rotary_factor}"
+        )
+    current = dict(getattr(config, "rope_parameters", None) or {})
+    nested = bool(current) and all(isinstance(v, dict) for v in current.values())
+    own_theta = theta is None or float(theta) == float(geometry.rope_theta)
+    own_scaling = scaling == "model" or _same_scaling(scaling, geometry.rope_scaling)
+    if own_theta and own_scaling:
+        return None  # the checkpoint's own settings (per layer where it has them): nothing to change
+    if nested:
+        return (
+            "its RoPE settings are per layer type (nested rope_parameters); only the checkpoint's own export"
+        )
+    if scaling == "model":
+        scaling = geometry.rope_scaling
+    theta = float(geometry.rope_theta if theta is None else theta)
+    out: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if "partial_rotary_factor" in current:
+        out["partial_rotary_factor"] = current["partial_rotary_factor"]
+    if scaling is not None:
+        kind = scaling["type"]
+        if kind in _CAUSAL_ONLY:
+            return (
+                f"hf_posenc's {kind} scaling is causal (each query uses its own length) while transformers "
+                "recomputes it from the whole input, so no native setting gives the same logits"
+            )
+        if kind == "ntk":  # NTK-aware: the base theta * factor^(d/(d-2)) with d the rotary dimension
+            dim = int(geometry.head_dim * geometry.partial_rotary_factor)
+            out["rope_theta"] = theta * float(scaling["factor"]) ** (dim / (dim - 2))
+        else:
+            out["rope_type"] = kind
+            out.update({k: v for k, v in scaling.items() if k != "type" and v is not None})
+    config.rope_parameters = out
+    return None
+
+
+def _same_scaling(resolved: dict[str, Any] | None, native: dict[str, Any] | None) -> bool:
+    """Whether a resolved scaling equals the checkpoint's own (its defaults filled in or not)."""
+    if resolved is None or native is None:
+        return resolved is None and native is None
+    return all(resolved.get(key) == value for key, value in native.items())
 
 
 #: keys of transformers' ``rope_parameters`` that are not part of the scaling itself

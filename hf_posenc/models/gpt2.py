@@ -7,7 +7,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilyAdapter, LayerGeometry, ModelGeometry, Undo, freeze_parameters, replace_forward
+from .base import (
+    FamilyAdapter,
+    LayerGeometry,
+    ModelGeometry,
+    Undo,
+    describe_layers,
+    freeze_parameters,
+    replace_forward,
+)
 from .registry import register_family
 
 #: config values GPT-2's attention and embeddings do not apply: anything else is refused
@@ -94,6 +102,25 @@ class GPT2Adapter(FamilyAdapter):
 
     def native_position_table(self, model: nn.Module) -> torch.Tensor:
         return self.base_model(model).wpe.weight
+
+    def export_positions(
+        self, model: nn.Module, layers: list[tuple[str, dict[str, Any]]], tensors: dict[str, torch.Tensor]
+    ) -> str | None:
+        """GPT-2's native positions are its learned table: ``learned`` (unscaled) becomes ``wpe``
+        with ``n_positions`` = the table's rows."""
+        if {name for name, _ in layers} != {"learned"}:
+            return f"its native positions are a learned table (wpe), not {describe_layers(layers)}"
+        if layers[0][1].get("scaling") is not None:
+            return "a learned table read with linear interpolation (scaling) is not a plain table lookup"
+        table = tensors["table"]  # (max_positions, hidden)
+        base = self.base_model(model)
+        wpe = nn.Embedding(table.shape[0], table.shape[1], dtype=table.dtype, device=base.wpe.weight.device)
+        with torch.no_grad():
+            wpe.weight.copy_(table)
+        base.wpe = wpe
+        config: Any = model.config
+        config.n_positions = int(table.shape[0])
+        return None
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return [block.attn for block in self.base_model(model).h]

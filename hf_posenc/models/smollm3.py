@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import LayerGeometry
+import torch
+from torch import nn
+
+from .base import LayerGeometry, describe_layers, export_rope_parameters
 from .llama import LLAMA_NEUTRAL_CONFIG, LlamaAdapter, native_rope_scaling
 from .registry import register_family
 
@@ -42,6 +45,21 @@ class SmolLM3Adapter(LlamaAdapter):
             softmax_scale=head_dim**-0.5,
             rope_scaling=native_rope_scaling(config),
         )
+
+    def export_positions(
+        self, model: nn.Module, layers: list[tuple[str, dict[str, Any]]], tensors: dict[str, torch.Tensor]
+    ) -> str | None:
+        """RoPE and NoPE per layer: ``no_rope_layers`` (1 = rotate) and the RoPE layers' settings."""
+        names = [name for name, _ in layers]
+        if not set(names) <= {"rope", "nope"}:
+            return f"its native configuration has RoPE or NoPE per layer, not {describe_layers(layers)}"
+        # rope rotates where the native model does (all layers when none does), as the encoding decides
+        config: Any = model.config
+        native = [bool(flag) for flag in config.no_rope_layers]
+        rotates = [name == "rope" and (native[i] or not any(native)) for i, name in enumerate(names)]
+        config.no_rope_layers = [int(flag) for flag in rotates]
+        rope = [params for name, params in layers if name == "rope"]
+        return export_rope_parameters(config, rope, self.geometry(config))
 
     def tiny_config(self, **sizes):
         """Every other layer is NoPE (the checkpoints: every 4th), so two layers hold one of each."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from ..._version import __version__
 from ...errors import PosencError
 from . import bench as bench_command
+from . import export as export_command
 from . import inspect as inspect_commands
 from . import lm_eval as lm_eval_command
 from . import longeval as longeval_command
@@ -31,6 +32,7 @@ COMMAND_MODULES = [
     lm_eval_command,
     perplexity_command,
     longeval_command,
+    export_command,
     bench_command,
 ]
 #: errors that come from the user's input or environment: one line, no traceback
