@@ -51,6 +51,10 @@ class EncodingConfig:
     #: the parameters they share (selfextend and rerope extend ``rope``); "" for none. A checkpoint
     #: saved with that encoding may be loaded as this one (:func:`hf_posenc.load_model`)
     extends: ClassVar[str] = ""
+    #: what a family's native configuration may express this encoding as (``export_native``):
+    #: "rotary" (the native RoPE on the layer), "none" (no positions), "table" (an absolute learned
+    #: table); "" when nothing native computes it
+    native_positions: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         self.validate()

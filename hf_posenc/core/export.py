@@ -32,9 +32,9 @@ from .registry import adapter_for
 #: tokens in the probe input that checks an export (at most the model's max_position_embeddings)
 PROBE_LENGTH = 96
 POSSIBLE = (
-    "possible: rope with no scaling or a static one (linear, ntk, yarn, llama3), rope/nope per layer on a "
-    "family whose config has per-layer NoPE, learned on GPT-2; otherwise keep the checkpoint and load it "
-    "with hf_posenc.from_pretrained"
+    "possible: the family's native RoPE with no scaling or a static one (linear, NTK, YaRN, Llama 3), RoPE/NoPE "
+    "per layer on a family whose config has per-layer NoPE, GPT-2's own kind of position table; otherwise keep "
+    "the checkpoint and load it with hf_posenc.from_pretrained"
 )
 
 
@@ -42,12 +42,17 @@ class ExportError(PosencError, ValueError):
     """The model cannot be exported as a plain transformers checkpoint (or not to that folder)."""
 
 
-def _layers(info: dict[str, Any], num_layers: int) -> list[tuple[str, dict[str, Any]]]:
-    """One (encoding, params) per layer from ``patch_info``."""
-    if info["encoding"] != "hybrid":
-        return [(info["encoding"], dict(info["params"]))] * num_layers
-    parts = info["params"]["parts"]
-    return [(parts[p]["encoding"], dict(parts[p]["params"])) for p in info["params"]["layers"]]
+def _layers(info: dict[str, Any], num_layers: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """One (native kind, encoding, params) per layer from ``patch_info``; the kind is the encoding's
+    ``EncodingConfig.native_positions``."""
+    from .registry import get_encoding
+
+    if "parts" not in info["params"]:
+        entries = [(info["encoding"], dict(info["params"]))] * num_layers
+    else:
+        parts = info["params"]["parts"]
+        entries = [(parts[p]["encoding"], dict(parts[p]["params"])) for p in info["params"]["layers"]]
+    return [(get_encoding(name).config_class.native_positions, name, params) for name, params in entries]
 
 
 def check_target(directory: str | Path) -> Path:

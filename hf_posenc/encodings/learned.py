@@ -35,6 +35,7 @@ from .sinusoidal import sinusoidal_table
 @dataclasses.dataclass
 class LearnedConfig(PositionInterpolation, EncodingConfig):
     encoding = "learned"
+    native_positions = "table"
     max_positions: int | None = None  # default: the model's max_position_embeddings
     init: str | None = None  # default: "native" where the model has a learned table, else "zeros"
     scaling: dict | None = None

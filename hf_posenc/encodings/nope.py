@@ -19,6 +19,7 @@ from .base import Encoding
 @dataclasses.dataclass
 class NoPEConfig(EncodingConfig):
     encoding = "nope"
+    native_positions = "none"
     scaling_refusal = "nope has no positions to interpolate (order comes from the causal mask alone)"
 
 

@@ -57,6 +57,7 @@ from .rope_scaling import (
 @dataclasses.dataclass
 class RoPEConfig(EncodingConfig):
     encoding = "rope"
+    native_positions = "rotary"
     theta: float | None = None  # default: the model's rope_theta (10000 for GPT-2)
     partial_rotary_factor: float | None = None  # default: the model's (1.0 if none)
     #: "model" (default): the checkpoint's own scaling (Llama 3.x's llama3, yarn, linear, ...);

@@ -43,6 +43,7 @@ class WindowSplitConfig(RoPEConfig):
     """RoPE's settings (default: the checkpoint's own) plus the neighbour ``window``."""
 
     extends = "rope"  # a checkpoint trained with rope loads as these, with its RoPE settings
+    native_positions = ""  # no native configuration attends with two position maps
 
     #: keys closer than this many positions keep their RoPE distance; default: a quarter of the
     #: model's trained length (max_position_embeddings); at most the trained length

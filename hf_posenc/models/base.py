@@ -206,22 +206,24 @@ class FamilyAdapter:
         raise NotImplementedError(f"{self.family} models have no learned position table")
 
     def export_positions(
-        self, model: nn.Module, layers: list[tuple[str, dict[str, Any]]], tensors: dict[str, torch.Tensor]
+        self,
+        model: nn.Module,
+        layers: list[tuple[str, str, dict[str, Any]]],
+        tensors: dict[str, torch.Tensor],
     ) -> str | None:
         """Make the *unpatched* ``model`` (its config, and its position table where it has one)
-        compute what ``layers`` — one ``(encoding, resolved params)`` per layer, ``tensors`` the
-        encoding's state dict — computed while patched; return None when done, or why this family's native configuration cannot express
-        them (one clause, no trailing period). :func:`hf_posenc.export_native` verifies the result
-        by reloading it with plain transformers and comparing logits.
+        compute what ``layers`` — one ``(native kind, encoding, resolved params)`` per layer (the kind:
+        ``EncodingConfig.native_positions``), ``tensors`` the
+        encoding's state dict — computed while patched; return None when done, or why this
+        family's native configuration cannot express them (one clause, no trailing period).
+        :func:`hf_posenc.export_native` verifies the result by reloading it with plain transformers and comparing logits.
 
         Here: RoPE on every layer, written as transformers' ``rope_parameters`` (see
         :func:`export_rope_parameters`); families with other native positions override it."""
-        names = {name for name, _ in layers}
-        if names != {"rope"}:
+        if {kind for kind, _, _ in layers} != {"rotary"}:
             return f"its native configuration has RoPE on every layer, not {describe_layers(layers)}"
-        return export_rope_parameters(
-            model.config, [params for _, params in layers], self.geometry(model.config)
-        )
+        config: Any = model.config
+        return export_rope_parameters(config, [params for _, _, params in layers], self.geometry(config))
 
     def native_position_limit(self, config: Any) -> tuple[int, str] | None:
         """``(tokens, description with a {} for the number)`` when the *unpatched* model cannot
@@ -262,9 +264,9 @@ class RestoreAttribute:
             self.owner.__dict__.pop(self.name, None)
 
 
-def describe_layers(layers: list[tuple[str, dict[str, Any]]]) -> str:
-    """``rope`` or ``rope on layers 0, 1; nope on layers 2`` for a per-layer list."""
-    names = [name for name, _ in layers]
+def describe_layers(layers: list[tuple[str, str, dict[str, Any]]]) -> str:
+    """The encoding, or ``A on layers 0, 1, B on layer 2`` for a per-layer list."""
+    names = [name for _, name, _ in layers]
     if len(set(names)) == 1:
         return names[0]
     parts = []

@@ -104,13 +104,16 @@ class GPT2Adapter(FamilyAdapter):
         return self.base_model(model).wpe.weight
 
     def export_positions(
-        self, model: nn.Module, layers: list[tuple[str, dict[str, Any]]], tensors: dict[str, torch.Tensor]
+        self,
+        model: nn.Module,
+        layers: list[tuple[str, str, dict[str, Any]]],
+        tensors: dict[str, torch.Tensor],
     ) -> str | None:
-        """GPT-2's native positions are its learned table: ``learned`` (unscaled) becomes ``wpe``
+        """GPT-2's native positions are its learned table: a table encoding (unscaled) becomes ``wpe``
         with ``n_positions`` = the table's rows."""
-        if {name for name, _ in layers} != {"learned"}:
+        if {kind for kind, _, _ in layers} != {"table"}:
             return f"its native positions are a learned table (wpe), not {describe_layers(layers)}"
-        if layers[0][1].get("scaling") is not None:
+        if layers[0][2].get("scaling") is not None:
             return "a learned table read with linear interpolation (scaling) is not a plain table lookup"
         table = tensors["table"]  # (max_positions, hidden)
         base = self.base_model(model)

@@ -47,18 +47,21 @@ class SmolLM3Adapter(LlamaAdapter):
         )
 
     def export_positions(
-        self, model: nn.Module, layers: list[tuple[str, dict[str, Any]]], tensors: dict[str, torch.Tensor]
+        self,
+        model: nn.Module,
+        layers: list[tuple[str, str, dict[str, Any]]],
+        tensors: dict[str, torch.Tensor],
     ) -> str | None:
         """RoPE and NoPE per layer: ``no_rope_layers`` (1 = rotate) and the RoPE layers' settings."""
-        names = [name for name, _ in layers]
-        if not set(names) <= {"rope", "nope"}:
+        kinds = [kind for kind, _, _ in layers]
+        if not set(kinds) <= {"rotary", "none"}:
             return f"its native configuration has RoPE or NoPE per layer, not {describe_layers(layers)}"
         # rope rotates where the native model does (all layers when none does), as the encoding decides
         config: Any = model.config
         native = [bool(flag) for flag in config.no_rope_layers]
-        rotates = [name == "rope" and (native[i] or not any(native)) for i, name in enumerate(names)]
+        rotates = [kind == "rotary" and (native[i] or not any(native)) for i, kind in enumerate(kinds)]
         config.no_rope_layers = [int(flag) for flag in rotates]
-        rope = [params for name, params in layers if name == "rope"]
+        rope = [params for kind, _, params in layers if kind == "rotary"]
         return export_rope_parameters(config, rope, self.geometry(config))
 
     def tiny_config(self, **sizes):

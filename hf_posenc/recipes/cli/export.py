@@ -49,8 +49,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "export",
         help="write a patched checkpoint as a plain transformers one, where a native equivalent exists",
         description="Write CKPT (saved from a patched model) to OUT as a plain transformers checkpoint with "
-        "the same logits (checked): rope with no or a static scaling, rope/nope per layer on a family with "
-        "per-layer NoPE, learned on GPT-2. Anything else is refused in one line, and OUT must be new or empty.",
+        "the same logits (checked): the family's RoPE with no or a static scaling, RoPE/NoPE per layer on a "
+        "family with per-layer NoPE, GPT-2's position table (README: Export). Anything else is refused in one line, and OUT must be new or empty.",
     )
     parser.add_argument("checkpoint", metavar="CKPT", help="folder saved from a patched model")
     parser.add_argument("out", metavar="OUT", help="new or empty folder to write")
