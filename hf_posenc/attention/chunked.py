@@ -162,7 +162,11 @@ def attend_chunked(
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
 
-    firsts = [0] * len(spans) if mask is None else block_first_keys(mask, spans, memo)
+    # skipping keys needs the mask's values on the host: not under torch.compile (a data-dependent
+    # slice breaks fullgraph), where every block starts at key 0 and the mask does the same work
+    firsts = [0] * len(spans)
+    if mask is not None and not torch.compiler.is_compiling():
+        firsts = block_first_keys(mask, spans, memo)
     recompute = torch.is_grad_enabled() and len(spans) > 1
     outputs = []
     for (start, stop), k_start in zip(spans, firsts, strict=True):
@@ -187,7 +191,7 @@ def block_first_keys(mask: torch.Tensor, spans: list[tuple[int, int]], memo: For
         first = torch.where(allowed, mask.int().argmax(dim=-1), 0).amin(dim=(0, 1))  # (Tq,)
         return [int(first[start:stop].min()) for start, stop in spans]
 
-    if memo is None or torch.compiler.is_compiling():  # id() cannot be traced; no memo there
+    if memo is None:
         return compute()
     return memo.get(("block_first_keys", id(mask), tuple(spans)), compute)
 

@@ -33,6 +33,13 @@ from transformers import DynamicCache
 import hf_posenc
 
 ATOL = 1e-5
+#: FoX (Pro)'s gates, shifts and norms run in float32 inside the model (the model's dtype does
+#: not change that): a batch of two rows takes other fp32 kernel paths than one row, and the
+#: padded row's cumulative log-forget sums carry the padding's terms (c[i] - c[j] cancels them).
+#: Measured on the llama/mistral/smollm3 test models: up to 1.9e-5 (logits up to 3.7); the same
+#: sequence twice in one batch already differs from it alone by 2.3e-6. A padding leak would be
+#: of the order of the logits.
+PADDED_BATCH_ATOL = {"fox_pro": 5e-5}
 #: the two full-attention backends compared by test_eager_backend_equals_sdpa_backend (the block
 #: backends chunked, flex and auto are compared with eager in test_backends.py)
 FULL_BACKENDS = ("sdpa", "eager")
@@ -126,10 +133,11 @@ def test_left_padded_batch_equals_each_sequence_alone(family, case):
     pad = torch.zeros(1, 4, dtype=torch.long)
     batch = torch.cat([long, torch.cat([pad, short], dim=1)])
     mask = torch.cat([torch.ones(1, 10), torch.cat([torch.zeros(1, 4), torch.ones(1, 6)], dim=1)]).long()
+    atol = PADDED_BATCH_ATOL.get(name, ATOL)
     with torch.no_grad():
         together = model(batch, attention_mask=mask).logits
-        torch.testing.assert_close(together[0], model(long).logits[0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(together[1, 4:], model(short).logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(together[0], model(long).logits[0], atol=atol, rtol=0)
+        torch.testing.assert_close(together[1, 4:], model(short).logits[0], atol=atol, rtol=0)
     # min_new_tokens: a random model may emit EOS at once; then the batch row goes on with padding
     # while the row alone stops, and the two could not be compared token by token
     generated = model.generate(

@@ -15,6 +15,18 @@ from hf_posenc.recipes.tiny import tiny_model
 VOCAB = 64
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Trainer and SFTTrainer initialise accelerate's process-wide state (SFTConfig defaults to
+    bf16 mixed precision); reset it afterwards so later in-process runs (hf-posenc train, which
+    asks for its own precision) start from a clean state, as separate programs would."""
+    yield
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
 def _patched() -> torch.nn.Module:
     model = tiny_model("llama", vocab_size=VOCAB, max_positions=64, seed=0)
     hf_posenc.patch_model(model, "t5", num_buckets=8, max_distance=32)  # learned tensors: posenc.*
