@@ -38,8 +38,8 @@ NATIVE = "native"
 
 
 def _model(args: argparse.Namespace, name: str, length: int) -> Any:
-    import hf_posenc
-    from hf_posenc.recipes.tiny import tiny_model
+    from ...core.patch import patch_model
+    from ..tiny import tiny_model
 
     model: Any = tiny_model(
         args.family,
@@ -51,7 +51,7 @@ def _model(args: argparse.Namespace, name: str, length: int) -> Any:
         max_positions=max(length, 2),
     )
     if name != NATIVE:
-        hf_posenc.patch_model(model, name, backend=args.backend)
+        patch_model(model, name, backend=args.backend)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
@@ -59,7 +59,7 @@ def _model(args: argparse.Namespace, name: str, length: int) -> Any:
 
 
 def _step(args: argparse.Namespace, model: torch.nn.Module, length: int) -> None:
-    from hf_posenc.recipes.training.loss import loss_function
+    from ..training.loss import loss_function
 
     ids = torch.randint(3, args.vocab_size, (1, length), device=args.device)
     loss = loss_function(args.loss, model)(model, {"input_ids": ids, "labels": ids, "use_cache": False})
@@ -209,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.start < 2 or args.limit < args.start or not 0 < args.resolution < 1 or args.memory_gb <= 0:
         parser().error("need --start >= 2, --limit >= --start, 0 < --resolution < 1, --memory-gb > 0")
-    import hf_posenc
+    from ...core.registry import list_encodings
 
-    names = args.encodings or [info.name for info in hf_posenc.list_encodings()]
-    known = {info.name for info in hf_posenc.list_encodings()}
+    names = args.encodings or [info.name for info in list_encodings()]
+    known = {info.name for info in list_encodings()}
     unknown = [n for n in names if n not in known]
     if unknown:
         parser().error(f"unknown encoding {unknown[0]!r}; allowed: {', '.join(sorted(known))}")

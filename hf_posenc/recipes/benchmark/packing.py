@@ -57,7 +57,7 @@ def _real_tokens(inputs: dict[str, torch.Tensor]) -> int:
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    import hf_posenc
+    from ...core.loading import load_model
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     cache = Path(args.cache_dir)
@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     model: Any
     if args.encoding:
-        model = hf_posenc.load_model(args.model, args.encoding, {"backend": args.backend})
+        model = load_model(args.model, args.encoding, {"backend": args.backend})
     else:
         from transformers import AutoModelForCausalLM
 

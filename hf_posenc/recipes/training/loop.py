@@ -43,7 +43,6 @@ from .interrupt import StopRequest
 from .lora import apply_lora, merge_lora
 from .loss import LossFunction, loss_function
 from .outputs import write_final
-from .parallel import check_parallelism
 from .parallelism import context_parallel_shards, engine_refusal, launch_degrees, model_forms
 from .sampling import check_encoding_reads_positions
 
@@ -393,7 +392,6 @@ def train(
     """
     output_dir = Path(config.output_dir)
     preflight(config, model=model, tokenizer=tokenizer)
-    check_parallelism(config)  # accelerate's ParallelismConfig (cp/sp sizes): before anything loads
     accelerator = _open_accelerator(config, output_dir, resume=resume, overwrite=overwrite)
     try:
         return _train_held(config, accelerator, output_dir, model, tokenizer, resume, callbacks, progress)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidParameterError
-from .config import TrainConfig
+
+if TYPE_CHECKING:  # config.py asks this module for its check: a type only, no import circle
+    from .config import TrainConfig
 
 #: sources whose readers know splits (a local file is one text: it has no validation split)
 SPLIT_SOURCES = ("builtin:", "hf:")
