@@ -44,6 +44,16 @@ def test_cli_check_passes_and_reports_each_encoding(capsys):
     assert "gpt2     alibi" in out and "gpt2     rope" in out and "all checks passed" in out
 
 
+def test_cli_check_reports_a_family_an_encoding_refuses_and_still_passes(capsys):
+    """SelfExtend extends a checkpoint's own RoPE: GPT-2 (a learned table) is refused by design,
+    shown as such in its row, not counted as a failure; the RoPE family is checked as usual."""
+    assert main(["check", "--families", "gpt2", "llama", "--encodings", "selfextend"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "gpt2     selfextend  refused" in out and "llama    selfextend" in out and "all checks passed" in out
+    )
+
+
 def test_cli_check_rejects_an_unknown_encoding(capsys):
     """A bad name ends the command with exit code 2 and the did-you-mean message, no traceback."""
     assert main(["check", "--encodings", "alibbi"]) == 2

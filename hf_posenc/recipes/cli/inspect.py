@@ -51,13 +51,21 @@ def _check_one(family: str, name: str, seed: int) -> dict:
     from ...compat import cache_keyword, output_cache
     from ...core.loading import from_pretrained
     from ...core.patch import patch_model, unpatch_model
+    from ...errors import PosencError
     from ..tiny import tiny_model
 
     model = tiny_model(family, seed=seed)
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         native = model(ids).logits
-        patch_model(model, name)
+        try:
+            patch_model(model, name)
+        except (
+            PosencError
+        ) as refusal:  # the encoding refuses this family by design (e.g. SelfExtend off RoPE)
+            if not torch.equal(model(ids).logits, native):
+                raise AssertionError(f"{name} on {family}: a refused patch changed the model") from refusal
+            return {"refused": str(refusal)}
         full = model(ids).logits
         out = model(ids[:, :12], **{cache_keyword(model): DynamicCache(config=model.config)}, use_cache=True)
         worst = (out.logits - full[:, :12]).abs().max().item()
@@ -80,6 +88,9 @@ def _check_all(families: list[str], names: list[str], seed: int) -> int:
         for name in names:
             start = time.perf_counter()
             result = _check_one(family, name, seed)
+            if "refused" in result:  # one line naming why; not a failure, and the model was left alone
+                print(f"{family:<8} {name:<11} {'refused (the encoding does not serve this family)':>38}")
+                continue
             ok = (
                 result["cache_max_abs_diff"] < 1e-4 and result["reload_identical"] and result["unpatch_exact"]
             )
