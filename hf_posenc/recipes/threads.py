@@ -4,15 +4,18 @@ torch's default is one thread per physical core. For a tiny model every matrix p
 small that the threads spend their time waiting for each other at OpenMP barriers, and when other
 jobs compete for the cores a waiting thread is descheduled and everybody waits for it: the
 default study's model (about 1 M parameters) trained at 14.5 s/step with the default threads on a
-busy 2-core machine and at 1.6-2.1 s/step with one thread (issue 24). The rule below follows that
-measurement; ``recipes/study/threads_benchmark.py`` measures 1 vs N threads on a given machine.
+busy 2-core machine and at 1.6-2.1 s/step with one thread (issue 24); the paired
+``recipes/study/threads_benchmark.py`` measured one thread 5.5x faster per training step under
+load (load average 6-9 on 2 cores). On the idle 2-core machine the same benchmark measured the
+opposite: two threads 1.78x faster (0.117 vs 0.208 s per training step, 0.064 vs 0.113 s per
+evaluation forward; load average 0.6). So the rule is about load, not model size.
 
 Who decides, first match wins:
 
 1. ``--threads N`` (the recipe's flag);
 2. ``OMP_NUM_THREADS`` in the environment (torch already honours it; recorded as the reason);
-3. one thread for a model below :data:`SMALL_MODEL_PARAMETERS` parameters, or when the machine is
-   busy (the 1-minute load average is at least the number of cores);
+3. one thread when the machine is busy (the 1-minute load average, read at start, is at least
+   the number of cores);
 4. otherwise torch's default (one per physical core).
 
 The choice is recorded in every results file's provenance (:func:`current_choice`).
@@ -25,9 +28,6 @@ import os
 from typing import Any
 
 from ..errors import InvalidParameterError
-
-#: below this many parameters one thread is used (the default study's model has about 1 M)
-SMALL_MODEL_PARAMETERS = 20_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +92,6 @@ def choose_threads(
         import torch
 
         default_threads = torch.get_num_threads()
-    if parameters is not None and parameters < SMALL_MODEL_PARAMETERS:
-        return ThreadChoice(
-            1, f"small model ({parameters / 1e6:.1f} M parameters < {SMALL_MODEL_PARAMETERS / 1e6:.0f} M)"
-        )
     load = _first_load_average() if load_average is None else load_average
     if load is not None and cores > 1 and load >= cores:
         return ThreadChoice(1, f"busy machine (load average {load:.1f} >= {cores} cores)")

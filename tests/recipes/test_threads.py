@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hf_posenc.errors import PosencError
 from hf_posenc.recipes.cli import main
-from hf_posenc.recipes.threads import SMALL_MODEL_PARAMETERS, choose_threads
+from hf_posenc.recipes.threads import choose_threads
 
 IDLE = {"environ": {}, "cores": 8, "default_threads": 8, "load_average": 0.5}
 
@@ -26,20 +26,16 @@ def test_omp_num_threads_wins_over_the_rule(omp, parameters):
     assert choice.threads == omp and "OMP_NUM_THREADS" in choice.reason
 
 
-@given(parameters=st.integers(0, SMALL_MODEL_PARAMETERS - 1), load=st.floats(0, 100))
-def test_a_small_model_gets_one_thread_whatever_the_load(parameters, load):
-    choice = choose_threads(None, parameters, **{**IDLE, "load_average": load})
-    assert choice.threads == 1 and "small model" in choice.reason
-
-
-@given(parameters=st.integers(SMALL_MODEL_PARAMETERS, 10**10), load=st.floats(8, 100))
-def test_a_large_model_on_a_busy_machine_gets_one_thread(parameters, load):
+@given(parameters=st.one_of(st.none(), st.integers(0, 10**10)), load=st.floats(8, 100))
+def test_any_model_on_a_busy_machine_gets_one_thread(parameters, load):
+    """Measured: under load one thread trained the study's model 5.5x faster than two."""
     choice = choose_threads(None, parameters, **{**IDLE, "load_average": load})
     assert choice.threads == 1 and "busy" in choice.reason
 
 
-@given(parameters=st.integers(SMALL_MODEL_PARAMETERS, 10**10), load=st.floats(0, 7.99))
-def test_a_large_model_on_a_quiet_machine_gets_torchs_default(parameters, load):
+@given(parameters=st.one_of(st.none(), st.integers(0, 10**10)), load=st.floats(0, 7.99))
+def test_any_model_on_a_quiet_machine_gets_torchs_default(parameters, load):
+    """Measured: idle, two threads trained the study's (1.2 M parameter) model 1.78x faster than one."""
     choice = choose_threads(None, parameters, **{**IDLE, "load_average": load})
     assert choice.threads == 8 and "default" in choice.reason
 
@@ -60,7 +56,7 @@ def test_a_bad_threads_flag_is_one_line_before_anything_loads(command, capsys, t
 
 @pytest.mark.slow  # a 1-step training run, several seconds
 def test_a_training_run_uses_and_records_the_chosen_threads(tmp_path, monkeypatch):
-    """Without --threads or OMP_NUM_THREADS, a tiny model trains on one thread and its
+    """Without --threads or OMP_NUM_THREADS, on a busy machine a run trains on one thread and its
     training_run.json says so and why."""
     import json
 
@@ -75,6 +71,7 @@ def test_a_training_run_uses_and_records_the_chosen_threads(tmp_path, monkeypatc
     tokenizer = train_bpe_tokenizer(documents, vocab_size=300)
     (tmp_path / "data.txt").write_text("\n\n".join(documents))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("hf_posenc.recipes.threads._first_load_average", lambda: 1000.0)  # busy
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -92,4 +89,4 @@ def test_a_training_run_uses_and_records_the_chosen_threads(tmp_path, monkeypatc
     finally:
         torch.set_num_threads(before)
     record = json.loads((result.final_dir / "training_run.json").read_text())["provenance"]["threads"]
-    assert record["threads"] == 1 and "small model" in record["reason"]
+    assert record["threads"] == 1 and "busy" in record["reason"]
