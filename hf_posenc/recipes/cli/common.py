@@ -110,6 +110,6 @@ def add_threads_argument(parser: argparse._ActionsContainer) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="torch threads; default: OMP_NUM_THREADS if set, else 1 for a small model (< 20 M parameters) "
-        "or a busy machine, else torch's default (one per core); the choice is printed and recorded",
+        help="torch threads; default: OMP_NUM_THREADS if set, else 1 on a busy machine (load average >= "
+        "cores), else torch's default (one per core); the choice is printed and recorded",
     )
