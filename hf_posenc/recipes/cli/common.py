@@ -113,3 +113,24 @@ def add_threads_argument(parser: argparse._ActionsContainer) -> None:
         help="torch threads; default: OMP_NUM_THREADS if set, else 1 on a busy machine (load average >= "
         "cores), else torch's default (one per core); the choice is printed and recorded",
     )
+
+
+def add_model_overrides(parser: argparse.ArgumentParser) -> None:
+    """``--labels``, ``--encoding`` and ``--encoding-param`` as every evaluation recipe takes them
+    (perplexity, longeval): one definition, so the recipes cannot drift apart."""
+    parser.add_argument(
+        "--labels", nargs="+", default=None, metavar="LABEL", help="one per model (default: dir + encoding)"
+    )
+    parser.add_argument(
+        "--encoding", default=None, metavar="NAME", help="patch plain checkpoints with this encoding"
+    )
+    parser.add_argument(
+        "--encoding-param",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="K=V",
+        help='encoding parameter, VALUE in JSON (e.g. scaling=\'{"type":"linear","factor":2}\'): with '
+        "--encoding, patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time "
+        "parameters for this evaluation (position interpolation)",
+    )

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..evaluation.errors import EvaluationError
-from .common import add_threads_argument, parse_encoding_params
+from .common import add_model_overrides, add_threads_argument, parse_encoding_params
 from .perplexity import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe")
@@ -270,22 +270,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="model directories (with tokenizer)",
     )
-    parser.add_argument(
-        "--labels", nargs="+", default=None, metavar="LABEL", help="one per model (default: dir + encoding)"
-    )
-    parser.add_argument(
-        "--encoding", default=None, metavar="NAME", help="patch plain checkpoints with this encoding"
-    )
-    parser.add_argument(
-        "--encoding-param",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="K=V",
-        help='encoding parameter, VALUE in JSON (e.g. scaling=\'{"type":"linear","factor":2}\'): with --encoding, '
-        "patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time parameters for this "
-        "evaluation (position interpolation)",
-    )
+    add_model_overrides(parser)
     parser.add_argument(
         "--tasks", nargs="+", default=list(DEFAULT_TASKS), metavar="TASK", help=f"any of: {', '.join(TASKS)}"
     )

@@ -36,7 +36,7 @@ from typing import Any
 from ...errors import PositionRangeError
 from ..evaluation.errors import EvaluationError
 from ..evaluation.labels import encoding_label
-from .common import add_threads_argument, parse_encoding_params
+from .common import add_model_overrides, add_threads_argument, parse_encoding_params
 
 DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -406,22 +406,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model", nargs="+", required=True, metavar="DIR", help="model directories (with tokenizer)"
     )
-    parser.add_argument(
-        "--labels", nargs="+", default=None, metavar="LABEL", help="one per model (default: dir + encoding)"
-    )
-    parser.add_argument(
-        "--encoding", default=None, metavar="NAME", help="patch plain checkpoints with this encoding"
-    )
-    parser.add_argument(
-        "--encoding-param",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="K=V",
-        help='encoding parameter, VALUE in JSON (e.g. scaling=\'{"type":"linear","factor":2}\'): with '
-        "--encoding, patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time "
-        "parameters for this evaluation (position interpolation)",
-    )
+    add_model_overrides(parser)
     parser.add_argument(
         "--data", nargs="+", required=True, metavar="SRC", help="file, dir, glob, builtin:stdlib, hf:NAME"
     )
