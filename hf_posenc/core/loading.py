@@ -19,13 +19,8 @@ from ..compat import ignore_unexpected_keys, resolve_checkpoint_file
 from ..errors import CheckpointError, InvalidParameterError
 from .patch import CONFIG_KEY, MODULE_NAME, apply_patch, patch_model
 from .reconfiguration import reconfigure
-from .request import (
-    check_format_version,
-    check_overrides,
-    check_saved_entry,
-    matches_saved,
-    saved_description,
-)
+from .request import check_overrides
+from .saved_form import check_format_version, check_saved_entry, matches_saved, saved_description
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -39,16 +39,16 @@ from .config import EncodingConfig
 from .hybrid import HybridEncoding
 from .plan import BuiltPatch, build_patch
 from .registry import adapter_for
-from .request import (  # noqa: F401  (MAPPING_KEYS, check_format_version: re-exported)
+from .request import EncodingRequest
+from .runtime import PatchRuntime
+from .saved_form import (  # noqa: F401  (MAPPING_KEYS, check_format_version: re-exported)
     HYBRID,
     MAPPING_KEYS,
-    EncodingRequest,
     check_format_version,
     describe_patch,
     saved_description,
     saved_entry,
 )
-from .runtime import PatchRuntime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -26,33 +26,48 @@ Equal entries (same encoding, same parameters) form one part that owns all their
 its tensors across them. Encodings that cannot run in some layers only
 (:meth:`~hf_posenc.encodings.base.Encoding.mixing_refusal`) are refused when a plan mixes encodings.
 
-The recipes' text helpers (``--encoding rope*3+nope``: :func:`canonical_request`,
-:func:`check_request`, :func:`matches_saved`) and the checks of a saved entry and of its overrides
-(:func:`check_format_version`, :func:`check_overrides`) live here too.
+The request language is this module and two beside it: :mod:`hf_posenc.core.pattern` (the text
+form: parsing and writing ``"rope*3+nope"``, :func:`canonical_request`) and
+:mod:`hf_posenc.core.saved_form` (the ``config.posenc`` entry: writing it, checking its keys and
+format version, describing it, :func:`matches_saved`). Their names are importable from here too,
+as before. The recipes' checks without a model (:func:`check_request`, :func:`check_overrides`)
+need a plan and live here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from .._version import __version__
 from ..encodings.base import Encoding
 from ..errors import InvalidParameterError
-from .config import FORMAT_VERSION, HYBRID_FORMAT_VERSION, EncodingConfig, PositionLimit
-from .registry import canonical_name, get_encoding
+from .config import EncodingConfig, PositionLimit
+from .pattern import (  # noqa: F401  (the text form: importable from here as before)
+    canonical_request,
+    expand_runs,
+    is_pattern_text,
+    parse_pattern_runs,
+    parse_pattern_text,
+    pattern_text,
+)
+from .registry import get_encoding
+from .saved_form import (  # noqa: F401  (the saved form: importable from here as before)
+    HYBRID,
+    HYBRID_KEYS,
+    MAPPING_KEYS,
+    PART_KEYS,
+    check_format_version,
+    check_mapping,
+    check_saved_entry,
+    describe_patch,
+    matches_saved,
+    saved_description,
+    saved_entry,
+)
 
-#: ``config.posenc["encoding"]`` of a hybrid patch
-HYBRID = "hybrid"
 #: the key of the explicit form naming the encoding of every layer not listed
 DEFAULT_KEY = "default"
-#: keys of a hybrid's ``params`` in the saved form
-HYBRID_KEYS = ("parts", "layers")
-#: keys of one hybrid entry in the mapping form
-PART_KEYS = ("encoding", "params")
-#: keys of the mapping form (what ``config.posenc`` holds)
-MAPPING_KEYS = ("encoding", "params", "format_version", "hf_posenc_version")
 
 #: what ``patch_model`` accepts as ``encoding``: one encoding, or a per-layer hybrid
 EncodingRequest = str | EncodingConfig | Mapping[Any, Any] | list[Any] | tuple[Any, ...]
@@ -99,39 +114,6 @@ def plan_saved(saved: Mapping[str, Any], overrides: Mapping[str, Any] | None, nu
 
 
 # -- one encoding ------------------------------------------------------------------------------------
-def check_mapping(encoding: Mapping[str, Any]) -> None:
-    """Refuse a malformed mapping form (unknown keys, no name, params not a mapping, bad format)."""
-    unknown = sorted(set(encoding) - set(MAPPING_KEYS), key=repr)
-    if unknown:
-        raise InvalidParameterError(
-            f"the encoding mapping has unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"allowed keys: {', '.join(map(repr, MAPPING_KEYS))}"
-        )
-    name = encoding.get("encoding")
-    if not isinstance(name, str):
-        raise InvalidParameterError(
-            f"the encoding mapping needs 'encoding': an encoding name (str), got {name!r}"
-        )
-    params = encoding.get("params", {})
-    if params is None or not isinstance(params, Mapping):
-        raise InvalidParameterError(
-            f"the encoding mapping's 'params' must be a mapping of parameter names to values, got {params!r}"
-        )
-    if "format_version" in encoding:
-        check_format_version(encoding["format_version"])
-
-
-def check_format_version(version: Any) -> None:
-    """Raise for a ``config.posenc`` written in a format this version cannot read."""
-    newest = max(FORMAT_VERSION, HYBRID_FORMAT_VERSION)
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= newest:
-        raise InvalidParameterError(
-            f"config.posenc format_version={version!r} is not supported; allowed: "
-            f"{', '.join(str(v) for v in range(1, newest + 1))} (written by hf_posenc <= {__version__}; "
-            "a newer hf_posenc may be needed)"
-        )
-
-
 def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Encoding], EncodingConfig]:
     if isinstance(encoding, EncodingConfig):
         if params:
@@ -154,11 +136,6 @@ def _encoding_config(encoding: Any, params: Mapping[str, Any]) -> tuple[type[Enc
 
 
 # -- per-layer hybrids -------------------------------------------------------------------------------
-def is_pattern_text(value: Any) -> bool:
-    """Whether ``value`` is the text form of a pattern (``"rope*3+nope"``)."""
-    return isinstance(value, str) and ("+" in value or "*" in value)
-
-
 def _is_pair(value: Any) -> bool:
     return (
         isinstance(value, tuple)
@@ -183,55 +160,6 @@ def is_hybrid_request(encoding: Any) -> bool:
             and any(key == DEFAULT_KEY or not isinstance(key, str) for key in encoding)
         )
     return False
-
-
-def parse_pattern_runs(text: str) -> list[tuple[str, int]]:
-    """``"rope*3+nope"`` -> ``[("rope", 3), ("nope", 1)]``: the counts are read, never expanded, so a
-    count of 10**10 costs nothing (a plan refuses a pattern longer than the model's depth)."""
-    runs: list[tuple[str, int]] = []
-    for item in str(text).split("+"):
-        name, star, count = item.strip().partition("*")
-        name = name.strip()
-        repeat = 1
-        if star:
-            try:
-                repeat = int(count.strip())
-            except ValueError:
-                repeat = 0
-        if not name or repeat < 1:
-            raise InvalidParameterError(
-                f"encoding pattern {text!r}: entry {item.strip()!r} is not allowed; allowed: NAME or NAME*N "
-                "(N >= 1) joined by '+', e.g. 'rope*3+nope'"
-            )
-        runs.append((name, repeat))
-    return runs
-
-
-def expand_runs(runs: Sequence[tuple[Any, int]], limit: int) -> list[Any]:
-    """The first ``limit`` entries of a run-length pattern (fewer when it is shorter)."""
-    entries: list[Any] = []
-    for entry, count in runs:
-        if len(entries) >= limit:
-            break
-        entries.extend([entry] * min(count, limit - len(entries)))
-    return entries
-
-
-def parse_pattern_text(text: str, limit: int | None = None) -> list[str]:
-    """``"rope*3+nope"`` -> ``["rope", "rope", "rope", "nope"]`` (at most ``limit`` entries when given)."""
-    runs = parse_pattern_runs(text)
-    return expand_runs(runs, sum(count for _, count in runs) if limit is None else limit)
-
-
-def pattern_text(names: Sequence[str]) -> str:
-    """Per-layer names -> the shortest run-length text (``rope*3+nope+rope*3+nope``)."""
-    runs: list[list[Any]] = []
-    for name in names:
-        if runs and runs[-1][0] == name:
-            runs[-1][1] += 1
-        else:
-            runs.append([name, 1])
-    return "+".join(name if count == 1 else f"{name}*{count}" for name, count in runs)
 
 
 def entry_config(entry: Any) -> tuple[type[Encoding], EncodingConfig]:
@@ -413,57 +341,7 @@ def check_mixable(cls: type[Encoding]) -> None:
         raise InvalidParameterError(f"encoding {cls.name!r} is not allowed in a per-layer pattern: {reason}")
 
 
-# -- the saved form (``config.posenc``) ---------------------------------------------------------------
-def saved_entry(
-    names: Sequence[str], configs: Sequence[EncodingConfig], layers: Sequence[int]
-) -> dict[str, Any]:
-    """The ``config.posenc`` entry of a patch whose parts are the encodings ``names`` with resolved
-    ``configs``, ``layers`` giving the part of every layer: one part is written as earlier versions
-    wrote a plain patch (format 1, tensors under ``posenc.``), several as a hybrid (format 2, tensors
-    under ``posenc.parts.<i>.``). :func:`plan_request` reads either back into the same parts."""
-    if len(names) == 1:
-        return {
-            "encoding": names[0],
-            "params": configs[0].to_dict(),
-            "format_version": FORMAT_VERSION,
-            "hf_posenc_version": __version__,
-        }
-    return {
-        "encoding": HYBRID,
-        "params": {
-            "parts": [
-                {"encoding": name, "params": config.to_dict()}
-                for name, config in zip(names, configs, strict=True)
-            ],
-            "layers": list(layers),
-        },
-        "format_version": HYBRID_FORMAT_VERSION,
-        "hf_posenc_version": __version__,
-    }
-
-
-def describe_patch(names: Sequence[str], layers: Sequence[int]) -> str:
-    """What runs, as messages name it: the encoding, or ``hybrid`` and the per-layer text form."""
-    if len(names) == 1:
-        return names[0]
-    return f"{HYBRID} {pattern_text([names[owner] for owner in layers])}"
-
-
-# -- the text form in the recipes (``--encoding rope*3+nope``, lm-eval ``encoding=rope*3+nope``) --------
-def canonical_request(text: str) -> str:
-    """An encoding name or pattern text with aliases resolved: ``"RoPE*3+NoPE"`` -> ``"rope*3+nope"``."""
-    if not is_pattern_text(text):
-        return canonical_name(text)
-    runs: list[list[Any]] = []
-    for name, count in parse_pattern_runs(text):
-        name = canonical_name(name)
-        if runs and runs[-1][0] == name:
-            runs[-1][1] += count
-        else:
-            runs.append([name, count])
-    return "+".join(name if count == 1 else f"{name}*{count}" for name, count in runs)
-
-
+# -- the recipes' checks without a model (``--encoding rope*3+nope``, ``encoding_overrides``) ---------
 def check_request(text: str, params: Mapping[str, Any] | None = None) -> None:
     """Validate a recipe's ``--encoding`` (name or pattern text) and its parameters without a model
     (a pattern's length is checked against the model's depth when it is patched)."""
@@ -472,44 +350,6 @@ def check_request(text: str, params: Mapping[str, Any] | None = None) -> None:
         return
     names = [name for name, _ in parse_pattern_runs(text)]  # one entry per run: the same checks
     plan_hybrid(names, len(names), params)
-
-
-def check_saved_entry(saved: Any, where: str = "") -> Mapping[str, Any]:
-    """Refuse a ``config.posenc`` that is not a mapping (e.g. hand-edited into a string) or names a
-    format this version cannot read, with one line; return it."""
-    prefix = f"{where}: " if where else ""
-    if not isinstance(saved, Mapping):
-        raise InvalidParameterError(
-            f"{prefix}config.posenc={saved!r} is not allowed; allowed: the mapping hf_posenc writes "
-            "({'encoding': NAME, 'params': {...}, 'format_version': N, ...})"
-        )
-    if "format_version" in saved:
-        check_format_version(saved["format_version"])
-    return saved
-
-
-def saved_description(saved: Mapping[str, Any]) -> str:
-    """A saved ``config.posenc``'s encoding as a recipe names it: the name, or the per-layer text."""
-    check_saved_entry(saved)
-    if saved.get("encoding") != HYBRID:
-        return str(saved.get("encoding"))
-    params = saved.get("params") or {}
-    parts = [part.get("encoding") for part in params.get("parts") or []]
-    return pattern_text([str(parts[i]) for i in params.get("layers") or []])
-
-
-def matches_saved(text: str, saved: Mapping[str, Any]) -> bool:
-    """Whether a recipe's ``--encoding`` names the encoding a checkpoint was saved with (a pattern
-    matches a hybrid whose layers repeat it)."""
-    check_saved_entry(saved)
-    requested = canonical_request(text)
-    if saved.get("encoding") != HYBRID:
-        return requested == saved.get("encoding")
-    layers = parse_pattern_text(saved_description(saved))
-    runs = parse_pattern_runs(requested)
-    length = sum(count for _, count in runs)
-    names = expand_runs(runs, min(length, len(layers)))
-    return [names[i % len(names)] for i in range(len(layers))] == layers
 
 
 def check_overrides(

@@ -229,7 +229,7 @@ ENCODING_NAME_EXCEPTIONS = {
     # flash-linear-attention's stick-breaking kernel is the kernel of the ``sba`` encoding
     "attention/kernels.py": {"sba"},
     # usage examples in help and error texts (``--encoding rope*3+nope``, ``e.g. alibi``)
-    "core/request.py": {"rope", "nope"},
+    "core/pattern.py": {"rope", "nope"},
     "recipes/cli/common.py": {"rope", "nope"},
     "recipes/cli/inspect.py": {"rope", "nope"},
     "recipes/cli/lm_eval.py": {"alibi", "expe", "rope"},
