@@ -233,7 +233,7 @@ ENCODING_NAME_EXCEPTIONS = {
     "recipes/cli/common.py": {"rope", "nope"},
     "recipes/cli/inspect.py": {"rope", "nope"},
     "recipes/cli/lm_eval.py": {"alibi", "expe", "rope"},
-    "recipes/cli/perplexity.py": {"alibi"},
+    "recipes/cli/model_plan.py": {"alibi"},
     "recipes/cli/study.py": {
         "alibi",
         "expe",

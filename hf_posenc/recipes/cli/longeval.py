@@ -21,7 +21,7 @@ from typing import Any
 
 from ..evaluation.errors import EvaluationError
 from .common import add_model_overrides, add_threads_argument, parse_encoding_params
-from .perplexity import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
+from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe")
 
