@@ -223,9 +223,9 @@ def test_a_launch_whose_processes_do_not_join_stops_before_writing_anything(work
 
 
 def test_ddp_timeout_reaches_the_process_group_settings(workspace):
-    from hf_posenc.recipes.training.loop import _accelerator
+    from hf_posenc.recipes.training.world import make_accelerator
 
-    accelerator = _accelerator(settings(workspace, "timeout", ddp_timeout=42), workspace / "timeout")
+    accelerator = make_accelerator(settings(workspace, "timeout", ddp_timeout=42), workspace / "timeout")
     assert accelerator.init_handler.timeout.total_seconds() == 42
 
 

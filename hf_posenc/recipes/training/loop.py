@@ -3,53 +3,40 @@
 Works on one CPU, and under ``accelerate launch`` on N processes (DDP, FSDP): each process
 takes its slice of the same global batch (see :mod:`.batches`), so a 2-process run with
 half the per-process batch follows the same trajectory as one process.
+
+This module holds the steps (micro-batches, optimizer step, loss record, checkpoints, the final
+model); the model, optimizer and schedule are set up in :mod:`.model_setup`, the accelerator,
+output folder and resume point in :mod:`.world`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from ...core.limits import position_limit
-from ...core.loading import load_model
-from ...core.patch import patch_info, patch_model
-from ...errors import InvalidParameterError
 from .. import run_lock
 from ..threads import use_threads
 from .batches import BatchOrder
-from .checkpoints import intact_checkpoint, read_state, save_checkpoint
+from .checkpoints import save_checkpoint
 from .config import TrainConfig, preflight
 from .corpus import training_blocks
 from .feed import Feed
-from .guards import (
-    TrainingError,
-    check_finite_loss,
-    check_finite_weights,
-    check_output_dir,
-    check_world,
-    launch_notes,
-    resume_differences,
-    use_cpu_for_a_gpu_launch,
-)
+from .guards import TrainingError, check_finite_loss, check_finite_weights
 from .interrupt import StopRequest
-from .lora import apply_lora, merge_lora
+from .lora import merge_lora
 from .loss import LossFunction, loss_function
+from .model_setup import prepare_for_accelerate, trainable_model
 from .outputs import write_final
-from .parallelism import context_parallel_shards, engine_refusal, launch_degrees, model_forms
-from .sampling import check_encoding_reads_positions
+from .parallelism import context_parallel_shards
+from .world import open_accelerator, restore_state, resume_point
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 @dataclasses.dataclass
@@ -60,94 +47,12 @@ class TrainResult:
     is_main_process: bool = True
 
 
-def _schedule(config: TrainConfig) -> Callable[[int], float]:
-    """Linear warm-up, then cosine decay to ``end_lr_ratio`` of the peak (the ExPE paper's schedule)."""
-    warmup = int(config.warmup_ratio * config.max_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, config.max_steps - warmup))
-        return config.end_lr_ratio + (1 - config.end_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _is_encoding_parameter(name: str) -> bool:
-    return name.startswith("posenc.") or ".posenc." in name  # also under a peft wrapper
-
-
-def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only; the encoding's parameters at ``encoding_lr``, no decay."""
-    decay, no_decay, own = [], [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        if _is_encoding_parameter(name):
-            own.append(parameter)
-        elif parameter.dim() >= 2:
-            decay.append(parameter)
-        else:
-            no_decay.append(parameter)
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-        {"params": own, "weight_decay": 0.0, "lr": config.encoding_lr or config.lr},
-    ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=config.lr, betas=(config.beta1, config.beta2)
-    )
-
-
-def _check_positions(model: nn.Module, seq_len: int) -> None:
-    limit = position_limit(model)
-    if limit is not None and seq_len > limit[0]:
-        raise InvalidParameterError(
-            f"seq_len={seq_len} is longer than {limit[1].format(limit[0])}; "
-            "lower --seq-len or patch with an encoding (or max_positions) that allows it"
-        )
-
-
-def prepare_model(config: TrainConfig, model: nn.Module | None) -> PreTrainedModel:
-    """The causal LM to train (training needs a transformers model: loaded, or the caller's)."""
-    dtype = getattr(torch, config.dtype)
-    if model is None:
-        return load_model(config.model, config.encoding, config.encoding_params or None, dtype=dtype)
-    if config.encoding and patch_info(model) is None:
-        patch_model(model, config.encoding, **config.encoding_params)
-    return cast("PreTrainedModel", model.to(dtype))
-
-
 def _tracker_config(config: TrainConfig) -> dict[str, Any]:
     """The config with lists and dicts as JSON text (trackers take scalars only)."""
     return {
         k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
         for k, v in dataclasses.asdict(config).items()
     }
-
-
-def _accelerator(config: TrainConfig, output_dir: Path):
-    from datetime import timedelta
-
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    from .parallelism import parallelism_config
-
-    # the world size from the launcher's environment: asking accelerate's state would start the
-    # process group before the Accelerator below, without its timeout
-    sequence_engine = parallelism_config(
-        *launch_degrees(config.context_parallel, config.sequence_parallel),
-        int(os.environ.get("WORLD_SIZE", "1")),
-    )
-    return Accelerator(
-        parallelism_config=sequence_engine,
-        gradient_accumulation_steps=config.grad_accum,
-        mixed_precision=config.mixed_precision,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
-        log_with=list(config.report_to) or None,
-        project_dir=str(output_dir),
-    )
 
 
 @dataclasses.dataclass
@@ -166,54 +71,6 @@ class _Run:
     bar: Any = None
 
 
-def _open_accelerator(config: TrainConfig, output_dir: Path, *, resume: bool, overwrite: bool):
-    """The accelerator of one world of processes, after the output directory is checked."""
-    on_cpu = use_cpu_for_a_gpu_launch()
-    accelerator = _accelerator(config, output_dir)
-    check_world(accelerator)
-    if accelerator.is_main_process:
-        for note in launch_notes(accelerator, on_cpu):
-            print(note)
-    _hold_output_dir(accelerator, output_dir)  # before --overwrite may remove anything
-    check_output_dir(output_dir, resume=resume, overwrite=overwrite, is_main=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    return accelerator
-
-
-def _hold_output_dir(accelerator, output_dir: Path) -> None:
-    """The main process takes the output folder's lock; every process of the launch raises the
-    same one-line :class:`FolderInUseError` when another run holds it."""
-    refusal = None
-    if accelerator.is_main_process:
-        try:
-            run_lock.acquire(output_dir, "train run")
-        except run_lock.FolderInUseError as error:
-            refusal = str(error)
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        refusal = broadcast_object_list([refusal])[0]
-    if refusal is not None:
-        raise run_lock.FolderInUseError(refusal)
-
-
-def _resume_point(config: TrainConfig, accelerator, output_dir: Path) -> Path:
-    """The newest intact checkpoint of the run in ``output_dir``, whose settings must be ours."""
-    warn = print if accelerator.is_main_process else (lambda _: None)
-    checkpoint = intact_checkpoint(output_dir, warn=warn)
-    if checkpoint is None:
-        raise FileNotFoundError(
-            f"--resume: no complete checkpoint (none intact) in {str(output_dir)!r}; each damaged one is named "
-            "above: restore it from a copy, or start the run again with --overwrite"
-        )
-    changed = resume_differences(read_state(checkpoint)["config"], dataclasses.asdict(config))
-    if changed:
-        raise InvalidParameterError(
-            f"--resume: settings differ from the run in {str(output_dir)!r}: " + ", ".join(changed)
-        )
-    return checkpoint
-
-
 def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: Path):
     """Tokenised training blocks (the main process tokenises first, the others reuse its cache)."""
     with accelerator.main_process_first():
@@ -227,53 +84,6 @@ def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: P
             cache_dir=config.data_cache or output_dir / "data-cache",
             num_proc=config.num_proc,
         )
-
-
-def _trainable_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
-    """The model loaded or patched, checked against seq_len, with checkpointing/LoRA, in train mode."""
-    model = prepare_model(config, model)  # the data is ready (or its error known) before the model loads
-    _check_positions(model, max(config.seq_len, config.target_length or 0))
-    check_encoding_reads_positions(config.position_sampling, getattr(model, "posenc", None))
-    cp, sp = launch_degrees(config.context_parallel, config.sequence_parallel)
-    if cp > 1 or sp > 1:  # the loaded model's own encodings (a checkpoint's native scaling included)
-        engine = "context_parallel" if cp > 1 else "sequence_parallel"
-        refusal = engine_refusal(engine, model_forms(model))
-        if refusal:
-            raise InvalidParameterError(refusal)
-    if config.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if config.lora:
-        model = apply_lora(
-            model,
-            r=config.lora_r,
-            alpha=config.lora_alpha,
-            dropout=config.lora_dropout,
-            targets=config.lora_targets,
-        )
-    model.train()
-    return model
-
-
-def _prepared(config: TrainConfig, model: nn.Module, accelerator):
-    """Model and optimizer wrapped by accelerate; the scheduler registered for checkpoints."""
-    optimizer = _optimizer(model, config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
-    # the scheduler is stepped by hand, once per optimizer step, whatever the process count
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    return model, optimizer, scheduler
-
-
-def _restore(accelerator, checkpoint: Path) -> tuple[int, list[tuple[int, float]]]:
-    """Load model, optimizer, scheduler and RNG states; the step and loss history to go on from."""
-    try:
-        accelerator.load_state(str(checkpoint))
-    except Exception as error:  # a file that passed its checksum but does not load
-        raise InvalidParameterError(f"--resume: cannot load {checkpoint}: {error}") from error
-    state = read_state(checkpoint)
-    if accelerator.is_main_process:
-        print(f"[train] resuming from {checkpoint} (step {state['step']})")
-    return state["step"], [tuple(x) for x in state["losses"]]
 
 
 def _save(run: _Run, step: int) -> None:
@@ -392,7 +202,7 @@ def train(
     """
     output_dir = Path(config.output_dir)
     preflight(config, model=model, tokenizer=tokenizer)
-    accelerator = _open_accelerator(config, output_dir, resume=resume, overwrite=overwrite)
+    accelerator = open_accelerator(config, output_dir, resume=resume, overwrite=overwrite)
     try:
         return _train_held(config, accelerator, output_dir, model, tokenizer, resume, callbacks, progress)
     finally:
@@ -415,7 +225,7 @@ def _train_held(
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    checkpoint = _resume_point(config, accelerator, output_dir) if resume else None
+    checkpoint = resume_point(config, accelerator, output_dir) if resume else None
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     blocks = _load_blocks(config, tokenizer, accelerator, output_dir)
@@ -423,9 +233,9 @@ def _train_held(
         blocks, config.batch_size, accelerator.num_processes, accelerator.process_index, config.seed
     )
     set_seed(config.seed)
-    model, optimizer, scheduler = _prepared(config, _trainable_model(config, model), accelerator)
+    model, optimizer, scheduler = prepare_for_accelerate(config, trainable_model(config, model), accelerator)
     use_threads(config.threads, model)
-    start, losses = _restore(accelerator, checkpoint) if checkpoint is not None else (0, [])
+    start, losses = restore_state(accelerator, checkpoint) if checkpoint is not None else (0, [])
     if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(config.to_json())
     if config.report_to:
