@@ -148,8 +148,6 @@ def _canvas(width: float, height: float):
 
 def plot_heatmap(path: Path, label: str, cells: Sequence[Cell], train_length: int | None) -> Path | None:
     """Depth x length grid per depth task of one model (None when it ran no such task)."""
-    from matplotlib import colormaps
-
     tasks = [t for t in TASKS if TASKS[t].uses_depth and any(c.task == t for c in cells)]
     if not tasks:
         return None
@@ -161,24 +159,11 @@ def plot_heatmap(path: Path, label: str, cells: Sequence[Cell], train_length: in
         max(7.0, 1.6 + (0.8 + 0.75 * len(lengths)) * columns), 1.2 + (1.0 + 0.42 * len(depths)) * rows
     )
     grid = figure.subplots(rows, columns, squeeze=False)
-    colours = colormaps["RdYlGn"]
     image = None
     for axes, task in zip(grid.flat, tasks, strict=False):
         by_key = {(c.depth, c.length): c.accuracy for c in cells if c.task == task and c.depth is not None}
         values = [[by_key.get((d, n), float("nan")) for n in lengths] for d in depths]
-        image = axes.imshow(values, cmap=colours, vmin=0, vmax=1, aspect="auto")
-        for i, row in enumerate(values):
-            for j, value in enumerate(row):
-                if value == value:
-                    axes.text(
-                        j,
-                        i,
-                        f"{100 * value:.0f}",
-                        ha="center",
-                        va="center",
-                        fontsize="small",
-                        color=_ink(value),
-                    )
+        image = _draw_cells(axes, values, fontsize="small")
         axes.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         axes.set_xlabel("prompt length (tokens)")
@@ -187,14 +172,35 @@ def plot_heatmap(path: Path, label: str, cells: Sequence[Cell], train_length: in
         axes.set_title(task)
         if train_length is not None:
             _mark_training_length(axes, lengths, train_length)
-    for axes in list(grid.flat)[len(tasks) :]:
-        axes.set_visible(False)
     trained = f"; trained at {train_length} tokens (black line)" if train_length else ""
-    figure.suptitle(
-        f"{label}\nneedle found (green) or missed (red), accuracy in %{trained}", fontsize="medium"
-    )
+    suptitle = f"{label}\nneedle found (green) or missed (red), accuracy in %{trained}"
+    return _finish_heatmaps(path, figure, grid, len(tasks), image, suptitle, colorbar_fraction=0.05)
+
+
+def _draw_cells(axes, values: Sequence[Sequence[float]], *, fontsize: str):
+    """A depth (rows) x length (columns) grid of accuracies on the RdYlGn scale, each cell's value in %
+    written on it (missing cells, NaN, left blank); returns the image for the colour bar."""
+    from matplotlib import colormaps
+
+    image = axes.imshow(values, cmap=colormaps["RdYlGn"], vmin=0, vmax=1, aspect="auto")
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            if value == value:
+                axes.text(
+                    j, i, f"{100 * value:.0f}", ha="center", va="center", fontsize=fontsize, color=_ink(value)
+                )
+    return image
+
+
+def _finish_heatmaps(
+    path: Path, figure, grid, used: int, image, suptitle: str, *, colorbar_fraction: float
+) -> Path:
+    """Hide the panels past the first ``used``, add the title and one colour bar, write the PNG."""
+    for axes in list(grid.flat)[used:]:
+        axes.set_visible(False)
+    figure.suptitle(suptitle, fontsize="medium")
     if image is not None:
-        figure.colorbar(image, ax=list(grid.flat), shrink=0.9, label="accuracy", fraction=0.05)
+        figure.colorbar(image, ax=list(grid.flat), shrink=0.9, label="accuracy", fraction=colorbar_fraction)
     figure.savefig(path, format="png")
     return path
 
@@ -256,8 +262,6 @@ def plot_accuracy(path: Path, results: Results, train_lengths: Mapping[str, int 
 
 def plot_heatmap_grid(path: Path, results: Results, task: str, train_length: int | None, title: str) -> Path:
     """One depth x length panel of ``task`` per model (e.g. one per encoding of a study), one colour scale."""
-    from matplotlib import colormaps
-
     labels = [
         label
         for label, cells in results.items()
@@ -281,19 +285,7 @@ def plot_heatmap_grid(path: Path, results: Results, task: str, train_length: int
             (c.depth, c.length): c.accuracy for c in results[label] if c.task == task and c.depth is not None
         }
         values = [[by_key.get((d, n), float("nan")) for n in lengths] for d in depths]
-        image = axes.imshow(values, cmap=colormaps["RdYlGn"], vmin=0, vmax=1, aspect="auto")
-        for i, row in enumerate(values):
-            for j, value in enumerate(row):
-                if value == value:
-                    axes.text(
-                        j,
-                        i,
-                        f"{100 * value:.0f}",
-                        ha="center",
-                        va="center",
-                        fontsize="x-small",
-                        color=_ink(value),
-                    )
+        image = _draw_cells(axes, values, fontsize="x-small")
         axes.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize="small")
         axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize="small")
         axes.set_title(label, fontsize="medium")
@@ -303,13 +295,6 @@ def plot_heatmap_grid(path: Path, results: Results, task: str, train_length: int
             axes.set_ylabel("needle depth")
         if train_length is not None:
             _mark_training_length(axes, lengths, train_length)
-    for axes in list(grid.flat)[len(labels) :]:
-        axes.set_visible(False)
     trained = f"; black line: training length {train_length}" if train_length else ""
-    figure.suptitle(
-        f"{title}\n{task}: needle found (green) or missed (red), accuracy in %{trained}", fontsize="medium"
-    )
-    if image is not None:
-        figure.colorbar(image, ax=list(grid.flat), shrink=0.9, label="accuracy", fraction=0.04)
-    figure.savefig(path, format="png")
-    return path
+    suptitle = f"{title}\n{task}: needle found (green) or missed (red), accuracy in %{trained}"
+    return _finish_heatmaps(path, figure, grid, len(labels), image, suptitle, colorbar_fraction=0.04)
