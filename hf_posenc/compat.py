@@ -173,3 +173,14 @@ def output_cache(output: Any) -> Any:
     """The KV cache a forward returned (``output.cache`` from transformers 5.24)."""
     fields = output.keys() if hasattr(output, "keys") else ()
     return output["cache"] if "cache" in fields else output.past_key_values
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let torch.compile keep at least ``limit`` graphs per function (torch >= 2.6 calls the setting
+    ``recompile_limit``, earlier ``cache_size_limit``); never lowers a user's higher setting."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
+            return

@@ -50,6 +50,9 @@ class AttentionCall:
     bias: BlockBias | None
     #: backends that failed on this model and are not asked again (per patched model)
     failures: set[str]
+    #: what served each kind of call on this model, e.g. ``{"cuda:0/bfloat16/d64/forward": "flex
+    #: (default)"}`` (per patched model; ``patch_info(model)["kernels"]``)
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def explicit(self) -> bool:

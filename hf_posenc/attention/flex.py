@@ -4,13 +4,19 @@ FlexAttention (``torch.nn.attention.flex_attention``) fuses the bias into the at
 kernel: ``score_mod(score, b, h, q_idx, kv_idx)`` adds the bias of each score, which every
 bias form that can say it per score gives (:meth:`BlockBias.elementwise`: a distance table,
 separable terms, FIRE's pieces), and a block mask skips the future (and padding).
-On CUDA the function is compiled once (``torch.compile``); elsewhere it runs uncompiled,
-which is exact but materialises the scores (for tests, not for speed) and has no backward.
-Causal block masks are cached per (Tq, Tk, device); padding masks per forward.
+On CUDA the function is compiled (``torch.compile``) with kernel options from the ladder of
+:mod:`.flex_kernels` (smaller tiles where torch's own choice runs out of shared memory);
+elsewhere it runs uncompiled, which is exact but materialises the scores (for tests, not for
+speed) and has no backward. Causal block masks are cached per (Tq, Tk, device); padding masks
+per forward.
+
+Compiled FlexAttention never serves a call of fewer than :data:`FLEX_MIN_QUERIES` queries
+(decoding steps, short prompts): each such call would be a new shape to compile, and the
+chunked backend computes a few query rows at once without any (T, T) tensor.
 
 :func:`attend_flex` reports ``None`` when it cannot serve a call, and the dispatcher falls back
-to the chunked backend. A compile failure is remembered per patched model (the call's
-``failures``), so one model's failure never switches FlexAttention off for another.
+to the chunked backend: only for that kind of call (:class:`.flex_kernels.KernelClass`), never
+for the whole model.
 
 Registered as backend ``flex``: under ``backend="flex"``, and ``"auto"`` on CUDA.
 """
@@ -23,9 +29,19 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat import raise_recompile_limit
 from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias
 from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
+from .flex_kernels import attend_with_ladder
+
+#: the fewest queries a compiled FlexAttention call serves (one mask block); fewer go to chunked
+FLEX_MIN_QUERIES = 128
+#: compile FlexAttention off CUDA too (tests of the compiled forward on CPU; slow there)
+COMPILE_OFF_CUDA = False
+#: compiled graphs FlexAttention may keep: one per (bias form, length, dtype, with/without
+#: backward); torch's default of 8 would send the ninth to the uncompiled O(T^2) path
+FLEX_RECOMPILE_LIMIT = 256
 
 _BLOCK_MASKS: dict[tuple, object] = {}
 _BLOCK_MASK_LIMIT = 16
@@ -44,6 +60,7 @@ def _flex_function(compiled: bool) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     if compiled:
+        raise_recompile_limit(FLEX_RECOMPILE_LIMIT)
         return torch.compile(flex_attention, dynamic=False)
     return flex_attention
 
@@ -86,6 +103,11 @@ def _score_mod(bias: BlockBias) -> Callable | None:
     return add_bias
 
 
+def compiles(device: torch.device) -> bool:
+    """Whether FlexAttention runs compiled on ``device`` (CUDA; elsewhere only under COMPILE_OFF_CUDA)."""
+    return device.type == "cuda" or COMPILE_OFF_CUDA
+
+
 def attend_flex(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,16 +117,20 @@ def attend_flex(
     mask: torch.Tensor | None,
     softmax_scale: float,
     memo: ForwardMemo | None = None,
-    failures: set[str] | None = None,
+    kernels: dict[str, str] | None = None,
 ) -> torch.Tensor | None:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D) -> (B,Tq,Hq,D), or None when FlexAttention cannot serve it.
 
-    ``failures``: the patched model's set of failed backends; a compile failure adds ``"flex"``."""
+    ``kernels``: the patched model's record of the kernel that served each kind of call."""
     score_mod = _score_mod(bias)
     if score_mod is None or not flex_available():
         return None
-    if q.device.type != "cuda" and torch.is_grad_enabled():
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if q.device.type != "cuda" and grad:
         return None  # FlexAttention has no backward off CUDA
+    compiled = compiles(q.device)
+    if compiled and q.shape[-2] < FLEX_MIN_QUERIES:
+        return None  # decoding / short calls: never a new compiled shape per token
     batch, _, q_len, _ = q.shape
     k_len = k.shape[-2]
     if mask is None:
@@ -115,28 +141,28 @@ def attend_flex(
             block_mask = build()
         else:
             block_mask = memo.get(("flex_block_mask", id(mask), q_len, k_len), build)
-    compiled = q.device.type == "cuda"
     gqa = q.shape[1] != k.shape[1]
-    try:
+    function = _flex_function(compiled)
+
+    def attempt(q, k, v, kernel_options: dict[str, int] | None = None) -> torch.Tensor:
+        return function(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=softmax_scale,
+            enable_gqa=gqa,
+            kernel_options=kernel_options or None,
+        )
+
+    if not compiled:
         with warnings.catch_warnings():
             # uncompiled FlexAttention warns that it is slow: off CUDA it is the tested reference path
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            out = _flex_function(compiled)(
-                q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale, enable_gqa=gqa
-            )
-    except Exception as error:  # a kernel this build of torch cannot compile: say so once, fall back
-        if not compiled:
-            raise
-        if failures is not None:
-            failures.add(FlexBackend.name)
-        warnings.warn(
-            f"hf_posenc: FlexAttention failed ({type(error).__name__}: {error}); "
-            "this model uses the chunked backend from now on",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    return out.transpose(1, 2)
+            return attempt(q, k, v).transpose(1, 2)
+    out = attend_with_ladder(attempt, q, k, v, used=kernels)  # (B, Hq, Tq, D) or None
+    return None if out is None else out.transpose(1, 2)
 
 
 @register_backend
@@ -156,4 +182,4 @@ class FlexBackend(Backend):
         )
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return output_only(attend_flex(**call.bias_arguments(), memo=call.score.memo, failures=call.failures))
+        return output_only(attend_flex(**call.bias_arguments(), memo=call.score.memo, kernels=call.kernels))

@@ -110,6 +110,7 @@ class PatchedAttentionForward:
             stages=stages,
             bias=encoding.score_bias(score) if "score_bias" in stages else None,
             failures=runtime.failed_backends,
+            kernels=runtime.kernel_choices,
         )
         if encoding.attends_stream:  # (B, Tq, Hq, D + S): values and the encoding's stream, same weights
             out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))

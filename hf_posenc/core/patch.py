@@ -366,7 +366,9 @@ def patch_info(model: nn.Module) -> dict[str, Any] | None:
 
     A hybrid gives ``{'encoding': 'hybrid', 'pattern': 'rope*3+nope+...', 'params': {'parts':
     [{'encoding': ..., 'params': ...}, ...], 'layers': [part index per layer]}}``: the pattern
-    and the part of every layer as they run."""
+    and the part of every layer as they run. ``'kernels'``, once a fused kernel ran (FlexAttention on
+    a GPU): what served each kind of call, e.g. ``{'cuda:0/bfloat16/d64/forward': 'flex (default)'}``
+    (the kernel options' rung, or ``'chunked (...)'`` with what was tried)."""
     target = transformers_model(model)
     record: PatchRecord | None = getattr(target, PATCH_ATTRIBUTE, None)
     if record is None:
@@ -376,4 +378,7 @@ def patch_info(model: nn.Module) -> dict[str, Any] | None:
     if entry["encoding"] == HYBRID:
         info["pattern"] = saved_description(entry)
     info["params"] = entry["params"]
+    kernels = {label: used for part in record.runtime.parts for label, used in part.kernel_choices.items()}
+    if kernels:
+        info["kernels"] = dict(sorted(kernels.items()))
     return info

@@ -44,6 +44,8 @@ class PartRuntime:
         #: attention backends that failed on this model (e.g. a FlexAttention compile error) and
         #: are not asked again; per model, so one model's failure never affects another
         self.failed_backends: set[str] = set()
+        #: the kernel that served each kind of call (``AttentionCall.kernels``), per model
+        self.kernel_choices: dict[str, str] = {}
         #: the stages this encoding runs (``Encoding.active_stages``)
         self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``

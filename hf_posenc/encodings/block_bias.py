@@ -93,6 +93,16 @@ class LinearDistanceBias(DistanceBias):
         object.__setattr__(self, "slopes", slopes)
         super().__init__(q_len, k_len, -slopes[:, None] * distance)  # (Hq, Tk)
 
+    def elementwise(self) -> ElementwiseBias:
+        """``-slope_h * (i - j)`` computed per score (no table gather: arithmetic is cheaper in a
+        fused kernel than a load), the same fp32 product as the table's entries."""
+        slopes, offset = self.slopes.float(), self.k_len - self.q_len
+
+        def linear(b, h, q_idx, kv_idx):
+            return -slopes[h] * torch.clamp(q_idx + offset - kv_idx, min=0).to(torch.float32)
+
+        return linear
+
 
 @dataclasses.dataclass(frozen=True)
 class SeparableBias(BlockBias):

@@ -163,14 +163,17 @@ def test_chunked_bf16_stays_within_transformers_sdpa_vs_eager_tolerance():
 
 def test_flex_serves_by_distance_and_separable_but_not_rows():
     """attend_flex returns None (the caller falls back to chunked) for a row-function bias
-    that cannot say its bias per score, and off CUDA whenever gradients are recorded."""
+    that cannot say its bias per score, and off CUDA whenever a gradient is wanted (no backward
+    there); a forward whose inputs want no gradient is served even with grad mode on."""
     q = k = v = torch.randn(1, 2, 6, 8)
     rows = RowBias(6, 6, lambda s, e, end: torch.zeros(1, 2, e - s, end))
     assert attend_flex(q, k, v, bias=rows, mask=None, softmax_scale=1.0) is None
     table = DistanceBias(6, 6, torch.randn(2, 6))
     with torch.no_grad():
         assert attend_flex(q, k, v, bias=table, mask=None, softmax_scale=1.0).shape == (1, 6, 2, 8)
-    assert attend_flex(q, k, v, bias=table, mask=None, softmax_scale=1.0) is None  # no CPU backward: chunked
+    assert attend_flex(q, k, v, bias=table, mask=None, softmax_scale=1.0) is not None
+    q_learned = q.clone().requires_grad_()
+    assert attend_flex(q_learned, k, v, bias=table, mask=None, softmax_scale=1.0) is None  # no CPU backward
 
 
 def test_fire_linear_pieces_equal_the_mlp_and_follow_in_place_updates():

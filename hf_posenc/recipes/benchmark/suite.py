@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...core.patch import patch_model
+from ...core.patch import patch_info, patch_model
 from ..provenance import provenance
 from ..tiny import tiny_model
 from .config import BenchConfig
@@ -39,6 +39,9 @@ class Measurement:
     #: median of the native model's calls alternating with this encoding's (None on native rows)
     native_seconds: float | None = None
     error: str | None = None  # e.g. out of memory: the call could not run
+    #: what served each kind of attention call so far (``patch_info(model)["kernels"]``: the
+    #: FlexAttention kernel options' rung, or the fallback and why); None where no fused kernel ran
+    kernels: dict[str, str] | None = None
 
     @property
     def time_ratio(self) -> float | None:
@@ -195,12 +198,14 @@ def run_suite(config: BenchConfig, progress: bool = True) -> list[Measurement]:
             for length in _lengths(config, mode):
                 m = bench.measure(name, model, mode, length)
                 if name != NATIVE:
+                    m.kernels = (patch_info(model) or {}).get("kernels")
                     results.append(m)
                 if progress:
                     ratio = f"{m.time_ratio:.2f}x native" if m.time_ratio else (m.error or "")
                     print(
                         f"[bench] {name:<11} {mode:<8} T={length:<6} {m.seconds * 1000:9.2f} ms  "
-                        f"+{m.peak_bytes / 2**20:8.1f} MiB  {ratio}",
+                        f"+{m.peak_bytes / 2**20:8.1f} MiB  {ratio}"
+                        + (f"  kernels {m.kernels}" if m.kernels else ""),
                         flush=True,
                     )
         del model

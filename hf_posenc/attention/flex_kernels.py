@@ -1,0 +1,163 @@
+"""FlexAttention kernel options that build on the GPU at hand: a ladder of tiles, tried in order.
+
+Compiled FlexAttention picks its tiles (query block, key block, pipeline stages, warps) from a
+table per GPU; some choices ask for more shared memory than the card has (on an H100 in bf16 at
+head_dim 64: "out of resource: shared memory, Required: 245760, Hardware limit: 232448").
+The maintainers' fix is smaller tiles and fewer stages through ``kernel_options``
+(pytorch/pytorch#133254, attention-gym#14). :data:`KERNEL_LADDER` lists the rungs: torch's own
+choice first, then smaller tiles; the first rung that builds is kept per
+:class:`KernelClass` (device, dtype, head widths, with or without backward), for the process.
+Only when every rung fails does that class, and only that class, go to the chunked backend,
+with one warning naming what was tried.
+
+A class that needs a backward is probed once with the call's own shapes (forward and backward on
+detached copies) before it is used: the backward kernel is built only when the loss's backward
+runs, too late to choose another rung, and the probe's compiled graph is the one the real call
+reuses (same shapes and guards), so the probe costs one extra forward and backward, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+
+#: (name, kernel_options): forward options prefixed ``fwd_``, backward ``bwd_`` (torch strips
+#: the prefix for its kernel); every tile divides FlexAttention's 128-token mask block
+KERNEL_LADDER: tuple[tuple[str, dict[str, int]], ...] = (
+    ("default", {}),
+    (
+        "tiles-64",
+        {
+            "fwd_BLOCK_M": 64,
+            "fwd_BLOCK_N": 64,
+            "fwd_num_stages": 2,
+            "fwd_num_warps": 4,
+            "bwd_BLOCK_M1": 32,
+            "bwd_BLOCK_N1": 64,
+            "bwd_BLOCK_M2": 64,
+            "bwd_BLOCK_N2": 32,
+            "bwd_num_stages": 2,
+            "bwd_num_warps": 4,
+        },
+    ),
+    (
+        "tiles-32",
+        {
+            "fwd_BLOCK_M": 32,
+            "fwd_BLOCK_N": 32,
+            "fwd_num_stages": 1,
+            "fwd_num_warps": 4,
+            "bwd_BLOCK_M1": 16,
+            "bwd_BLOCK_N1": 32,
+            "bwd_BLOCK_M2": 32,
+            "bwd_BLOCK_N2": 16,
+            "bwd_num_stages": 1,
+            "bwd_num_warps": 4,
+        },
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelClass:
+    """What decides whether a FlexAttention kernel builds: the device, dtype, head widths and
+    whether a backward kernel is needed. The sequence length does not (tiles are fixed)."""
+
+    device: str
+    dtype: str
+    qk_head_dim: int
+    v_head_dim: int
+    backward: bool
+
+    def label(self) -> str:
+        widths = f"d{self.qk_head_dim}" + (
+            "" if self.v_head_dim == self.qk_head_dim else f"/v{self.v_head_dim}"
+        )
+        mode = "forward+backward" if self.backward else "forward"
+        return f"{self.device}/{self.dtype}/{widths}/{mode}"
+
+
+def kernel_class(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KernelClass:
+    """The class of a call with q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv)."""
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    device = str(q.device) if q.device.index is not None or q.device.type == "cpu" else f"{q.device.type}:0"
+    dtype = str(q.dtype).removeprefix("torch.")
+    return KernelClass(device, dtype, q.shape[-1], v.shape[-1], backward)
+
+
+#: the rung that built, per class (this process)
+_CHOSEN: dict[KernelClass, int] = {}
+#: classes on which every rung failed -> what was tried, the last error
+_EXHAUSTED: dict[KernelClass, str] = {}
+
+
+def kernel_choices() -> dict[str, str]:
+    """``{class label: rung name, or "chunked (...)" where every rung failed}`` for this process."""
+    choices = {cls.label(): KERNEL_LADDER[index][0] for cls, index in _CHOSEN.items()}
+    choices.update({cls.label(): f"chunked ({why})" for cls, why in _EXHAUSTED.items()})
+    return dict(sorted(choices.items()))
+
+
+def forget_kernel_choices() -> None:
+    """Clear the process's choices (tests; a process that changes GPUs)."""
+    _CHOSEN.clear()
+    _EXHAUSTED.clear()
+
+
+def _probe_backward(attempt: Callable[..., torch.Tensor], q, k, v, options: dict[str, int]) -> None:
+    """Forward and backward of ``attempt`` on detached copies of q, k, v (the call's own shapes):
+    builds the backward kernel now. ``autograd.grad`` asks only for the copies' gradients, so no
+    parameter's ``.grad`` is touched."""
+    copies = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    out = attempt(*copies, options)
+    wanted = [t for t in copies if t.requires_grad]
+    torch.autograd.grad(out.float().sum(), wanted, allow_unused=True)
+
+
+def attend_with_ladder(
+    attempt: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    used: dict[str, str] | None = None,
+) -> torch.Tensor | None:
+    """``attempt(q, k, v, kernel_options)`` with the first rung of :data:`KERNEL_LADDER` that builds
+    for this call's class; None (the caller falls back to the chunked backend) when none does.
+
+    ``used``: the model's record of what served each class (``patch_info(model)["kernels"]``)."""
+    cls = kernel_class(q, k, v)
+    if cls in _EXHAUSTED:
+        return None
+    tried: list[str] = []
+    last_error: BaseException | None = None
+    for index in range(_CHOSEN.get(cls, 0), len(KERNEL_LADDER)):
+        name, options = KERNEL_LADDER[index]
+        try:
+            if cls.backward and _CHOSEN.get(cls) != index and not torch.compiler.is_compiling():
+                _probe_backward(attempt, q, k, v, options)
+            out = attempt(q, k, v, options)
+        except Exception as error:  # noqa: BLE001 - any build failure: the next rung, then chunked
+            tried.append(name)
+            last_error = error
+            continue
+        _CHOSEN[cls] = index
+        if used is not None:
+            used[cls.label()] = f"flex ({name})"
+        return out
+    first_line = (
+        str(last_error).strip().splitlines()[0] if last_error is not None and str(last_error).strip() else ""
+    )
+    why = f"tried {', '.join(tried)}; last error {type(last_error).__name__}: {first_line[:300]}"
+    _EXHAUSTED[cls] = why
+    if used is not None:
+        used[cls.label()] = f"chunked ({why})"
+    warnings.warn(
+        f"hf_posenc: FlexAttention could not build a kernel for {cls.label()} ({why}); "
+        "calls of this kind use the chunked backend from now on (other kinds keep FlexAttention)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
