@@ -34,6 +34,9 @@ _EXPORTS = {
     "patch_info": "core.patch",
     "reconfigure": "core.reconfiguration",
     "export_native": "core.export",
+    "enable_s2_attn": "core.shifted_sparse",
+    "disable_s2_attn": "core.shifted_sparse",
+    "s2_attn": "core.shifted_sparse",
     "from_pretrained": "core.loading",
     "load_model": "core.loading",
     "list_encodings": "core.registry",
@@ -93,6 +96,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .core.patch import patch_info, patch_model, patched, unpatch_model
     from .core.reconfiguration import reconfigure
     from .core.registry import EncodingInfo, list_encodings, supported_families
+    from .core.shifted_sparse import disable_s2_attn, enable_s2_attn, s2_attn
     from .encodings.alibi import ALiBiConfig
     from .encodings.cape import CAPEConfig
     from .encodings.comrope import ComRoPEConfig
@@ -122,6 +126,9 @@ __all__ = [
     "patched",
     "patch_info",
     "reconfigure",
+    "enable_s2_attn",
+    "disable_s2_attn",
+    "s2_attn",
     "from_pretrained",
     "load_model",
     "list_encodings",

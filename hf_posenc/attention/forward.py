@@ -24,6 +24,7 @@ from ..core.positions import bind_arguments, positional_names
 from ..encodings.call import LayerCall
 from ..errors import InvalidParameterError
 from .backend import AttentionCall, dispatch, dispatch_with_stream
+from .shifted import shifted_sparse_attention
 
 if TYPE_CHECKING:
     from ..core.runtime import PartRuntime
@@ -112,7 +113,10 @@ class PatchedAttentionForward:
             failures=runtime.failed_backends,
             kernels=runtime.kernel_choices,
         )
-        if encoding.attends_stream:  # (B, Tq, Hq, D + S): values and the encoding's stream, same weights
+        s2 = getattr(runtime, "s2", None)  # (a runtime pickled before S2-Attn existed has none)
+        if s2 is not None and module.training:  # LongLoRA's S2-Attn: training forwards only
+            out, weights = shifted_sparse_attention(attention, s2)  # (B, Tq, Hq, D), None
+        elif encoding.attends_stream:  # (B, Tq, Hq, D + S): values and the encoding's stream, same weights
             out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))
         else:
             out, weights = dispatch(attention)  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None

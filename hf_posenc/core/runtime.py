@@ -27,6 +27,8 @@ from .positions import ForwardContext, bind_arguments, compute_context, position
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from ..attention.shifted import ShiftedSparse
+
 
 class PartRuntime:
     """What the attention forwards of one part's layers read: its encoding, adapter, backend,
@@ -50,6 +52,8 @@ class PartRuntime:
         self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
+        #: LongLoRA's shifted sparse attention in training forwards (``enable_s2_attn``), or None
+        self.s2: ShiftedSparse | None = None
         self._transient()
 
     def _stages(self) -> frozenset[str]:
