@@ -33,7 +33,7 @@ def _record(model: nn.Module) -> Any:
     if record is None:
         raise NotPatchedError(
             f"{type(model).__name__} is not patched by hf_posenc; S2-Attn runs in hf_posenc's attention: call "
-            "hf_posenc.patch_model first (patch_model(model, 'rope') keeps a RoPE checkpoint's own positions)"
+            "hf_posenc.patch_model first (a RoPE checkpoint patched with its own RoPE keeps its positions)"
         )
     return target, record
 
