@@ -161,7 +161,9 @@ def attend_flex(
             # uncompiled FlexAttention warns that it is slow: off CUDA it is the tested reference path
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             return attempt(q, k, v).transpose(1, 2)
-    out = attend_with_ladder(attempt, q, k, v, used=kernels)  # (B, Hq, Tq, D) or None
+    out = attend_with_ladder(
+        attempt, q, k, v, used=kernels, form=type(bias).__name__
+    )  # (B, Hq, Tq, D) or None
     return None if out is None else out.transpose(1, 2)
 
 

@@ -63,29 +63,33 @@ KERNEL_LADDER: tuple[tuple[str, dict[str, int]], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class KernelClass:
-    """What decides whether a FlexAttention kernel builds: the device, dtype, head widths and
-    whether a backward kernel is needed. The sequence length does not (tiles are fixed)."""
+    """What decides whether a FlexAttention kernel builds: the device, dtype, head widths, the
+    bias form (its score_mod's loads and registers: on an H200 in bf16 at d64 torch's own tiles
+    built for ALiBi's arithmetic bias and not for T5's table) and whether a backward kernel is
+    needed. The sequence length does not (tiles are fixed)."""
 
     device: str
     dtype: str
     qk_head_dim: int
     v_head_dim: int
+    form: str
     backward: bool
 
     def label(self) -> str:
-        widths = f"d{self.qk_head_dim}" + (
-            "" if self.v_head_dim == self.qk_head_dim else f"/v{self.v_head_dim}"
-        )
+        widths = f"d{self.qk_head_dim}"
+        if self.v_head_dim != self.qk_head_dim:
+            widths += f"/v{self.v_head_dim}"
         mode = "forward+backward" if self.backward else "forward"
-        return f"{self.device}/{self.dtype}/{widths}/{mode}"
+        return f"{self.device}/{self.dtype}/{widths}/{self.form}/{mode}"
 
 
-def kernel_class(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KernelClass:
-    """The class of a call with q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv)."""
+def kernel_class(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str = "bias") -> KernelClass:
+    """The class of a call with q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) and a bias
+    of the named ``form``."""
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     device = str(q.device) if q.device.index is not None or q.device.type == "cpu" else f"{q.device.type}:0"
     dtype = str(q.dtype).removeprefix("torch.")
-    return KernelClass(device, dtype, q.shape[-1], v.shape[-1], backward)
+    return KernelClass(device, dtype, q.shape[-1], v.shape[-1], form, backward)
 
 
 #: the rung that built, per class (this process)
@@ -117,18 +121,28 @@ def _probe_backward(attempt: Callable[..., torch.Tensor], q, k, v, options: dict
     torch.autograd.grad(out.float().sum(), wanted, allow_unused=True)
 
 
+def _first_line(error: BaseException | None) -> str:
+    """``Type: first line of the message`` (at most 300 characters), for records and warnings."""
+    if error is None:
+        return ""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
 def attend_with_ladder(
     attempt: Callable[..., torch.Tensor],
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     used: dict[str, str] | None = None,
+    form: str = "bias",
 ) -> torch.Tensor | None:
     """``attempt(q, k, v, kernel_options)`` with the first rung of :data:`KERNEL_LADDER` that builds
     for this call's class; None (the caller falls back to the chunked backend) when none does.
 
-    ``used``: the model's record of what served each class (``patch_info(model)["kernels"]``)."""
-    cls = kernel_class(q, k, v)
+    ``used``: the model's record of what served each class (``patch_info(model)["kernels"]``),
+    with the rungs that failed before and why; ``form``: the bias form's name."""
+    cls = kernel_class(q, k, v, form)
     if cls in _EXHAUSTED:
         return None
     tried: list[str] = []
@@ -144,13 +158,11 @@ def attend_with_ladder(
             last_error = error
             continue
         _CHOSEN[cls] = index
-        if used is not None:
-            used[cls.label()] = f"flex ({name})"
+        if used is not None and (tried or cls.label() not in used):
+            failed = f"; {', '.join(tried)} failed: {_first_line(last_error)}" if tried else ""
+            used[cls.label()] = f"flex ({name}{failed})"
         return out
-    first_line = (
-        str(last_error).strip().splitlines()[0] if last_error is not None and str(last_error).strip() else ""
-    )
-    why = f"tried {', '.join(tried)}; last error {type(last_error).__name__}: {first_line[:300]}"
+    why = f"tried {', '.join(tried)}; last error {_first_line(last_error)}"
     _EXHAUSTED[cls] = why
     if used is not None:
         used[cls.label()] = f"chunked ({why})"

@@ -87,8 +87,10 @@ def test_an_out_of_resource_first_rung_climbs_to_the_next_and_the_choice_is_kept
         assert calls == ["default", "tiles-64"]
         attend_with_ladder(attempt, q, k, v, used=used)  # the kept rung is asked first
     assert calls == ["default", "tiles-64", "tiles-64"]
-    assert used == {"cpu/float32/d8/forward": "flex (tiles-64)"}
-    assert flex_kernels.kernel_choices() == {"cpu/float32/d8/forward": "tiles-64"}
+    assert used == {
+        "cpu/float32/d8/bias/forward": f"flex (tiles-64; default failed: RuntimeError: {OUT_OF_RESOURCE})"
+    }
+    assert flex_kernels.kernel_choices() == {"cpu/float32/d8/bias/forward": "tiles-64"}
 
 
 def test_a_backward_that_runs_out_of_resource_is_caught_by_the_probe_before_any_loss_meets_it():
@@ -100,7 +102,7 @@ def test_a_backward_that_runs_out_of_resource_is_caught_by_the_probe_before_any_
     assert weight.grad is None  # the probe differentiates detached copies only
     out.sum().backward()  # the real backward runs on the rung that built
     assert weight.grad is not None
-    assert flex_kernels.kernel_choices() == {"cpu/float32/d8/forward+backward": "tiles-64"}
+    assert flex_kernels.kernel_choices() == {"cpu/float32/d8/bias/forward+backward": "tiles-64"}
 
 
 def test_only_the_kind_whose_every_rung_failed_falls_back_with_one_warning():
@@ -108,7 +110,9 @@ def test_only_the_kind_whose_every_rung_failed_falls_back_with_one_warning():
     attempt, calls = _attempt_failing_on(every)
     used: dict[str, str] = {}
     with torch.no_grad():
-        with pytest.warns(RuntimeWarning, match="cpu/float32/d8/forward .*tried default, tiles-64, tiles-32"):
+        with pytest.warns(
+            RuntimeWarning, match="cpu/float32/d8/bias/forward .*tried default, tiles-64, tiles-32"
+        ):
             assert attend_with_ladder(attempt, *_qkv(False), used=used) is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no second warning, no second round of builds
@@ -116,8 +120,10 @@ def test_only_the_kind_whose_every_rung_failed_falls_back_with_one_warning():
         assert len(calls) == len(KERNEL_LADDER)
         healthy, _ = _attempt_failing_on(set())
         assert attend_with_ladder(healthy, *_qkv(False, width=16), used=used) is not None  # another kind
-    assert used["cpu/float32/d8/forward"].startswith("chunked (tried default, tiles-64, tiles-32; last error")
-    assert used["cpu/float32/d16/forward"] == "flex (default)"
+    assert used["cpu/float32/d8/bias/forward"].startswith(
+        "chunked (tried default, tiles-64, tiles-32; last error"
+    )
+    assert used["cpu/float32/d16/bias/forward"] == "flex (default)"
 
 
 @pytest.fixture
@@ -150,7 +156,9 @@ def test_the_ladder_serves_a_model_and_patch_info_names_the_rung(monkeypatch, co
     ids = token_ids(2, 20)
     with torch.no_grad():
         torch.testing.assert_close(models["flex"](ids).logits, models["eager"](ids).logits, atol=1e-5, rtol=0)
-    assert hf_posenc.patch_info(models["flex"])["kernels"] == {"cpu/float32/d16/forward": "flex (tiles-64)"}
+    assert hf_posenc.patch_info(models["flex"])["kernels"] == {
+        "cpu/float32/d16/LinearDistanceBias/forward": f"flex (tiles-64; default failed: RuntimeError: {OUT_OF_RESOURCE})"
+    }
     assert "kernels" not in hf_posenc.patch_info(models["eager"])
 
 
@@ -160,9 +168,9 @@ def test_decoding_steps_never_reach_flex(monkeypatch, compiled_on_cpu):
     seen: list[int] = []
     original = flex.attend_with_ladder
 
-    def counting(attempt, q, k, v, used=None):
+    def counting(attempt, q, k, v, **kwargs):
         seen.append(q.shape[-2])
-        return original(attempt, q, k, v, used=used)
+        return original(attempt, q, k, v, **kwargs)
 
     monkeypatch.setattr(flex, "attend_with_ladder", counting)
     monkeypatch.setattr(flex, "_flex_function", lambda compiled: _uncompiled_flex)

@@ -99,3 +99,27 @@ def test_train_lengths_measure_forward_and_training_at_their_own_lengths():
 def test_bad_train_length_is_one_line(capsys):
     assert main(["bench", "--train-lengths", "1"]) != 0
     assert "--train-lengths 1 is not allowed; allowed: integers >= 2" in capsys.readouterr().err
+
+
+def test_freeze_encoding_trains_without_the_encodings_own_gradients(monkeypatch):
+    """--freeze-encoding: the train rows run with the encoding's parameters frozen (no gradient
+    reaches T5's bucket table) while the model's own weights still get theirs."""
+    import hf_posenc.recipes.benchmark.suite as suite
+    from hf_posenc.recipes.benchmark import BenchConfig, run_suite
+
+    seen = []
+    original = suite._train_step
+
+    def recording(model, ids):
+        original(model, ids)
+        if hasattr(model, "posenc"):
+            own = [p.grad for p in model.posenc.parameters()]
+            seen.append((all(g is None for g in own), model.lm_head.weight.grad is not None))
+
+    monkeypatch.setattr(suite, "_train_step", recording)
+    config = BenchConfig(
+        encodings=["t5"], lengths=[16], modes=["train"], vocab_size=64, hidden_size=16,
+        num_layers=1, num_heads=2, repeats=1, warmup=0, freeze_encoding=True,
+    )  # fmt: skip
+    run_suite(config, progress=False)
+    assert seen and all(frozen and trained for frozen, trained in seen)

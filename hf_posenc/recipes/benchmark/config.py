@@ -27,3 +27,6 @@ class BenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     backend: str = "auto"
+    #: train mode without the encoding's own parameters' gradients (learned tables frozen): the
+    #: cost of learning them, measured against the same run's trainable rows
+    freeze_encoding: bool = False

@@ -194,6 +194,8 @@ def run_suite(config: BenchConfig, progress: bool = True) -> list[Measurement]:
             if name == NATIVE
             else patch_model(copy.deepcopy(bench.native), name, backend=config.backend)
         )
+        if name != NATIVE and config.freeze_encoding:
+            model.posenc.requires_grad_(False)
         for mode in config.modes:
             for length in _lengths(config, mode):
                 m = bench.measure(name, model, mode, length)

@@ -68,6 +68,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--backend", default=defaults.backend, help="attention backend")
     parser.add_argument(
+        "--freeze-encoding",
+        action="store_true",
+        help="train mode with the encoding's own parameters frozen (shows what learning its tables costs)",
+    )
+    parser.add_argument(
         "--output-dir", "--output", dest="output_dir", default="posenc-bench", help="results go here"
     )
     parser.set_defaults(run=command_bench)
