@@ -69,7 +69,7 @@ class ShiftedSparse:
         if isinstance(value, int) and not isinstance(value, bool):
             if value < 2 or value % 2:
                 raise InvalidParameterError(
-                    f"S2-Attn: group size {group_size!r} is not allowed; allowed: an even number of tokens >= 2 "
+                    f"S2-Attn: group size {value!r} is not allowed; allowed: an even number of tokens >= 2 "
                     "(half the heads shift by half a group) or a fraction of the length in (0, 1), e.g. 0.25"
                 )
             return cls(group_size=value, wrap=wrap)

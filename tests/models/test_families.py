@@ -246,6 +246,7 @@ ENCODING_NAME_EXCEPTIONS = {
         "rerope",
     },
     "recipes/evaluation/perplexity.py": {"alibi"},
+    "recipes/training/s2.py": {"rope"},  # --s2-attn on a native checkpoint: "add --encoding rope"
     # the study's default settings: the encodings the ExPE paper compares, its evaluation-only rows
     "recipes/study/spec.py": {"alibi", "expe", "exqpe", "nope", "rope", "sinusoidal", "t5"},
     "recipes/study/evaluate.py": {"expe", "exqpe", "rope", "selfextend"},

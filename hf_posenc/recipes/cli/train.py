@@ -242,6 +242,42 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="module names LoRA wraps; default: the family's attention and MLP projections",
     )
+    group.add_argument(
+        "--lora-trainable",
+        type=_comma_list,
+        default=None,
+        metavar="embed,norm",
+        help="also train these fully beside LoRA, as LongLoRA does: embed (the input embedding), norm (every "
+        "normalisation layer); through peft's modules_to_save, merged into final/",
+    )
+
+
+def _comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_s2_arguments(parser: argparse.ArgumentParser) -> None:
+    """LongLoRA's shifted sparse attention (S2-Attn) while training."""
+    group = parser.add_argument_group("shifted sparse attention (LongLoRA)")
+    group.add_argument(
+        "--s2-attn",
+        action="store_true",
+        help="train with LongLoRA's S2-Attn (Chen et al. 2024): groups of --s2-group-size tokens, half the heads "
+        "in groups shifted by half a group; evaluation and the saved model attend in full",
+    )
+    group.add_argument(
+        "--s2-group-size",
+        default=None,
+        metavar="N|RATIO",
+        help="tokens per group (even, dividing --seq-len) or a fraction of --seq-len such as 0.25 or 1/4; "
+        "default: 1/4 (LongLoRA's)",
+    )
+    group.add_argument(
+        "--s2-wrap",
+        action="store_true",
+        help="the paper's Algorithm 1 (shifted heads' tokens rolled, so the first half-group sees the last) "
+        "instead of LongLoRA's unrolled groups (its flash-attention code; no token sees a later one)",
+    )
 
 
 #: the steps that add ``train``'s flags, in the order --help lists their groups
@@ -255,6 +291,7 @@ ARGUMENT_STEPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_validation_arguments,
     add_distributed_arguments,
     add_lora_arguments,
+    add_s2_arguments,
     add_long_context_arguments,
 ]
 

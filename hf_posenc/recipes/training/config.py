@@ -48,6 +48,10 @@ class TrainConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # default: attention and MLP projections of the family
+    lora_trainable: list[str] | None = None  # "embed", "norm": trained fully beside LoRA (LongLoRA)
+    s2_attn: bool = False  # LongLoRA's shifted sparse attention in training forwards (see s2.py)
+    s2_group_size: int | float | None = None  # tokens, or a fraction of seq_len; None: 1/4 (LongLoRA)
+    s2_wrap: bool = False  # the paper's rolled groups instead of LongLoRA's unrolled partition
     ddp_timeout: int = 1800  # seconds a collective may wait for the other processes
     report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers
     data_cache: str | None = None  # tokenised data (Arrow); default: OUTPUT_DIR/data-cache
@@ -111,6 +115,12 @@ class TrainConfig:
             raise InvalidParameterError(
                 f"train: lora_targets={self.lora_targets!r} is not allowed; allowed: module names such as q_proj"
             )
+        from .s2 import check_lora_trainable, check_s2_settings
+
+        check_lora_trainable(self.lora, self.lora_trainable)
+        self.s2_group_size = check_s2_settings(
+            self.s2_attn, self.s2_group_size, self.s2_wrap, seq_len=self.seq_len, packing=self.packing
+        )
         if self.encoding_lr is not None and not (math.isfinite(self.encoding_lr) and self.encoding_lr >= 0):
             raise InvalidParameterError(
                 f"train: encoding_lr={self.encoding_lr!r} is not allowed; allowed: a finite number >= 0"
@@ -189,10 +199,14 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
         packing=config.packing,
         position_sampling=config.position_sampling,
     )
-    if config.lora and config.lora_targets and saved is not None:
-        from .lora import check_lora_targets_of_config
+    if config.s2_attn:
+        from .s2 import check_s2_request
 
-        check_lora_targets_of_config(config.model, config.lora_targets)
+        check_s2_request(config, saved)
+    if config.lora and (config.lora_targets or config.lora_trainable) and saved is not None:
+        from .lora import check_lora_of_config
+
+        check_lora_of_config(config.model, config.lora_targets, config.lora_trainable)
 
 
 def _patch_info(model: Any) -> Any:

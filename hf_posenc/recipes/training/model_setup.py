@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from ...attention.shifted import DEFAULT_GROUP_RATIO
 from ...core.limits import position_limit
 from ...core.loading import load_model
 from ...core.patch import patch_info, patch_model
+from ...core.shifted_sparse import enable_s2_attn
 from ...errors import InvalidParameterError
 from .config import TrainConfig
 from .lora import apply_lora
@@ -104,7 +106,10 @@ def trainable_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
             alpha=config.lora_alpha,
             dropout=config.lora_dropout,
             targets=config.lora_targets,
+            trainable=config.lora_trainable,
         )
+    if config.s2_attn:  # LongLoRA's shifted sparse attention in training forwards (full in eval)
+        enable_s2_attn(model, config.s2_group_size or DEFAULT_GROUP_RATIO, wrap=config.s2_wrap)
     model.train()
     return model
 

@@ -29,6 +29,16 @@ def model_card(config: TrainConfig, losses: list[tuple[int, float]], record: dic
         else f"Continued pretraining of `{config.model}` with its own positional encoding"
     )
     versions = ", ".join(f"{k} {v}" for k, v in record["provenance"]["versions"].items())
+    lora = f"r={config.lora_r} (merged)" if config.lora else "no"
+    if config.lora and config.lora_trainable:
+        lora += f"; {', '.join(config.lora_trainable)} trained fully"
+    s2 = "full"
+    if config.s2_attn:
+        size = config.s2_group_size
+        group = f"{size:g} of the length" if isinstance(size, float) else f"{size} tokens"
+        s2 = (
+            f"LongLoRA's S2-Attn, groups of {group}{' (rolled)' if config.s2_wrap else ''}; full at inference"
+        )
     return f"""---
 library_name: transformers
 tags: [hf-posenc, positional-encoding, continued-pretraining]
@@ -47,7 +57,8 @@ base_model: {config.model}
 | sequence length | {config.seq_len} |
 | steps | {config.max_steps} optimizer steps, global batch {record["global_batch"] * config.grad_accum} sequences ({tokens:,} tokens) |
 | learning rate | {config.lr} (warm-up {config.warmup_ratio:.0%}, cosine to {config.end_lr_ratio}x) |
-| LoRA | {"r=" + str(config.lora_r) + " (merged)" if config.lora else "no"} |
+| LoRA | {lora} |
+| attention while training | {s2} |
 | loss | {first:.4f} at step 1, {last:.4f} at step {config.max_steps} |
 | dtype / mixed precision | {config.dtype} / {config.mixed_precision} |
 | processes | {record["num_processes"]} |

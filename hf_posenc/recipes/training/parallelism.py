@@ -82,9 +82,9 @@ def _probe_geometry(num_layers: int) -> Any:
     )
 
 
-def request_forms(encoding: Any, params: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Per encoding of a request (a name, or a per-layer pattern such as ``rope*3+nope``): its
-    attention form. Builds each part on a small CPU geometry; loads no model.
+def probe_encodings(encoding: Any, params: Mapping[str, Any] | None = None) -> list[Any]:
+    """One instance of each encoding of a request (a name, or a per-layer pattern such as
+    ``rope*3+nope``), built on a small CPU geometry; loads no model.
 
     Caveat: a checkpoint's own RoPE scaling (e.g. a native dynamic NTK config) is not seen here;
     :func:`model_forms` re-asks the patched model's own encodings once it is loaded."""
@@ -93,12 +93,13 @@ def request_forms(encoding: Any, params: Mapping[str, Any] | None = None) -> dic
     num_layers = len(parse_pattern_text(encoding)) if is_pattern_text(encoding) else 1
     geometry = _probe_geometry(num_layers)
     plan = plan_request(encoding, num_layers, params or None)
-    forms: dict[str, str] = {}
     with torch.device("cpu"):
-        for cls, config in plan.parts:
-            instance = cls(config.resolve(geometry), geometry)
-            forms[cls.name] = attention_form(instance)
-    return forms
+        return [cls(config.resolve(geometry), geometry) for cls, config in plan.parts]
+
+
+def request_forms(encoding: Any, params: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Per encoding of a request: its attention form (:func:`probe_encodings`; loads no model)."""
+    return {instance.name: attention_form(instance) for instance in probe_encodings(encoding, params)}
 
 
 def model_forms(model: Any) -> dict[str, str]:
