@@ -26,15 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..core.layout import causal_keys, causal_mask, expand_kv_heads, fold_mask
+from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
-from ..encodings.block_bias import BlockBias, DistanceBias
+from ..encodings.block_bias import BlockBias, SeparableBias
 from .backend import AUTO, AttentionCall, Backend, register_backend
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
 #: up to this many queries (decoding steps) the bias block is written out: cheaper than reversing the keys
 FEW_QUERIES = 16
+#: dtypes in which a separable bias rides in q and k (:func:`attend_separable`); in bf16/fp16 its
+#: key term would be rounded to 8/11 bits, so those keep the written-out bias
+FEATURE_DTYPES = (torch.float32, torch.float64)
 
 
 class ToeplitzView(torch.autograd.Function):
@@ -135,46 +138,102 @@ def attend_chunked(
     q_len, k_len = q.shape[-2], k.shape[-2]
     spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
 
-    if mask is None and isinstance(bias, DistanceBias) and q_len > FEW_QUERIES:
-        minimum = torch.finfo(q.dtype).min
-        heads = bias.table.shape[0]
-        future = bias.table.new_full((heads, q_len - 1), minimum).to(q.dtype)
-        line = torch.cat((future, bias.table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
-        k_rev, v_rev = k.flip(2), v.flip(2)  # reversed key b holds key Tk-1-b
-        outputs = []
-        for start, stop in spans:
-            first = q_len - stop  # the first reversed key a query of this block may attend
-            # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
-            view = ToeplitzView.apply(line, start + first, stop - start, k_len - first)
-            q_block, k_block, v_block = q[:, :, start:stop], k_rev[:, :, first:], v_rev[:, :, first:]
-            outputs.append(block_attention(q_block, k_block, v_block, view, softmax_scale, dropout_p))
-        return torch.cat(outputs, dim=2).transpose(1, 2)
-
-    def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
-        k_end, rows = causal_keys(q_len, k_len, stop), stop - start
-        if k_start == 0:
-            values = bias.rows(start, stop, k_end).to(q.dtype)  # (B|1, Hq, rows, keys)
-        else:
-            values = bias.span(start, stop, k_start, k_end).to(q.dtype)
-        # (B|1, 1, rows, keys): the block's causal keys are k_start .. k_end-1 (bottom-right aligned)
-        allowed = causal_mask(rows, k_end, q.device) if mask is None else mask[..., start:stop, k_start:k_end]
-        folded = fold_mask(values, allowed)
-        k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
-        return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
-
     # skipping keys needs the mask's values on the host: not under torch.compile (a data-dependent
     # slice breaks fullgraph), where every block starts at key 0 and the mask does the same work
     firsts = [0] * len(spans)
     if mask is not None and not torch.compiler.is_compiling():
         firsts = block_first_keys(mask, spans, memo)
+    if isinstance(bias, SeparableBias) and q.dtype in FEATURE_DTYPES and q_len > FEW_QUERIES:
+        return attend_separable(q, k, v, bias, mask, softmax_scale, dropout_p, spans, firsts)
+
+    # the leading queries whose bias is a table over distances (all of them for a DistanceBias)
+    distance = bias.distance_table() if mask is None and q_len > FEW_QUERIES else None
+    toeplitz_rows, toeplitz_block = 0, None
+    if distance is not None:
+        toeplitz_rows, table = distance
+        minimum = torch.finfo(q.dtype).min
+        future = table.new_full((table.shape[0], q_len - 1), minimum).to(q.dtype)
+        line = torch.cat((future, table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
+        k_rev, v_rev = k.flip(2), v.flip(2)  # reversed key b holds key Tk-1-b
+
+        def toeplitz_block(start: int, stop: int) -> torch.Tensor:
+            first = q_len - stop  # the first reversed key a query of this block may attend
+            # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
+            view = ToeplitzView.apply(line, start + first, stop - start, k_len - first)
+            q_block, k_block, v_block = q[:, :, start:stop], k_rev[:, :, first:], v_rev[:, :, first:]
+            return block_attention(q_block, k_block, v_block, view, softmax_scale, dropout_p)
+
+    def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
+        k_end = causal_keys(q_len, k_len, stop)
+        # (B|1, 1, rows, keys) or None: the causal keys (bottom-right aligned)
+        allowed = None if mask is None else mask[..., start:stop, k_start:k_end]
+        folded = bias.folded(start, stop, k_start, k_end, allowed, q.dtype)  # (B|1, Hq, rows, keys)
+        k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
+        return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
+
     recompute = torch.is_grad_enabled() and len(spans) > 1
     outputs = []
     for (start, stop), k_start in zip(spans, firsts, strict=True):
         q_block = q[:, :, start:stop]
-        if recompute:
+        if toeplitz_block is not None and stop <= toeplitz_rows:
+            outputs.append(toeplitz_block(start, stop))
+        elif recompute:
             outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
         else:
             outputs.append(one_block(q_block, start, stop, k_start))
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def attend_separable(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: SeparableBias,
+    mask: torch.Tensor | None,
+    softmax_scale: float,
+    dropout_p: float,
+    spans: list[tuple[int, int]],
+    firsts: list[int],
+) -> torch.Tensor:
+    """Attention with a separable bias ``u_i - w_j`` (FoX's c_i - c_j) as one more feature of q and k.
+
+    The query term is constant along each softmax row, so it changes no weight: a block of
+    queries adds ``r - w_j`` to its scores, with ``r`` the query term of its last query (so the
+    added values stay small where the weights are; for FoX ``r - w_j`` is the log-forgetting
+    between key j and the block's end, <= 0). That term rides in the scores as
+    ``q' = (q, 1)``, ``k' = (k, (r - w_j) / scale)``, ``v' = (v, 0)``, and each block is one fused
+    SDPA call whose mask is only the causal/padding one, (B|1, 1, rows, keys) instead of a
+    (B, Hq, rows, keys) bias, with SDPA's own fused backward (the bias gradient arrives as k''s).
+    fp32/fp64 only (:data:`FEATURE_DTYPES`). q, k, v (B, Hq, T, D) -> (B, Tq, Hq, D).
+    """
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    queries = F.pad(q, (0, 1), value=1.0)  # (B, Hq, Tq, D+1)
+    values = F.pad(v, (0, 1))  # (B, Hq, Tk, D+1): the extra feature's output is dropped
+    minimum = torch.finfo(q.dtype).min
+    outputs = []
+    for (start, stop), k_start in zip(spans, firsts, strict=True):
+        k_end, rows = causal_keys(q_len, k_len, stop), stop - start
+        reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
+        column = (reference - bias.key_term[..., k_start:k_end]) / softmax_scale  # (B, Hq, keys)
+        column = column.to(q.dtype).expand(k.shape[0], -1, -1)
+        keys = torch.cat((k[:, :, k_start:k_end], column[..., None]), dim=-1)  # (B, Hq, keys, D+1)
+        if mask is None:  # (1, 1, rows, keys): the minimum after each query's own key
+            additive = torch.full((rows, k_end), minimum, dtype=q.dtype, device=q.device)
+            additive = additive.triu_(k_end - rows + 1)[None, None]
+        else:  # (B|1, 1, rows, keys)
+            allowed = mask[..., start:stop, k_start:k_end]
+            additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~allowed, minimum
+            )
+        out = F.scaled_dot_product_attention(
+            queries[:, :, start:stop],
+            keys,
+            values[:, :, k_start:k_end],
+            attn_mask=additive,
+            dropout_p=dropout_p,
+            scale=softmax_scale,
+        )  # (B, Hq, rows, D+1)
+        outputs.append(out[..., :-1])
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 

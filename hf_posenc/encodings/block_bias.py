@@ -13,8 +13,10 @@ what the bias *is*, never which kernel should serve it.
 ``SeparableBias``       ``bias[i, j] = query_term[i] - key_term[j]``;
 ``CumulativeBias``      a SeparableBias ``bias[i, j] = sum_{l=j+1}^{i} g_l`` whose per-token
                         increments ``g`` of every key are known (FoX without a cache);
-``RowBias``             a function ``(start, stop, k_end) -> (B|1, Hq, stop-start, k_end)`` (FIRE),
-                        optionally with the bias of one score ``(b, h, q_idx, kv_idx) -> bias``.
+``RowBias``             a function ``(start, stop, k_end) -> (B|1, Hq, stop-start, k_end)``,
+                        optionally with the bias of one score ``(b, h, q_idx, kv_idx) -> bias``;
+``PiecewiseDistanceBias`` (:mod:`.piecewise_bias`) a piecewise-linear function of a per-query
+                        normalised distance (FIRE), a distance table for the queries below its threshold.
 
 Queries are bottom-right aligned (:mod:`hf_posenc.core.layout`). Every form gives the bias of the
 keys a causal query may attend; future keys, masked by every backend, get the bias of distance 0.
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.layout import query_key_indices
+from ..core.layout import causal_mask, fold_mask, query_key_indices
 
 RowsFunction = Callable[[int, int, int], torch.Tensor]
 #: the bias of scores at index tensors (b, h, q_idx, kv_idx) -> bias (FlexAttention's score_mod layout)
@@ -58,6 +60,28 @@ class BlockBias:
         """The bias of one score from index tensors, or None when the form cannot say it per score."""
         return None
 
+    def distance_table(self) -> tuple[int, torch.Tensor] | None:
+        """``(rows, table)`` when the first ``rows`` queries have the bias ``table[h, i - j]``
+        ((Hq, Tk) fp32, a Toeplitz matrix), else None."""
+        return None
+
+    def folded(
+        self,
+        start: int,
+        stop: int,
+        k_start: int,
+        k_end: int,
+        allowed: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """:meth:`span` in ``dtype`` with the dtype's minimum where ``allowed`` (B|1, 1, rows, keys)
+        bool is False (None: the causal keys, bottom-right aligned): one block's float attention
+        mask, (B', Hq, rows, keys)."""
+        values = self.rows(start, stop, k_end) if k_start == 0 else self.span(start, stop, k_start, k_end)
+        if allowed is None:
+            allowed = causal_mask(stop - start, k_end, values.device)[..., k_start:]
+        return fold_mask(values.to(dtype), allowed)
+
 
 @dataclasses.dataclass(frozen=True)
 class DistanceBias(BlockBias):
@@ -72,6 +96,9 @@ class DistanceBias(BlockBias):
         queries, keys = query_key_indices(self.q_len, self.k_len, self.table.device, start, stop)
         distance = (queries[:, None] - keys[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
         return self.table[:, distance][None]  # (1, Hq, rows, k_end - k_start)
+
+    def distance_table(self) -> tuple[int, torch.Tensor] | None:
+        return self.q_len, self.table
 
     def elementwise(self) -> ElementwiseBias:
         table, offset = self.table, self.k_len - self.q_len

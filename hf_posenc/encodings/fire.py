@@ -35,11 +35,10 @@ from torch import nn
 
 from ..core.config import EncodingConfig, check_bool, check_number
 from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
-from ..core.layout import query_key_distance
 from ..core.registry import register_encoding
 from .base import Encoding, module_cache
-from .block_bias import ElementwiseBias, RowBias
 from .call import ScoreCall
+from .piecewise_bias import PiecewiseDistanceBias
 
 EPS = 1e-6  # the reference's guard on the normaliser
 
@@ -129,42 +128,30 @@ class FIREFunction(nn.Module):
         intercepts = w2 @ (on * b1[None]).t() + self.out.bias.float()[:, None]  # (Hq, K+1)
         return points, slopes, intercepts
 
-    def evaluate_pieces(
-        self, distance: torch.Tensor, positions: torch.Tensor, pieces: tuple | None = None
-    ) -> torch.Tensor:
-        """Same as :meth:`forward` (to fp32 rounding), through :meth:`linear_pieces`: a few
-        operations per score instead of a width-``K`` hidden layer. -> (B, Hq, Tq, Tk) fp32."""
-        x = self.normalized_distance(distance, positions)  # (B, Tq, Tk)
-        points, slopes, intercepts = pieces or self.linear_pieces()
-        segment = torch.searchsorted(points, x.detach(), right=True)  # (B, Tq, Tk) in 0 .. K
-        bias = slopes[:, segment] * x + intercepts[:, segment]  # (Hq, B, Tq, Tk)
-        return bias.movedim(0, 1)
-
-    def elementwise(
-        self, positions: torch.Tensor, k_len: int, pieces: tuple | None = None, factor: float = 1.0
-    ) -> ElementwiseBias:
-        """This bias of one score (b, h, q_idx, kv_idx) for queries at ``positions`` (B|1, Tq; already
-        divided by ``factor``), the last Tq of ``k_len`` keys: psi((i - j) / factor) from a (Tk,)
-        table, the normaliser per query, and f as its linear pieces (the segment is the number of
-        breakpoints <= x)."""
-        offset = k_len - positions.shape[-1]
+    def bias(
+        self, positions: torch.Tensor, q_len: int, k_len: int, factor: float = 1.0
+    ) -> PiecewiseDistanceBias:
+        """The bias of queries at ``positions`` (B|1, Tq; already divided by ``factor``), the last
+        Tq of ``k_len`` keys, as its pieces: x = psi((i - j) / factor) / (psi(max(L, i)) + eps)
+        from a (Tk,) table of psi and a normaliser per query, f as :meth:`linear_pieces`. Queries
+        with i <= L share the normaliser psi(L) + eps (below the threshold the bias is a table
+        over distances)."""
         c = self.c.float().abs()
-        distances = interpolate(torch.arange(k_len, device=positions.device), factor).float()  # (Tk,)
-        log_distance = torch.log1p(c * distances)  # (Tk,)
-        normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B|1, Tq)
-        points, slopes, intercepts = pieces or self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
-        shared_rows = normalizer.shape[0] == 1
-
-        def fire(b, h, q_idx, kv_idx):
-            distance = torch.clamp(q_idx + offset - kv_idx, min=0)
-            row = 0 if shared_rows else b
-            x = log_distance[distance] / normalizer[row, q_idx]
-            segment = torch.zeros_like(distance)
-            for k in range(points.shape[0]):
-                segment = segment + (x >= points[k]).to(distance.dtype)
-            return slopes[h, segment] * x + intercepts[h, segment]
-
-        return fire
+        device = positions.device
+        distances = interpolate(torch.arange(k_len, device=device), factor).float()  # (Tk,) d / factor
+        feature = torch.log1p(c * distances)  # (Tk,) psi(d / factor)
+        threshold = self.threshold()
+        floor = torch.log1p(c * threshold) + EPS  # () psi(L) + eps
+        queries = positions.float()  # (B|1, Tq)
+        below = queries <= threshold
+        normalizer = torch.where(below, floor, torch.log1p(c * torch.maximum(queries, threshold)) + EPS)
+        table_rows = 0
+        if not torch.compiler.is_compiling():  # the leading queries below L in every row (one host sync)
+            table_rows = int(below.all(dim=0).int().cumprod(dim=0).sum())
+        points, slopes, intercepts = self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
+        return PiecewiseDistanceBias(
+            q_len, k_len, feature, normalizer, points, slopes, intercepts, below, floor, table_rows
+        )
 
     def forward(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """-> (B, Hq, Tq, Tk) fp32 bias."""
@@ -207,24 +194,14 @@ class FIRE(Encoding[FIREConfig]):
             max(1.0, largest_c),
         )
 
-    def score_bias(self, call: ScoreCall) -> RowBias:
+    def score_bias(self, call: ScoreCall) -> PiecewiseDistanceBias:
         q_len, k_len, device = call.q_len, call.k_len, call.device
         factor = self.config.factor
         positions = call.memo.get(
             ("fire_positions", q_len, k_len, device),
             lambda: interpolate(_distinct_rows(call.positions), factor),
         )  # (B|1, Tq) i / factor
-        function = self.function(call.layer_idx)
-        pieces = function.linear_pieces()  # once per call, shared by every block (and by flex)
-
-        def rows(start: int, stop: int, k_end: int) -> torch.Tensor:
-            distance = query_key_distance(q_len, k_len, device, start, stop)[:, :k_end]  # (rows, keys) i - j
-            distance = interpolate(distance, factor)  # (i - j) / factor
-            return function.evaluate_pieces(
-                distance, positions[:, start:stop], pieces
-            )  # (B|1, Hq, rows, keys)
-
-        return RowBias(q_len, k_len, rows, score=function.elementwise(positions, k_len, pieces, factor))
+        return self.function(call.layer_idx).bias(positions, q_len, k_len, factor)
 
 
 def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:

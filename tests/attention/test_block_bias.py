@@ -190,6 +190,6 @@ def test_fire_linear_pieces_equal_the_mlp_and_follow_in_place_updates():
         for _ in range(2):
             for p in function.parameters():
                 p.add_(torch.randn(p.shape) * 0.5)
-            pieces = function.evaluate_pieces(distance, positions)
+            pieces = function.bias(positions, 20, 20).full()
             mlp = function(distance, positions)
             torch.testing.assert_close(pieces[..., attendable], mlp[..., attendable], atol=1e-6, rtol=1e-5)

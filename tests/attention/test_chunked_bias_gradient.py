@@ -48,21 +48,33 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
 
 
 @pytest.mark.parametrize(
-    ("name", "params"), [("t5", {}), ("kerple", {}), ("fire", {}), ("fox", {})], ids=lambda v: str(v)
+    ("name", "params", "path"),
+    [
+        ("t5", {}, "recompute"),
+        ("kerple", {}, "recompute"),
+        ("fire", {}, "recompute"),
+        ("fox", {}, "separable"),
+    ],
+    ids=lambda v: str(v),
 )
-def test_learned_bias_training_uses_the_recomputing_backward_and_equals_eager(name, params, monkeypatch):
-    """Training a learned-bias encoding on the chunked backend goes through BiasedBlockAttention
-    (never SDPA with a float mask that needs its gradient), and every parameter's gradient equals
-    the eager backend's (fp32, 1e-5)."""
+def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, params, path, monkeypatch):
+    """Training a learned-bias encoding on the chunked backend never sends SDPA a float mask
+    that needs its gradient: a bias written out per block goes through BiasedBlockAttention, a
+    separable one (FoX) rides in q and k (attend_separable, SDPA's own backward); every
+    parameter's gradient equals the eager backend's (fp32, 1e-5)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
-    calls = []
-    original = chunked.BiasedBlockAttention.apply
+    calls = {"recompute": 0, "separable": 0}
+    originals = {"recompute": chunked.BiasedBlockAttention.apply, "separable": chunked.attend_separable}
 
-    def counting(*args):
-        calls.append(args[3].shape)
-        return original(*args)
+    def counting(kind):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return originals[kind](*args, **kwargs)
 
-    monkeypatch.setattr(chunked.BiasedBlockAttention, "apply", counting)
+        return call
+
+    monkeypatch.setattr(chunked.BiasedBlockAttention, "apply", counting("recompute"))
+    monkeypatch.setattr(chunked, "attend_separable", counting("separable"))
     ids = token_ids(2, 40)
     grads = {}
     for backend in ("chunked", "eager"):
@@ -70,7 +82,9 @@ def test_learned_bias_training_uses_the_recomputing_backward_and_equals_eager(na
         model.train()
         model(ids, labels=ids).loss.backward()
         grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert calls, "the chunked backend did not use BiasedBlockAttention"
+    assert calls[path], f"the chunked backend did not take its {path} path"
+    if path == "separable":
+        assert not calls["recompute"], "a separable bias was written out"
     assert grads["chunked"].keys() == grads["eager"].keys()
     for n, g in grads["eager"].items():
         torch.testing.assert_close(grads["chunked"][n], g, atol=1e-5, rtol=1e-5, msg=n)

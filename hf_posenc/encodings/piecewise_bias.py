@@ -1,0 +1,193 @@
+"""A score bias that is a piecewise-linear function of a per-query normalised distance (FIRE,
+Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context
+Transformers", arXiv:2310.04418, whose one-input ReLU MLP is such a function):
+
+    bias[b, h, i, j] = slopes[h, s] * x + intercepts[h, s],   x = feature[i - j] / normalizer[b, i],
+    s = #{k : points[k] <= x}                                  (the linear piece x falls in)
+
+``feature`` (Tk,) is non-decreasing in the distance d = i - j (future keys, masked by every
+backend, get distance 0), ``normalizer`` (B|1, Tq) > 0, ``points`` (K,) sorted, ``slopes`` and
+``intercepts`` (Hq, K+1). Queries marked ``below`` (B|1, Tq) share the normaliser ``floor``
+(FIRE: i <= L, where the normaliser is psi(L)); there the bias depends on i - j only and is
+the distance table ``table[h, d] = f_h(feature[d] / floor)`` (Hq, Tk).
+
+The views, each exact (the same fp32 operations on the same x):
+
+- ``rows``/``span``: the formula, with ``torch.searchsorted`` for the piece;
+- ``elementwise`` (FlexAttention): the table for queries below, else a branch-free binary
+  search over the breakpoints (ceil(log2(K+1)) ``torch.where`` steps, 6 for K = 32);
+- ``distance_table``: the leading queries below the threshold, which the chunked backend
+  serves as a strided Toeplitz view (nothing written out);
+- ``folded`` (one chunked block, mask included): x and the piece per (query, key) for all
+  heads at once — as x is monotone along a row, the pieces come from one search per row and
+  breakpoint and a cumulative sum, not a search per score — then per head two gathers from
+  (2K+2,) vectors and one multiply-add. The mask is folded into the piece index (pieces past K
+  have slope 0 and the dtype's minimum as intercept), so no other pass over the block is
+  needed (a causal mask costs one more scattered value per row); its backward sums the
+  gradient per piece (:class:`PiecewiseBlock`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.layout import query_key_indices
+from .block_bias import BlockBias, ElementwiseBias
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecewiseDistanceBias(BlockBias):
+    feature: torch.Tensor  # (Tk,) fp32, non-decreasing: feature[d] for d = 0 .. Tk-1
+    normalizer: torch.Tensor  # (B|1, Tq) fp32 > 0
+    points: torch.Tensor  # (K,) fp32 sorted breakpoints
+    slopes: torch.Tensor  # (Hq, K+1) fp32
+    intercepts: torch.Tensor  # (Hq, K+1) fp32
+    below: torch.Tensor  # (B|1, Tq) bool: the query's normaliser is ``floor``
+    floor: torch.Tensor  # () fp32
+    #: how many leading queries are ``below`` in every batch row (0 when unknown, e.g. compiling)
+    table_rows: int = 0
+
+    def x(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
+        """The normalised distance of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``:
+        (B|1, rows, keys) fp32, non-increasing along the keys."""
+        queries, keys = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
+        distance = (queries[:, None] - keys[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
+        return self.feature[distance] / self.normalizer[:, start:stop, None]
+
+    def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
+        x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
+        segment = torch.searchsorted(self.points, x.detach(), right=True)  # (B|1, rows, keys) in 0 .. K
+        bias = self.slopes[:, segment] * x + self.intercepts[:, segment]  # (Hq, B|1, rows, keys)
+        return bias.movedim(0, 1)
+
+    def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
+        return self.span(start, stop, 0, k_end)
+
+    def distance_table(self) -> tuple[int, torch.Tensor] | None:
+        return (self.table_rows, self.table) if self.table_rows > 0 else None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """(Hq, Tk) fp32: the bias of distance d for queries whose normaliser is ``floor``."""
+        x = self.feature / self.floor  # (Tk,)
+        segment = torch.searchsorted(self.points, x.detach(), right=True)  # (Tk,)
+        return self.slopes[:, segment] * x + self.intercepts[:, segment]
+
+    def elementwise(self) -> ElementwiseBias:
+        offset = self.k_len - self.q_len
+        feature, normalizer, below, table = self.feature, self.normalizer, self.below, self.table
+        slopes, intercepts = self.slopes, self.intercepts
+        count = self.points.shape[0]
+        size = 1 << math.ceil(math.log2(count + 1))  # 2^m >= K + 1 entries: -inf, the points, +inf...
+        infinity = torch.tensor([math.inf], device=self.points.device)
+        padded = torch.cat((-infinity, self.points.float(), infinity.expand(size - 1 - count)))
+        steps = [size >> level for level in range(1, size.bit_length())]  # size/2, ..., 1
+        shared_rows = normalizer.shape[0] == 1
+
+        def piecewise(b, h, q_idx, kv_idx):
+            distance = torch.clamp(q_idx + offset - kv_idx, min=0)
+            row = 0 if shared_rows else b
+            x = feature[distance] / normalizer[row, q_idx]
+            # the largest n with padded[n] <= x is the number of breakpoints <= x
+            segment = torch.zeros_like(distance)
+            for step in steps:
+                candidate = segment + step
+                segment = torch.where(padded[candidate] <= x, candidate, segment)
+            searched = slopes[h, segment] * x + intercepts[h, segment]
+            return torch.where(below[row, q_idx], table[h, distance], searched)
+
+        return piecewise
+
+    def folded(
+        self,
+        start: int,
+        stop: int,
+        k_start: int,
+        k_end: int,
+        allowed: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
+        count = self.points.shape[0]
+        masked = count + 1  # pieces K+1 .. 2K+1: keys that may not be attended
+        future = None
+        if allowed is None:  # causal: from key index i + 1 on, the pieces are shifted past K
+            queries, _ = query_key_indices(self.q_len, self.k_len, x.device, start, stop)
+            future = queries + 1 - k_start  # (rows,) the first future key of each query
+        segment = monotone_segments(x.detach(), self.points, future, masked)  # (B|1, rows, keys)
+        if allowed is not None:  # (B|1, 1, rows, keys)
+            segment = segment.masked_fill(~allowed[:, 0], masked)
+        slopes = F.pad(self.slopes, (0, masked))  # (Hq, 2K+2): slope 0 ...
+        intercepts = F.pad(self.intercepts, (0, masked), value=torch.finfo(dtype).min)  # ... and the minimum
+        return PiecewiseBlock.apply(x, segment, slopes, intercepts).to(dtype)  # (B', Hq, rows, keys)
+
+
+def monotone_segments(
+    x: torch.Tensor, points: torch.Tensor, future: torch.Tensor | None = None, shift: int = 0
+) -> torch.Tensor:
+    """x (B, rows, keys), non-increasing along the keys; points (K,) sorted -> the number of
+    points <= x, (B, rows, keys) int64, plus ``shift`` from key ``future[row]`` on (rows,) when given.
+
+    Along a row the keys with x >= p_k are a prefix (of length E_k, one ``searchsorted`` per row
+    and point), so the count is K minus the number of prefixes that ended: a cumulative sum of
+    ones scattered at the E_k (and of -shift at ``future``). (Where rounding made x not
+    monotone, the piece of an x within an ulp of a breakpoint may be its neighbour: f is
+    continuous there, so the bias is unchanged to fp32 rounding.)
+    """
+    batch, rows, keys = x.shape
+    flat = x.reshape(-1, keys)  # (B * rows, keys)
+    count = points.shape[0]
+    ends = torch.searchsorted(flat.neg(), points.neg().expand(flat.shape[0], count).contiguous(), right=True)
+    ended = torch.zeros(flat.shape[0], keys + 1, dtype=torch.int64, device=x.device)
+    ended.scatter_add_(1, ends, torch.ones_like(ends))  # (B * rows, keys + 1)
+    if future is not None:
+        rows_future = future.clamp(0, keys).repeat(batch)[:, None]  # (B * rows, 1)
+        ended.scatter_add_(1, rows_future, torch.full_like(rows_future, -shift))
+    return (count - ended.cumsum(1)[:, :-1]).reshape(x.shape)
+
+
+class PiecewiseBlock(torch.autograd.Function):
+    """(x (B|1, rows, keys), piece (B', rows, keys), slopes, intercepts (Hq, P)) ->
+    ``slopes[h, piece] * x + intercepts[h, piece]`` (B', Hq, rows, keys) fp32.
+
+    Forward: per (batch row, head) two gathers from (P,) vectors into one output block and a
+    multiply-add, no (Hq, rows, keys) temporaries. Backward: the gradient of slopes and
+    intercepts summed per piece (``index_add_``), of x summed over the heads.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, piece: torch.Tensor, slopes: torch.Tensor, intercepts: torch.Tensor):
+        batch, heads = piece.shape[0], slopes.shape[0]
+        out = x.new_empty(batch, heads, *piece.shape[1:])  # (B', Hq, rows, keys)
+        gathered = x.new_empty(piece[0].numel())
+        for b in range(batch):
+            index, values = piece[b].reshape(-1), x[b if x.shape[0] > 1 else 0].reshape(-1)
+            for h in range(heads):
+                block = out[b, h].view(-1)
+                torch.index_select(intercepts[h], 0, index, out=block)
+                torch.index_select(slopes[h], 0, index, out=gathered)
+                block.addcmul_(gathered, values)
+        ctx.save_for_backward(x, piece, slopes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, piece, slopes = ctx.saved_tensors
+        batch, heads = piece.shape[0], slopes.shape[0]
+        grad = grad.float()
+        grad_x = torch.zeros(batch, piece[0].numel(), dtype=torch.float32, device=x.device)
+        grad_slopes = torch.zeros_like(slopes)
+        grad_intercepts = torch.zeros_like(slopes)
+        for b in range(batch):
+            index, values = piece[b].reshape(-1), x[b if x.shape[0] > 1 else 0].reshape(-1)
+            for h in range(heads):
+                g = grad[b, h].reshape(-1)
+                grad_intercepts[h].index_add_(0, index, g)
+                grad_slopes[h].index_add_(0, index, g * values)
+                grad_x[b].addcmul_(g, slopes[h].index_select(0, index))
+        grad_x = grad_x.view(piece.shape).sum_to_size(x.shape)
+        return grad_x, None, grad_slopes, grad_intercepts

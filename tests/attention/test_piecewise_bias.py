@@ -1,0 +1,193 @@
+"""FIRE's bias as a piecewise-linear function of a normalised distance (PiecewiseDistanceBias):
+every view of it — the per-score function FlexAttention evaluates (distance table below the
+threshold, binary search over the breakpoints above), the chunked backend's folded blocks and
+its Toeplitz table rows — equals FIRE's formula (Li et al. 2023, arXiv:2310.04418) written
+here in fp64 from the paper,
+
+    b_h(i, j) = f_h( psi((i - j) / s) / (psi(max(L, p_i / s)) + 1e-6) ),   psi(x) = log(1 + |c| x),
+    f = W2 relu(W1 x + b1) + b2,
+
+for any length, cached-key offset, threshold L, breakpoint count, interpolation factor s and
+batch rows with their own positions p (left padding); the folded blocks' gradients are those
+of the formula's view.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_posenc.core.interpolation import interpolate
+from hf_posenc.encodings.fire import FIREFunction
+from hf_posenc.encodings.piecewise_bias import monotone_segments
+
+
+def _function(heads: int, width: int, c: float, threshold: float, seed: int) -> FIREFunction:
+    """A FIRE function with random weights whose breakpoints -b1/w1 mostly fall inside [0, 1]."""
+    generator = torch.Generator().manual_seed(seed)
+    function = FIREFunction(heads, width, init_c=c, init_L=threshold)
+    with torch.no_grad():
+        w1 = torch.randn(width, generator=generator) * 3
+        inside = torch.rand(width, generator=generator)
+        function.hidden.weight.copy_(w1[:, None])
+        function.hidden.bias.copy_(-w1 * inside + 0.1 * torch.randn(width, generator=generator))
+        function.out.weight.copy_(torch.randn(heads, width, generator=generator))
+        function.out.bias.copy_(torch.randn(heads, generator=generator))
+    return function
+
+
+def _reference(function: FIREFunction, positions: torch.Tensor, q_len: int, k_len: int, factor: float):
+    """fp64 b[b, h, a, j] from the formula: query a at key index Tk - Tq + a, position p[b, a]."""
+    c = abs(float(function.c.detach()))
+    threshold = abs(float(function.L_multiplier.detach())) * function.init_L
+    w1 = function.hidden.weight.detach().double()[:, 0]
+    b1 = function.hidden.bias.detach().double()
+    w2 = function.out.weight.detach().double()
+    b2 = function.out.bias.detach().double()
+    batch = positions.shape[0]
+    out = torch.zeros(batch, w2.shape[0], q_len, k_len, dtype=torch.float64)
+    for b in range(batch):
+        for a in range(q_len):
+            i = k_len - q_len + a
+            normalizer = math.log(1 + c * max(threshold, float(positions[b, a]) / factor)) + 1e-6
+            for j in range(i + 1):
+                x = math.log(1 + c * (i - j) / factor) / normalizer
+                out[b, :, a, j] = w2 @ torch.relu(w1 * x + b1) + b2
+    return out
+
+
+def _case(q_len, extra_keys, width, threshold, c, factor, padded_rows, seed):
+    k_len = q_len + extra_keys
+    function = _function(3, width, c, threshold, seed)
+    keys = torch.arange(k_len - q_len, k_len)  # (Tq,) key index of each query
+    # two batch rows, the second left-padded by 2: its positions restart at 0
+    positions = torch.stack((keys, (keys - 2).clamp(min=0))) if padded_rows else keys[None]
+    bias = function.bias(interpolate(positions, factor), q_len, k_len, factor)
+    return function, positions, bias, _reference(function, positions, q_len, k_len, factor)
+
+
+CASES = {
+    "q_len": st.integers(1, 12),
+    "extra_keys": st.integers(0, 9),
+    "width": st.integers(1, 40),
+    "threshold": st.floats(0.5, 16.0),
+    "c": st.floats(0.01, 3.0),
+    "factor": st.sampled_from([1.0, 2.0, 0.5, 3.7]),
+    "padded_rows": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(**CASES)
+def test_the_per_score_function_is_the_formula(
+    q_len, extra_keys, width, threshold, c, factor, padded_rows, seed
+):
+    """FlexAttention's view (a table over distances for queries at or below L, a binary search
+    over the sorted breakpoints past it) at every attendable score."""
+    function, positions, bias, expected = _case(
+        q_len, extra_keys, width, threshold, c, factor, padded_rows, seed
+    )
+    k_len = q_len + extra_keys
+    b, h, a, j = torch.meshgrid(
+        torch.arange(positions.shape[0]),
+        torch.arange(3),
+        torch.arange(q_len),
+        torch.arange(k_len),
+        indexing="ij",
+    )
+    with torch.no_grad():
+        scores = bias.elementwise()(b, h, a, j)  # (B, H, Tq, Tk)
+    causal = torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]
+    torch.testing.assert_close(scores[..., causal].double(), expected[..., causal], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**CASES, start=st.integers(0, 11), k_start=st.integers(0, 5), holes=st.integers(0, 2**16))
+def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
+    q_len, extra_keys, width, threshold, c, factor, padded_rows, seed, start, k_start, holes
+):
+    """The chunked backend's block (queries start.., keys k_start..) with any mask folded in:
+    the formula where allowed, the dtype's minimum elsewhere; and the table rows it serves as
+    a Toeplitz view are the formula's rows."""
+    function, positions, bias, expected = _case(
+        q_len, extra_keys, width, threshold, c, factor, padded_rows, seed
+    )
+    k_len = q_len + extra_keys
+    start = min(start, q_len - 1)
+    k_end = k_len - q_len + q_len  # the keys of the last query
+    k_start = min(k_start, k_end - 1)
+    generator = torch.Generator().manual_seed(holes)
+    holes = torch.rand(positions.shape[0], 1, q_len - start, k_end - k_start, generator=generator) > 0.3
+    causal = torch.arange(k_start, k_end)[None, :] <= torch.arange(k_len - q_len + start, k_len)[:, None]
+    allowed = holes & causal
+    reference = expected[:, :, start:, k_start:k_end]
+    for given_mask in (allowed, None):  # None: the causal keys
+        with torch.no_grad():
+            block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32)
+        attendable = (allowed if given_mask is not None else causal[None, None]).expand_as(block)
+        expanded = reference.expand_as(block)
+        torch.testing.assert_close(block[attendable].double(), expanded[attendable], atol=1e-5, rtol=1e-5)
+        assert bool((block[~attendable] == torch.finfo(torch.float32).min).all())
+    rows = bias.table_rows
+    # L as the module holds it (fp32): at L itself either side gives the same normaliser
+    stored = torch.tensor(abs(float(function.L_multiplier.detach())) * function.init_L, dtype=torch.float32)
+    threshold_positions = interpolate(positions, factor).float() <= stored
+    assert rows == int(threshold_positions.all(0).int().cumprod(0).sum())
+    with torch.no_grad():
+        table = bias.table  # (H, Tk): the bias of distance d for the rows below
+    for a in range(rows):
+        i = k_len - q_len + a
+        distances = i - torch.arange(i + 1)
+        torch.testing.assert_close(
+            table[:, distances].double(), expected[0, :, a, : i + 1], atol=1e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize("padded_rows", [False, True])
+def test_folded_block_gradients_equal_the_formula_views(padded_rows):
+    """Gradients of every FIRE parameter through a folded block (summed per piece) equal those
+    through the formula's view (autograd of gathers); masked entries pass none."""
+    function, positions, _, _ = _case(9, 4, 12, 3.0, 0.4, 1.0, padded_rows, 7)
+    allowed = torch.rand(2 if padded_rows else 1, 1, 6, 13, generator=torch.Generator().manual_seed(1)) > 0.2
+    weights = torch.randn(2 if padded_rows else 1, 3, 6, 13, generator=torch.Generator().manual_seed(2))
+    results = []
+    for folded in (True, False):
+        function.zero_grad()
+        bias = function.bias(positions, 9, 13)
+        if folded:
+            block = bias.folded(3, 9, 0, 13, allowed, torch.float32)
+        else:
+            block = bias.span(3, 9, 0, 13).expand_as(weights)
+        (torch.where(allowed, block, 0.0) * weights).sum().backward()
+        results.append({n: p.grad.clone() for n, p in function.named_parameters()})
+    for name in results[1]:
+        torch.testing.assert_close(results[0][name], results[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    keys=st.integers(1, 30),
+    count=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_monotone_segments_count_the_breakpoints_at_or_below_x(rows, keys, count, seed):
+    """For rows non-increasing along the keys (with ties and values on breakpoints), the piece is
+    #{k : p_k <= x}, as a direct count, shifted by ``shift`` from each row's ``future`` key on."""
+    generator = torch.Generator().manual_seed(seed)
+    points = torch.randint(0, 8, (count,), generator=generator).float().sort().values / 4
+    x = (
+        (torch.randint(0, 10, (2, rows, keys), generator=generator).float() / 4)
+        .sort(-1, descending=True)
+        .values
+    )
+    expected = (points[None, None, None, :] <= x[..., None]).sum(-1)
+    assert torch.equal(monotone_segments(x, points), expected)
+    future = torch.randint(-2, keys + 3, (rows,), generator=generator)
+    shifted = expected + 41 * (torch.arange(keys)[None, :] >= future[:, None])
+    assert torch.equal(monotone_segments(x, points, future, 41), shifted)
