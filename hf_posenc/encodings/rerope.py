@@ -14,6 +14,21 @@ positions times 1/k, the queries shifted by w - w/k). Positions are the padding-
 positions; neighbours and far keys are merged as in :mod:`.window_split`. Training-free: the
 checkpoint's own RoPE settings, every distance stays within [0, w] (ReRoPE) or grows k times
 slower than the text past w (Leaky).
+
+Defaults against the reference code (bojone/rerope at its last commit, checked for issue 23):
+
+* ``leak`` = 16: ``leaky_rerope_patch.py``'s ``scaling_factor = 16`` (its far queries rotate at
+  ``position_ids + window * (scaling_factor - 1)`` under linear scaling by ``scaling_factor``: the
+  distance ``w + (i - j - w)/16`` above). Same value.
+* ``window`` = a quarter of the trained length (``max_position_embeddings // 4``). Both patches set
+  ``window = 512`` for Llama 2's 4096 tokens (an eighth) as their example constant, while the
+  README's only published results use ``ReRoPE-w1024`` on that model (a quarter): we take the
+  published setting, scaled to the checkpoint's length. ``window=max_position_embeddings // 8``
+  reproduces the code's constant.
+* Not reproduced: both patches also multiply every query by ``max(1, log(n + 1) / log(4096))``
+  (``training_length = 4096``; Su's log-n attention scaling, kexue.fm/archives/8823), which
+  changes nothing up to the trained length and sharpens attention past it. It is a separate
+  technique, not part of the rectified positions; here the queries stay unscaled.
 """
 
 from __future__ import annotations

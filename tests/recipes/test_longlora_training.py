@@ -136,3 +136,17 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+def test_the_s2_benchmark_pairs_full_and_s2_steps(tmp_path):
+    """The speed benchmark runs both modes at every length and writes one row per (length, mode)."""
+    from hf_posenc.recipes.benchmark import s2_attn
+
+    out = tmp_path / "s2.json"
+    argv = ["--lengths", "32", "64", "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2"]
+    assert s2_attn.main([*argv, "--vocab-size", "64", "--rounds", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["length"], r["mode"]) for r in rows] == [(32, "full"), (32, "s2"), (64, "full"), (64, "s2")]
+    assert all(r["median_s"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(hf_posenc.InvalidParameterError, match="sequence of 30 tokens"):
+        s2_attn.main(["--lengths", "30"])
