@@ -246,7 +246,10 @@ ENCODING_NAME_EXCEPTIONS = {
         "rerope",
     },
     "recipes/evaluation/perplexity.py": {"alibi"},
-    "recipes/training/s2.py": {"rope"},  # --s2-attn on a native checkpoint: "add --encoding rope"
+    "recipes/training/s2.py": {"rope"},
+    "recipes/benchmark/s2_attn.py": {
+        "rope"
+    },  # LongLoRA's speed benchmark fine-tunes a RoPE model  # --s2-attn on a native checkpoint: "add --encoding rope"
     # the study's default settings: the encodings the ExPE paper compares, its evaluation-only rows
     "recipes/study/spec.py": {"alibi", "expe", "exqpe", "nope", "rope", "sinusoidal", "t5"},
     "recipes/study/evaluate.py": {"expe", "exqpe", "rope", "selfextend"},

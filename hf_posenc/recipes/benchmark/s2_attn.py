@@ -4,7 +4,7 @@
         [--hidden-size 512 --num-layers 8 --num-heads 8 --vocab-size 32000] [--batch-size 1] \
         [--rounds 5] [--device cuda --dtype bfloat16] [--json s2.json]
 
-One RoPE-patched Llama built from a config (no download); for each length, ``--rounds`` rounds of
+One RoPE-patched model of ``--family`` built from a config (no download); for each length, ``--rounds`` rounds of
 one forward+backward step with full attention and one with S2-Attn, alternated (so machine load
 hits both alike), after one warm-up step of each. Reported per length and mode: the median step
 time, tokens per second, and on CUDA the step's peak allocated memory; and the ratio
@@ -20,6 +20,8 @@ import time
 from typing import Any
 
 import torch
+
+from ...models import DEFAULT_FAMILY
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -41,7 +43,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     dtype = getattr(torch, args.dtype)
     built: torch.nn.Module = tiny_model(
-        "llama",
+        args.family,
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
@@ -50,7 +52,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         max_positions=max(args.lengths),
     )
     model = built.to(device=args.device, dtype=dtype)
-    hf_posenc.patch_model(model, "rope", backend=args.backend)
+    hf_posenc.patch_model(model, args.encoding, backend=args.backend)
     model.train()
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -92,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--group-size", default="0.25", help="S2-Attn group: tokens, or a fraction of the length")
+    p.add_argument("--encoding", default="rope", help="an encoding S2-Attn can wrap (LongLoRA: RoPE)")
+    p.add_argument("--family", default=DEFAULT_FAMILY)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--num-heads", type=int, default=8)
