@@ -134,3 +134,33 @@ def add_model_overrides(parser: argparse.ArgumentParser) -> None:
         "--encoding, patches plain checkpoints; on a saved patched checkpoint, overrides its inference-time "
         "parameters for this evaluation (position interpolation)",
     )
+
+
+#: the trackers accelerate logs to (``--report-to``)
+TRACKERS = "tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, all"
+
+#: the options ``train`` and ``study`` share, each defined once: its flags and form (type, count,
+#: metavar, destination); each command adds it with its own help text and default
+RUN_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "config": (("--config",), {"default": None, "metavar": "FILE"}),
+    "output_dir": (("--output-dir", "--output"), {"dest": "output_dir"}),
+    "data": (("--data",), {"nargs": "+", "metavar": "SRC"}),
+    "eval_data": (("--eval-data",), {"nargs": "+", "default": None, "metavar": "SRC"}),
+    "eval_split": (("--eval-split",), {}),
+    "text_field": (("--text-field",), {}),
+    "max_documents": (("--max-documents",), {"type": int, "default": None}),
+    "batch_size": (("--batch-size",), {"type": int}),
+    "lr": (("--lr",), {"type": float}),
+    "seed": (("--seed",), {"type": int, "help": "seed of data order and init"}),
+    "eval_tokens": (("--eval-tokens",), {"type": int}),
+    "report_to": (("--report-to",), {"nargs": "+", "default": [], "metavar": "TRACKER"}),
+    "overwrite": (("--overwrite",), {"action": "store_true"}),
+    "dry_run": (("--dry-run",), {"action": "store_true"}),
+}
+
+
+def add_run_option(parser: argparse._ActionsContainer, name: str, **wording: Any) -> None:
+    """Add the shared option ``name`` (:data:`RUN_OPTIONS`) with the command's ``help`` and
+    ``default``: ``train`` and ``study`` cannot drift apart in what the option accepts."""
+    flags, form = RUN_OPTIONS[name]
+    parser.add_argument(*flags, **{**form, **wording})

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from ..study import StudyConfig, load_study_config, run_study
-from .common import add_threads_argument, merge_settings
+from .common import TRACKERS, add_run_option, add_threads_argument, merge_settings
 
 
 def _defaults() -> argparse.Namespace:
@@ -30,18 +30,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "position interpolation and RoPE with SelfExtend, no training (how long it takes: README, 'How long "
         "the default study takes').",
     )
-    parser.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
+    add_run_option(
+        parser,
+        "config",
         help="YAML/JSON of study settings (e.g. a previous study_config.json); flags given here override it",
     )
-    parser.add_argument(
-        "--output-dir",
-        "--output",
-        dest="output_dir",
-        default=defaults.output_dir,
-        help="runs, results and the picture go here",
+    add_run_option(
+        parser, "output_dir", default=defaults.output_dir, help="runs, results and the picture go here"
     )
     parser.add_argument(
         "--base-model",
@@ -57,20 +52,17 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help='names, optionally with JSON parameters: alibi \'expe{"scaling":{"type":"linear","factor":2}}\'',
     )
-    parser.add_argument(
-        "--data",
-        nargs="+",
+    add_run_option(
+        parser,
+        "data",
         default=defaults.data,
-        metavar="SRC",
         help="training text: file, dir, glob, builtin:stdlib, hf:NAME",
     )
-    parser.add_argument(
-        "--eval-data", nargs="+", default=None, metavar="SRC", help="default: the --eval-split of --data"
-    )
+    add_run_option(parser, "eval_data", help="default: the --eval-split of --data")
     parser.add_argument("--train-split", default=defaults.train_split, help="split of --data trained on")
-    parser.add_argument("--eval-split", default=defaults.eval_split, help="split of --data evaluated on")
-    parser.add_argument("--text-field", default=defaults.text_field, help="JSON field holding the text")
-    parser.add_argument("--max-documents", type=int, default=None, help="cap on training documents")
+    add_run_option(parser, "eval_split", default=defaults.eval_split, help="split of --data evaluated on")
+    add_run_option(parser, "text_field", default=defaults.text_field, help="JSON field holding the text")
+    add_run_option(parser, "max_documents", help="cap on training documents")
     parser.add_argument(
         "--train-length",
         "--seq-len",
@@ -95,10 +87,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=defaults.pretrain_steps,
         help="steps of RoPE pretraining of the embedded base model",
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    parser.add_argument(
-        "--eval-tokens", type=int, default=defaults.eval_tokens, help="tokens evaluated at every length"
+    add_run_option(parser, "batch_size", default=defaults.batch_size, help="sequences per step")
+    add_run_option(parser, "lr", default=defaults.lr, help="peak learning rate")
+    add_run_option(
+        parser, "eval_tokens", default=defaults.eval_tokens, help="tokens evaluated at every length"
     )
     parser.add_argument(
         "--vocab-size", type=int, default=defaults.vocab_size, help="embedded base model only"
@@ -109,15 +101,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--num-layers", type=int, default=defaults.num_layers, help="embedded base model only"
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of data order and init")
+    add_run_option(parser, "seed", default=defaults.seed)
     add_threads_argument(parser)
-    parser.add_argument(
-        "--report-to",
-        nargs="+",
-        default=[],
-        metavar="TRACKER",
-        help="accelerate trackers for every run's training loss and lr (as train --report-to): tensorboard, "
-        "wandb, mlflow, comet_ml, aim, clearml, dvclive, all; each run logs under its own folder",
+    add_run_option(
+        parser,
+        "report_to",
+        help=f"accelerate trackers for every run's training loss and lr (as train --report-to): {TRACKERS}; "
+        "each run logs under its own folder",
     )
     parser.add_argument(
         "--packing",
@@ -150,14 +140,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "are chosen from the study), TRAINED one of --encodings (default: expe and exqpe at scaling factor 2, "
         "rope@interpolate, rope@selfextend; give --eval-only alone for none)",
     )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="retrain runs whose recorded settings differ (else: an error)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="check every input and print the plan; load and train nothing"
-    )
+    add_run_option(parser, "overwrite", help="retrain runs whose recorded settings differ (else: an error)")
+    add_run_option(parser, "dry_run", help="check every input and print the plan; load and train nothing")
     parser.set_defaults(run=command_study, _parser=parser)
 
 

@@ -16,7 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..training.config import TrainConfig
-from .common import add_encoding_arguments, add_threads_argument, merge_settings, parse_encoding_params
+from .common import (
+    TRACKERS,
+    add_encoding_arguments,
+    add_run_option,
+    add_threads_argument,
+    merge_settings,
+    parse_encoding_params,
+)
 from .long_context import add_long_context_arguments
 
 #: TrainConfig's defaults, shown by --help (model and output_dir have none: they must be given)
@@ -26,25 +33,20 @@ DEFAULTS = TrainConfig(model="-", output_dir="-")
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What to train and where: the model, the output folder, the encoding, a settings file."""
     group = parser.add_argument_group("model and run")
-    group.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
+    add_run_option(
+        group,
+        "config",
         help="YAML/JSON of train settings (TrainConfig's fields, at the top level or under 'train:'; "
         "e.g. a run's train_config.json); flags given here override it",
     )
     group.add_argument("--model", default=None, help="hub id or local directory of the checkpoint (required)")
-    group.add_argument(
-        "--output-dir",
-        "--output",
-        dest="output_dir",
-        default=None,
-        help="checkpoints and the final model go here (required)",
+    add_run_option(
+        group, "output_dir", default=None, help="checkpoints and the final model go here (required)"
     )
     add_encoding_arguments(group)
-    group.add_argument(
-        "--dry-run",
-        action="store_true",
+    add_run_option(
+        group,
+        "dry_run",
         help="check every input, print the resolved settings (usable as --config) and stop; loads no model "
         "and no data",
     )
@@ -53,19 +55,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Where the training text comes from and how it is cut into sequences."""
     group = parser.add_argument_group("data")
-    group.add_argument(
-        "--data",
-        nargs="+",
+    add_run_option(
+        group,
+        "data",
         default=DEFAULTS.data,
-        metavar="SRC",
         help="local files/dirs/globs (.txt, .jsonl), hf:NAME[:CONFIG], or builtin:stdlib",
     )
     group.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; default: the model's")
-    group.add_argument("--text-field", default=DEFAULTS.text_field, help="text column of .jsonl/hub data")
+    add_run_option(group, "text_field", default=DEFAULTS.text_field, help="text column of .jsonl/hub data")
     group.add_argument("--split", default=DEFAULTS.split, help="split of hub data")
-    group.add_argument(
-        "--max-documents", type=int, default=None, help="cap on training documents; default: all"
-    )
+    add_run_option(group, "max_documents", help="cap on training documents; default: all")
     group.add_argument(
         "--seq-len",
         "--train-length",
@@ -88,12 +87,12 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     """Batch, schedule and optimiser."""
     group = parser.add_argument_group("batch, schedule and optimiser")
-    group.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="sequences per process")
+    add_run_option(group, "batch_size", default=DEFAULTS.batch_size, help="sequences per process")
     group.add_argument(
         "--grad-accum", type=int, default=DEFAULTS.grad_accum, help="micro-batches per optimizer step"
     )
     group.add_argument("--max-steps", type=int, default=DEFAULTS.max_steps, help="optimizer steps")
-    group.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak learning rate (AdamW)")
+    add_run_option(group, "lr", default=DEFAULTS.lr, help="peak learning rate (AdamW)")
     group.add_argument(
         "--encoding-lr",
         type=float,
@@ -116,7 +115,7 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-grad-norm", type=float, default=DEFAULTS.max_grad_norm, help="gradient clipping norm"
     )
-    group.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of data order and init")
+    add_run_option(group, "seed", default=DEFAULTS.seed)
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,9 +152,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-checkpoints", type=int, default=DEFAULTS.keep_checkpoints, help="newest checkpoints kept"
     )
     group.add_argument("--resume", action="store_true", help="continue from the latest intact checkpoint")
-    group.add_argument(
-        "--overwrite",
-        action="store_true",
+    add_run_option(
+        group,
+        "overwrite",
         help="replace the run (checkpoints, final/) already in --output-dir",
     )
 
@@ -166,13 +165,7 @@ def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-every", type=int, default=DEFAULTS.log_every, help="print and log the loss every N steps"
     )
-    group.add_argument(
-        "--report-to",
-        nargs="+",
-        default=[],
-        metavar="TRACKER",
-        help="accelerate trackers: tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, all",
-    )
+    add_run_option(group, "report_to", help=f"accelerate trackers: {TRACKERS}")
 
 
 def add_validation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,16 +179,14 @@ def add_validation_arguments(parser: argparse.ArgumentParser) -> None:
         help="held-out loss every N steps and at the end, printed, logged to the --report-to trackers as "
         "eval_loss and written to OUTPUT_DIR/eval_losses.json (0: never)",
     )
-    group.add_argument(
-        "--eval-data",
-        nargs="+",
-        default=None,
-        metavar="SRC",
+    add_run_option(
+        group,
+        "eval_data",
         help="held-out text (as --data); default: the --eval-split of --data (builtin:stdlib, hf:NAME only)",
     )
-    group.add_argument("--eval-split", default=DEFAULTS.eval_split, help="split of --data held out")
-    group.add_argument(
-        "--eval-tokens", type=int, default=DEFAULTS.eval_tokens, help="held-out tokens each evaluation reads"
+    add_run_option(group, "eval_split", default=DEFAULTS.eval_split, help="split of --data held out")
+    add_run_option(
+        group, "eval_tokens", default=DEFAULTS.eval_tokens, help="held-out tokens each evaluation reads"
     )
 
 
