@@ -15,11 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from training_runs import Interrupt, interrupt_at, run_config, save_base_model
 
 import hf_posenc
 from hf_posenc.recipes.data import stdlib_documents
-from hf_posenc.recipes.tiny import tiny_model
-from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.batches import BatchOrder
 from hf_posenc.recipes.training.corpus import TOKEN_COLUMN, TokenBlocks, training_blocks
@@ -72,10 +71,7 @@ def workspace(tmp_path_factory) -> Path:
     """A saved tiny Llama + tokenizer and documents of very different lengths."""
     root = tmp_path_factory.mktemp("packing")
     documents = list(stdlib_documents())[:16]
-    tokenizer = train_bpe_tokenizer(documents, vocab_size=512)
-    model = tiny_model("llama", vocab_size=len(tokenizer), max_positions=128)
-    model.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_base_model(root, documents, vocab_size=512, max_positions=128)
     short = [" ".join(d.split()[: 3 + 5 * i]) for i, d in enumerate(documents)]  # 3 .. 78 words
     with open(root / "data.jsonl", "w") as handle:
         for document in short:
@@ -85,20 +81,15 @@ def workspace(tmp_path_factory) -> Path:
 
 def config(workspace: Path, name: str, **overrides) -> TrainConfig:
     values = dict(
-        model=str(workspace / "base"),
-        output_dir=str(workspace / name),
         data=[str(workspace / "data.jsonl")],
         encoding="alibi",
         seq_len=32,
         batch_size=4,
         max_steps=4,
         save_every=0,
-        log_every=100,
-        lr=3e-3,
         packing=True,
     )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return run_config(workspace, name, **{**values, **overrides})
 
 
 def per_document_loss(workspace: Path, cfg: TrainConfig) -> float:
@@ -138,18 +129,6 @@ def test_packed_step_loss_is_the_per_document_loss_with_and_without_accumulation
     two = hf_posenc.from_pretrained(str(accumulated.final_dir)).state_dict()
     for key in one:
         assert torch.allclose(one[key], two[key], atol=1e-5), key
-
-
-class Interrupt(Exception):
-    pass
-
-
-def interrupt_at(step_to_fail: int):
-    def callback(step, logs):
-        if step == step_to_fail:
-            raise Interrupt(f"killed at step {step}")
-
-    return callback
 
 
 @pytest.mark.slow  # multi-second; CI runs it

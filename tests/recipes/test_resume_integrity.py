@@ -11,10 +11,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from training_runs import Interrupt, interrupt_at, run_config, save_base_model
 
 from hf_posenc.recipes.data import DataError, stdlib_documents
-from hf_posenc.recipes.tiny import tiny_model
-from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.checkpoints import STATE_FILE
 
@@ -25,41 +24,28 @@ VOCAB = 400
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("integrity")
     documents = list(stdlib_documents())[:10]
-    tokenizer = train_bpe_tokenizer(documents, vocab_size=VOCAB)
-    tiny_model("llama", vocab_size=len(tokenizer), max_positions=64).save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_base_model(root, documents, vocab_size=VOCAB, max_positions=64)
     (root / "data.txt").write_text("\n\n".join(documents[:6]))
     return root
 
 
 def settings(workspace: Path, name: str) -> TrainConfig:
-    return TrainConfig(
-        model=str(workspace / "base"),
-        output_dir=str(workspace / name),
+    return run_config(
+        workspace,
+        name,
         data=[str(workspace / "data.txt")],
         encoding="alibi",
         seq_len=32,
         batch_size=2,
         max_steps=6,
         save_every=2,
-        log_every=100,
-        lr=3e-3,
     )
-
-
-class Interrupt(Exception):
-    pass
 
 
 def interrupted(workspace: Path, name: str) -> Path:
     """A run stopped at step 5: checkpoints 2 and 4, its token cache in ``name/data-cache``."""
-
-    def stop(step, logs):
-        if step == 5:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        train(settings(workspace, name), callbacks=[stop], progress=False)
+        train(settings(workspace, name), callbacks=[interrupt_at(5)], progress=False)
     return workspace / name
 
 

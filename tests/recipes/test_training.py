@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import Interrupt, interrupt_at, run_config, save_base_model
 
 import hf_posenc
 from hf_posenc.recipes.cli import main
 from hf_posenc.recipes.data import stdlib_documents
 from hf_posenc.recipes.tiny import tiny_model
-from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 from hf_posenc.recipes.training import TrainConfig, train
 
 
@@ -26,10 +26,7 @@ def workspace(tmp_path_factory) -> Path:
     """A saved tiny Llama + tokenizer and two small data files (.txt and .jsonl)."""
     root = tmp_path_factory.mktemp("train")
     documents = list(stdlib_documents())[:12]
-    tokenizer = train_bpe_tokenizer(documents, vocab_size=512)
-    model = tiny_model("llama", vocab_size=len(tokenizer), max_positions=128)
-    model.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_base_model(root, documents, vocab_size=512, max_positions=128)
     (root / "data.txt").write_text("\n\n".join(documents[:4]))
     with open(root / "data.jsonl", "w") as handle:
         for document in documents[4:8]:
@@ -39,35 +36,18 @@ def workspace(tmp_path_factory) -> Path:
 
 def config(workspace: Path, name: str, **overrides) -> TrainConfig:
     values = dict(
-        model=str(workspace / "base"),
-        output_dir=str(workspace / name),
         data=[str(workspace / "data.txt"), str(workspace / "data.jsonl")],
         encoding="t5",
         seq_len=64,
         batch_size=4,
         max_steps=6,
         save_every=2,
-        log_every=100,
-        lr=3e-3,
     )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return run_config(workspace, name, **{**values, **overrides})
 
 
 def final_state(result) -> dict[str, torch.Tensor]:
     return hf_posenc.from_pretrained(str(result.final_dir)).state_dict()
-
-
-class Interrupt(Exception):
-    pass
-
-
-def interrupt_at(step_to_fail: int):
-    def callback(step, logs):
-        if step == step_to_fail:
-            raise Interrupt(f"killed at step {step}")
-
-    return callback
 
 
 @pytest.mark.slow  # multi-second; CI runs it

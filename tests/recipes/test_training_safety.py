@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import Interrupt, interrupt_at, run_config, save_base_model
 
 import hf_posenc
 from hf_posenc.recipes.cli import main
 from hf_posenc.recipes.data import DataError, read_documents, stdlib_documents
-from hf_posenc.recipes.tiny import tiny_model
-from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.checkpoints import STATE_FILE
 
@@ -26,42 +25,22 @@ from hf_posenc.recipes.training.checkpoints import STATE_FILE
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("safety")
     documents = list(stdlib_documents())[:10]
-    tokenizer = train_bpe_tokenizer(documents, vocab_size=400)
-    model = tiny_model("llama", vocab_size=len(tokenizer), max_positions=64)
-    model.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_base_model(root, documents, vocab_size=400, max_positions=64)
     (root / "data.txt").write_text("\n\n".join(documents[:6]))
     return root
 
 
 def settings(workspace: Path, name: str, **overrides) -> TrainConfig:
     values = dict(
-        model=str(workspace / "base"),
-        output_dir=str(workspace / name),
         data=[str(workspace / "data.txt")],
         encoding="t5",
         seq_len=32,
         batch_size=2,
         max_steps=6,
         save_every=2,
-        log_every=100,
-        lr=3e-3,
         data_cache=str(workspace / "cache"),
     )
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-class Interrupt(Exception):
-    pass
-
-
-def stop_at(step_to_fail: int):
-    def callback(step, logs):
-        if step == step_to_fail:
-            raise Interrupt(step)
-
-    return callback
+    return run_config(workspace, name, **{**values, **overrides})
 
 
 def test_a_finished_run_is_never_overwritten_unless_asked(workspace):
@@ -102,7 +81,7 @@ def test_pure_fp16_training_is_refused_before_loading(workspace, capsys):
 
 def test_resume_refuses_any_change_of_the_encoding_or_its_parameters(workspace):
     with pytest.raises(Interrupt):
-        train(settings(workspace, "changed"), callbacks=[stop_at(3)], progress=False)
+        train(settings(workspace, "changed"), callbacks=[interrupt_at(3)], progress=False)
     for overrides, message in [
         ({"encoding_params": {"max_distance": 20}}, "encoding_params={'max_distance': 20} \\(was {}\\)"),
         ({"encoding_params": {"num_buckets": 8}}, "num_buckets"),
@@ -149,7 +128,7 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_resumes_ex
     damaged), says so naming the file, and still reaches the same losses."""
     name = f"damaged-{file}-{damage.__name__}"
     with pytest.raises(Interrupt):
-        train(settings(workspace, name), callbacks=[stop_at(5)], progress=False)
+        train(settings(workspace, name), callbacks=[interrupt_at(5)], progress=False)
     damage(workspace / name / "checkpoint-4" / file)
     capsys.readouterr()
     resumed = train(settings(workspace, name), resume=True, progress=False)
@@ -163,7 +142,7 @@ def test_checkpoints_record_the_checksum_of_every_file(workspace):
     import hashlib
 
     with pytest.raises(Interrupt):
-        train(settings(workspace, "sums"), callbacks=[stop_at(3)], progress=False)
+        train(settings(workspace, "sums"), callbacks=[interrupt_at(3)], progress=False)
     checkpoint = workspace / "sums" / "checkpoint-2"
     recorded = json.loads((checkpoint / STATE_FILE).read_text())["files"]
     on_disk = {p.name for p in checkpoint.iterdir() if p.name != STATE_FILE}

@@ -1,0 +1,43 @@
+"""Shared test helper for the training tests: a saved tiny Llama with a BPE tokenizer trained on
+local text (nothing downloaded), a :class:`TrainConfig` of a run on it, and a step callback that
+kills a run between steps (as a crash or Ctrl-C would)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hf_posenc.recipes.tiny import tiny_model
+from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+from hf_posenc.recipes.training import TrainConfig
+
+
+def save_base_model(root: Path, documents: Sequence[str], *, vocab_size: int, max_positions: int) -> Path:
+    """A tiny Llama and a BPE tokenizer trained on ``documents``, saved together in ``root/base``."""
+    tokenizer = train_bpe_tokenizer(list(documents), vocab_size=vocab_size)
+    model = tiny_model("llama", vocab_size=len(tokenizer), max_positions=max_positions)
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    return root / "base"
+
+
+def run_config(workspace: Path, name: str, **values: Any) -> TrainConfig:
+    """A run of ``workspace/base`` into ``workspace/name``: quiet logging, a learning rate that moves
+    a tiny model within a few steps, and ``values`` (data, encoding, lengths, steps, ...)."""
+    settings: dict[str, Any] = {"log_every": 100, "lr": 3e-3, **values}
+    return TrainConfig(model=str(workspace / "base"), output_dir=str(workspace / name), **settings)
+
+
+class Interrupt(Exception):
+    """A run killed between steps (raised by :func:`interrupt_at`)."""
+
+
+def interrupt_at(step_to_fail: int) -> Callable[[int, dict[str, float]], None]:
+    """A step callback raising :class:`Interrupt` once step ``step_to_fail`` is done."""
+
+    def callback(step: int, logs: dict[str, float]) -> None:
+        if step == step_to_fail:
+            raise Interrupt(f"killed at step {step}")
+
+    return callback
