@@ -41,6 +41,9 @@ from ..core.config import check_number
 from ..core.registry import register_encoding
 from .window_split import WindowSplitConfig, WindowSplitRoPE
 
+#: the source of both encodings: the blog post and its reference code
+PAPER = "Su 2023, kexue.fm/archives/9708 (bojone/rerope)"
+
 
 @dataclasses.dataclass
 class ReRoPEConfig(WindowSplitConfig):
@@ -52,7 +55,7 @@ class ReRoPE(WindowSplitRoPE):
     name = "rerope"
     aliases = ("rectified_rope",)
     config_class = ReRoPEConfig
-    paper = "Su 2023, kexue.fm/archives/9708 (bojone/rerope)"
+    paper = PAPER
     summary = "training-free: relative positions clipped at window (far keys all at distance window)"
 
     def far_positions(
@@ -77,7 +80,7 @@ class LeakyReRoPE(WindowSplitRoPE):
     name = "leaky_rerope"
     aliases = ("leaky_rectified_rope",)
     config_class = LeakyReRoPEConfig
-    paper = "Su 2023, kexue.fm/archives/9708 (bojone/rerope)"
+    paper = PAPER
     summary = "training-free: relative positions grow with slope 1/leak past window"
 
     def far_positions(
