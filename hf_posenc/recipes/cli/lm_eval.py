@@ -9,6 +9,9 @@ Two modes:
   ``--output``: HellaSwag, MMLU, ARC-Easy and ARC-Challenge with each task's own shot count,
   on the hub datasets or on local files, for one or several checkpoints, with one comparison
   table. All inputs are checked before any model is loaded.
+
+This module holds the command, its options and the passthrough; the recipe mode runs in
+:mod:`.lm_eval_recipe`.
 """
 
 from __future__ import annotations
