@@ -23,10 +23,16 @@ def save_base_model(root: Path, documents: Sequence[str], *, vocab_size: int, ma
 
 
 def run_config(workspace: Path, name: str, **values: Any) -> TrainConfig:
-    """A run of ``workspace/base`` into ``workspace/name``: quiet logging, a learning rate that moves
-    a tiny model within a few steps, and ``values`` (data, encoding, lengths, steps, ...)."""
-    settings: dict[str, Any] = {"log_every": 100, "lr": 3e-3, **values}
-    return TrainConfig(model=str(workspace / "base"), output_dir=str(workspace / name), **settings)
+    """A run of ``workspace/base`` (unless ``values`` name another ``model``) into ``workspace/name``:
+    quiet logging, a learning rate that moves a tiny model within a few steps, and ``values``
+    (data, encoding, lengths, steps, ...)."""
+    base = {
+        "model": str(workspace / "base"),
+        "output_dir": str(workspace / name),
+        "log_every": 100,
+        "lr": 3e-3,
+    }
+    return TrainConfig(**{**base, **values})
 
 
 class Interrupt(Exception):
