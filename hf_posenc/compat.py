@@ -10,6 +10,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .errors import UnsupportedModelError
 from .models.base import RestoreAttribute
 
 #: The attention implementation name a patched model's config carries. Masks for it are
@@ -73,22 +74,34 @@ class AcceptGenerateKeyword:
         return type(self.model)._validate_model_kwargs(self.model, model_kwargs)
 
 
-class NoAutoCompile:
-    """``generate()`` decodes without its automatic compilation (static caches on CUDA).
+class GenerateCompilePolicy:
+    """Whether ``generate()`` compiles its decoding step (static caches; transformers' own
+    ``GenerationMixin._valid_auto_compile_criteria``, overridden on the instance).
 
-    transformers compiles the decoding step with CUDA graphs; an encoding that keeps decoding
-    state beside the KV cache (FoX) would read, at step t+1, tensors that the graph's next
-    replay overwrote, and the block-bias attention path (alibi, t5, fire, ...) failed the same
-    way on an H100. Instance override of ``GenerationMixin._valid_auto_compile_criteria``."""
+    ``refusal``: why the patch's encodings cannot run a compiled decoding step (decoding state
+    that grows beside the cache): ``generate()`` decodes eagerly, and raises that one line when
+    the caller asked for compilation with ``compile_config``. ``unverified_on_cuda``: a score-bias
+    encoding, seen failing under the CUDA graphs of transformers' compiled step on an H100 and not
+    measured since; it decodes eagerly on CUDA and compiles elsewhere (CPU: only when asked)."""
+
+    def __init__(self, model: Any, refusal: str | None, unverified_on_cuda: bool) -> None:
+        self.model, self.refusal, self.unverified_on_cuda = model, refusal, unverified_on_cuda
 
     @classmethod
-    def install(cls, model: Any):
+    def install(cls, model: Any, refusal: str | None, unverified_on_cuda: bool):
+        """Set the override on ``model``; return the undo."""
         undo = RestoreAttribute(model, "_valid_auto_compile_criteria")
-        model._valid_auto_compile_criteria = cls()
+        model._valid_auto_compile_criteria = cls(model, refusal, unverified_on_cuda)
         return undo
 
     def __call__(self, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
-        return False
+        if self.refusal is not None:
+            if generation_config.compile_config is not None and not generation_config.disable_compile:
+                raise UnsupportedModelError(self.refusal)
+            return False
+        if self.unverified_on_cuda and self.model.device.type == "cuda":
+            return False
+        return type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs, generation_config)
 
 
 def attention_weights_requested() -> bool:
@@ -184,3 +197,17 @@ def raise_recompile_limit(limit: int) -> None:
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
             return
+
+
+def static_layer_written(cache: Any, layer_idx: int) -> int | None:
+    """For a static sliding-window cache layer: how many of the keys its last ``update`` returned
+    were written (a host int transformers keeps, ``cumulative_length_int``); None for any other
+    layer (a full static layer counts in a 0-d tensor, read through ``get_seq_length``).
+
+    transformers' ``StaticSlidingWindowLayer`` returns its window buffer filled from the start
+    until the window is full, then exactly the keys in the window, bottom-right aligned."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    written = getattr(layers[layer_idx], "cumulative_length_int", None)
+    return written if isinstance(written, int) else None

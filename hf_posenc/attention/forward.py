@@ -25,6 +25,7 @@ from ..encodings.call import LayerCall
 from ..errors import InvalidParameterError
 from .backend import AttentionCall, dispatch, dispatch_with_stream
 from .shifted import shifted_sparse_attention
+from .static_cache import StaticKeys, rolled_key_positions, static_cache_keys
 
 if TYPE_CHECKING:
     from ..core.runtime import PartRuntime
@@ -85,18 +86,26 @@ class PatchedAttentionForward:
                 mask = boolean_mask(mask)
             else:
                 mask = memo.get(("boolean_mask", id(mask)), lambda: boolean_mask(mask))  # (B|1, 1, Tq, Tk)
+        static: StaticKeys | None = None
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, Hkv, Tk, D)
-            allocated = k.shape[-2]
-            if getattr(cache, "is_compileable", False):
-                # a static cache returns its whole pre-allocated buffer, filled from the start: keep
-                # the keys written so far, so queries sit bottom-right as with a dynamic cache
-                valid = min(context.past_length + q.shape[-2], allocated)
-                k, v = k[:, :, :valid], v[:, :, :valid]
-                mask = None if mask is None else mask[..., :valid]
+            if getattr(cache, "is_compileable", False):  # a pre-allocated buffer (see static_cache.py)
+                static = static_cache_keys(
+                    cache,
+                    self.layer_idx,
+                    k,
+                    v,
+                    mask,
+                    past=context.past_length,
+                    new=q.shape[-2],
+                    reads_positions=runtime.reads_positions,
+                )
+                k, v, mask = static.k, static.v, static.mask
 
         key_positions = None
-        if "logits" in stages and context.key_positions is not None:
+        if "logits" in stages and static is not None and static.order is not None:
+            key_positions = rolled_key_positions(context.positions, k.shape[-2])  # (B, S)
+        elif "logits" in stages and context.key_positions is not None:
             key_positions = context.key_positions[:, -k.shape[-2] :]  # (B, Tk)
         score = layer.with_attention(q, k, key_positions)
         attention = AttentionCall(
@@ -120,9 +129,9 @@ class PatchedAttentionForward:
             out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))
         else:
             out, weights = dispatch(attention)  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None
-        if weights is not None and cache is not None and weights.shape[-1] < allocated:
+        if weights is not None and static is not None:
             # output_attentions over a static cache: native maps span the whole buffer (unused slots 0)
-            weights = torch.nn.functional.pad(weights, (0, allocated - weights.shape[-1]))
+            weights = static.weights_over_slots(weights)
         out = out.reshape(*hidden.shape[:-1], -1).contiguous()  # (B, T, Hq*D)
         if "adjust_output" in stages:
             out = encoding.adjust_output(layer, out)

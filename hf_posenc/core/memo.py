@@ -28,6 +28,12 @@ class ForwardMemo:
 
     def start(self, owner: object) -> None:
         """Begin a new forward pass identified by ``owner`` (its position tensor)."""
+        if torch.compiler.is_compiling():
+            # every compiled call is a new forward; comparing with the last owner would make
+            # dynamo guard on it (None after a compiled call, a tensor after an eager one: one
+            # recompilation of transformers' compiled decoding step)
+            self.clear()
+            return
         if owner is not self._owner:
             self._owner = owner
             self._values = {}

@@ -27,7 +27,7 @@ from ..compat import (
     ATTN_IMPLEMENTATION,
     MASK_COMPATIBLE_IMPLEMENTATIONS,
     AcceptGenerateKeyword,
-    NoAutoCompile,
+    GenerateCompilePolicy,
     get_attn_implementation,
     register_attention_implementation,
     set_attn_implementation,
@@ -315,15 +315,15 @@ def _replace_attention_forwards(
 
 
 def _adapt_generation(target: PreTrainedModel, built: BuiltPatch, undo: list[Undo]) -> None:
-    """What ``generate()`` must know of the parts: compiled decoding off for stateful and score-bias
-    encodings, the ``position_coordinates`` keyword accepted for those that take coordinates."""
+    """What ``generate()`` must know of the parts: no compiled decoding for stateful encodings
+    (and, on CUDA, for score-bias ones), the ``position_coordinates`` keyword accepted for those that take coordinates."""
     classes = [type(part) for part in built.parts]
-    if any(cls.stateful or "score_bias" in cls.stages() for cls in classes) and hasattr(
-        type(target), "_valid_auto_compile_criteria"
-    ):
-        # not CUDA-graph safe yet (decoding state beside the cache; block-bias attention seen
-        # failing under transformers' compiled decoding on an H100): generate() stays eager
-        undo.append(NoAutoCompile.install(target))
+    refusals = [refusal for cls in classes if (refusal := cls.compiled_decoding_refusal()) is not None]
+    bias = any("score_bias" in cls.stages() for cls in classes)
+    if (refusals or bias) and hasattr(type(target), "_valid_auto_compile_criteria"):
+        # stateful encodings cannot run a compiled step; score-bias ones are not measured under
+        # CUDA graphs since they failed there (README, Known differences)
+        undo.append(GenerateCompilePolicy.install(target, refusals[0] if refusals else None, bias))
     if any(cls.takes_coordinates for cls in classes) and hasattr(type(target), "_validate_model_kwargs"):
         undo.append(AcceptGenerateKeyword.install(target, "position_coordinates"))
 

@@ -27,8 +27,9 @@ class ForwardContext:
     positions: torch.Tensor
     key_positions: torch.Tensor | None
     coordinates: torch.Tensor | None = None
-    #: tokens already in the KV cache before this forward (0 without a cache)
-    past_length: int = 0
+    #: tokens already in the KV cache before this forward (0 without a cache); under torch.compile
+    #: with a static cache, the cache's 0-d count (a host int would be data-dependent)
+    past_length: int | torch.Tensor = 0
 
 
 def positional_names(signature: inspect.Signature) -> tuple[str, ...]:
@@ -49,11 +50,16 @@ def bind_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[st
     return out
 
 
-def _past_length(past_key_values: Any) -> int:
+def _past_length(past_key_values: Any) -> int | torch.Tensor:
+    """Tokens in the cache: a host int, except under torch.compile when the cache counts in a
+    tensor (a static cache's 0-d count: reading it on the host is data-dependent, which inductor
+    cannot compile; a copy, since the cache adds to it in place during the forward)."""
     if past_key_values is None:
         return 0
-    # a static (pre-allocated) cache counts in a 0-d tensor
-    return int(past_key_values.get_seq_length())
+    past = past_key_values.get_seq_length()
+    if torch.is_tensor(past) and torch.compiler.is_compiling():
+        return past.clone()
+    return int(past)
 
 
 def _mask_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -76,7 +82,7 @@ def compute_context(
     # No data-dependent branch on whether the mask has padding (torch.compile(fullgraph=True)
     # must trace this): positions counting real tokens equal arange(past, past+T) without padding.
     full: torch.Tensor | None = None  # positions of all past+new tokens, when derivable
-    if mask is not None and mask.shape[-1] == past + length:
+    if mask is not None and not torch.is_tensor(past) and mask.shape[-1] == past + length:
         full = _mask_positions(mask.to(device))
     if position_ids is not None:
         positions = position_ids.to(device).expand(batch, -1)
@@ -85,10 +91,12 @@ def compute_context(
     elif mask is not None and mask.shape[-1] == length:
         positions = _mask_positions(mask.to(device)) + past
     else:
-        positions = torch.arange(past, past + length, device=device).unsqueeze(0).expand(batch, -1)
+        positions = (torch.arange(length, device=device) + past).unsqueeze(0).expand(batch, -1)
 
     key_positions = None
-    if want_key_positions:
+    # compiled over a static cache (past is a tensor): the attention derives them from the cache's
+    # layout (attention/static_cache.py)
+    if want_key_positions and isinstance(past, int):
         if past == 0:
             key_positions = positions
         elif full is not None:
@@ -121,6 +129,8 @@ def select_coordinates(
             f"batch={batch}"
         )
     past, have = _past_length(past_key_values), coordinates.shape[1]
+    if torch.is_tensor(past) and have != length:  # compiled over a static cache: rows past .. past+T
+        return coordinates.to(device).index_select(1, torch.arange(length, device=device) + past.to(device))
     if have >= past + length:
         return coordinates[:, past : past + length].to(device)
     if have == length:

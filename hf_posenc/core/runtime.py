@@ -56,6 +56,19 @@ class PartRuntime:
         self.s2: ShiftedSparse | None = None
         self._transient()
 
+    @property
+    def reads_positions(self) -> bool:
+        """Whether this part's attention itself reads query/key positions (a score bias, explicit
+        scores, a ``logits`` stage, a positional stream, decoding state), rather than finding them
+        already inside q and k (rotations, input codes): then the keys of a static cache must sit
+        where a dynamic cache puts them (:mod:`hf_posenc.attention.static_cache`)."""
+        reading = {"logits", "score_bias", "transform_scores", "normalize"}
+        return (
+            bool(self.stages & reading)
+            or self.stateful
+            or bool(getattr(self.encoding, "attends_stream", False))
+        )
+
     def _stages(self) -> frozenset[str]:
         return frozenset(self.encoding.active_stages())
 
@@ -167,6 +180,11 @@ class PatchRuntime:
         if prepared is None:
             return args, kwargs  # let the model raise its own error
         call, context, batch, length = prepared
+        if torch.compiler.is_compiling() and getattr(cache_argument(call), "is_compileable", False):
+            for part in self.parts:
+                refusal = part.encoding.compiled_decoding_refusal()
+                if refusal is not None:
+                    raise UnsupportedModelError(refusal)
         call["position_ids"] = context.positions
         for part in self.parts:
             part.start(context)

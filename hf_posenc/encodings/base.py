@@ -159,6 +159,20 @@ class Encoding(nn.Module, Generic[ConfigT]):
         return self.config.position_limit(self.geometry)
 
     @classmethod
+    def compiled_decoding_refusal(cls) -> str | None:
+        """Why a compiled decoding step over a static KV cache (``torch.compile``, transformers'
+        compiled ``generate()``) cannot run this encoding, or None when it can: decoding state kept
+        beside the cache grows by the new tokens at every step, so each step has new shapes (a
+        recompilation per token) and, under CUDA graphs, reads tensors the next replay overwrites."""
+        if cls.stateful:
+            return (
+                f"{cls.name}: a compiled decoding step over a static KV cache is not supported (its decoding "
+                "state beside the cache grows with every token); allowed: generate() without compile_config "
+                "(it decodes eagerly, exactly), or an uncompiled forward"
+            )
+        return None
+
+    @classmethod
     def mixing_refusal(cls) -> str | None:
         """Why this encoding cannot run in some layers only (a per-layer hybrid), or None when it
         can: one acting on the token embeddings acts before any layer, and one passing a stream from

@@ -67,6 +67,8 @@ def causal_dynamic_logits(
     k_plain = _rotate_pairs(k, k_positions[:, None, :, None].to(dtype) * inv_freq)
     logits = torch.matmul(q_plain, k_plain.transpose(-1, -2))  # (B, Hq, Tq, Tk)
 
+    if torch.compiler.is_compiling():  # nonzero's count is data-dependent: every query, then chosen
+        return _all_queries_dynamic(q, k, q_positions, k_positions, logits, theta, dim, factor, original)
     rows, cols = torch.nonzero(q_positions + 1 > original, as_tuple=True)  # queries past L0
     for start in range(0, rows.numel(), QUERY_CHUNK):
         b, i = rows[start : start + QUERY_CHUNK], cols[start : start + QUERY_CHUNK]  # (N,)
@@ -76,3 +78,34 @@ def causal_dynamic_logits(
         k_rows = _rotate_pairs(k[b], key_angles[:, None])  # (N, Hq, Tk, D)
         logits[b, :, i] = torch.einsum("nhd,nhkd->nhk", q_rows, k_rows)
     return logits
+
+
+def _all_queries_dynamic(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    plain: torch.Tensor,
+    theta: float,
+    dim: int,
+    factor: float,
+    original: int,
+) -> torch.Tensor:
+    """:func:`causal_dynamic_logits` with fixed shapes (torch.compile): every query's logits with
+    the frequencies of its own length, kept where the query is past L0 (``plain`` elsewhere).
+    q (B,Hq,Tq,D), k (B,Hq,Tk,D) expanded, ``plain`` (B,Hq,Tq,Tk) -> (B,Hq,Tq,Tk)."""
+    batch, _, q_len, _ = q.shape
+    dtype = plain.dtype
+    blocks = []
+    for start in range(0, q_len, QUERY_CHUNK):  # q_len is static: a fixed number of blocks
+        positions = q_positions[:, start : start + QUERY_CHUNK]  # (B, n)
+        n = positions.shape[1]
+        freqs = _inv_freq_for_lengths((positions + 1).reshape(-1), theta, dim, factor, original)
+        freqs = freqs.view(batch, n, -1)  # (B, n, dim/2) fp64
+        q_rows = _rotate_pairs(q[:, :, start : start + n], (positions[..., None] * freqs).to(dtype)[:, None])
+        key_angles = (k_positions[:, None, :, None] * freqs[:, :, None, :]).to(dtype)  # (B, n, Tk, dim/2)
+        k_rows = _rotate_pairs(k[:, None], key_angles[:, :, None])  # (B, n, Hq, Tk, D)
+        blocks.append(torch.einsum("bhnd,bnhkd->bhnk", q_rows, k_rows))  # (B, Hq, n, Tk)
+    dynamic = torch.cat(blocks, dim=2)
+    past_original = (q_positions + 1 > original)[:, None, :, None]  # (B, 1, Tq, 1)
+    return torch.where(past_original, dynamic, plain)

@@ -20,7 +20,8 @@ large theta, stay accurate) and is differentiable (``eigh``'s gradient is well d
 the eigenvalues are distinct; exp(w S) does not depend on the eigenvectors' phases). When two
 eigenvalues of a block come too close (a repeated frequency, or one near 0, where the
 eigenvectors stop being unique and eigh's gradient blows up), :func:`eigenbasis` returns None
-and the caller keeps the per-position ``matrix_exp``.
+and the caller keeps the per-position ``matrix_exp`` (as it does under ``torch.compile``, where that
+test would be a data-dependent branch).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def eigenbasis(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """skew (..., b, b) skew-symmetric -> (V (..., b, b), mu (..., b/2)) in fp64 with
     S = V J(mu) V^T, J the block form of RoPE's generator (first half of V's columns: the a_k,
     second half: the c_k); None when some block's eigenvalues are not well separated."""
+    if torch.compiler.is_compiling():
+        # whether the blocks separate is data-dependent (no fullgraph compile, no inductor): a
+        # compiled forward keeps the per-position matrix_exp, exact for any generator and cheap
+        # for the few tokens of a compiled decoding step
+        return None
     dtype = decomposition_dtype(skew.device)
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
     hermitian = skew.to(dtype).to(complex_dtype) * 1j  # (..., b, b)
