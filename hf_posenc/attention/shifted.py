@@ -172,8 +172,8 @@ def shifted_sparse_attention(call: AttentionCall, settings: ShiftedSparse) -> tu
         )
     if mask is not None and settings.wrap:
         raise InvalidParameterError(
-            "S2-Attn: wrap=True (the paper's rolled groups) with a padding or document mask is not allowed; "
-            "allowed: wrap=False (LongLoRA's unrolled groups), which honours masks"
+            "S2-Attn: wrap=True (the paper's rolled groups) with an attention mask (padding, packed documents, "
+            "a sliding window) is not allowed; allowed: wrap=False (LongLoRA's unrolled groups), which honours masks"
         )
     size = settings.group(length)
     count, half = length // size, size // 2

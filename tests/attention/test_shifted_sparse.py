@@ -20,7 +20,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import attention_modules, make_model, patch, token_ids
+from conftest import FAMILIES, ROTARY_FAMILIES, attention_modules, make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from references.attention import output_projection, projections
@@ -311,3 +311,39 @@ def test_lengths_the_groups_do_not_cut_are_refused_in_one_line():
         ) as error:
             model(token_ids(1, length))
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("wrap", [False, True])
+def test_s2_on_every_family_is_causal_in_groups(family, wrap):
+    """On every family (its own RoPE or, without one, learned positions), training with S2-Attn:
+    unwrapped, the first G/2 tokens see exactly what full attention shows them (same logits), later
+    ones less (other logits), and a change to the last token reaches no earlier logit; wrapped (the
+    paper's rolled form), the first G/2 tokens see the last G/2, so that change reaches them.
+    Gradients flow; eval() is the plain model."""
+    encoding = "rope" if family in ROTARY_FAMILIES else "learned"
+    model = patch(make_model(family), encoding)
+    length, group = 16, 8
+    ids = token_ids(2, length)
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 50 + 3
+    with torch.no_grad():
+        full = model(ids).logits
+    hf_posenc.enable_s2_attn(model, group, wrap=wrap)
+    model.train()
+    if wrap and getattr(model.config, "sliding_window", None):  # a sliding window is a mask
+        with pytest.raises(InvalidParameterError, match="wrap=True .* with an attention mask"):
+            model(ids)
+        return
+    s2 = model(ids).logits
+    s2.float().pow(2).mean().backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with torch.no_grad():
+        if not wrap:
+            torch.testing.assert_close(s2[:, : group // 2], full[:, : group // 2], atol=1e-5, rtol=1e-5)
+        assert (s2[:, group // 2 :] - full[:, group // 2 :]).abs().max() > 1e-4
+        reach = (model(changed).logits[:, : group // 2] - s2[:, : group // 2]).abs().max()
+        assert (reach > 1e-4) if wrap else (reach < 1e-5), float(reach)
+        model.eval()
+        torch.testing.assert_close(model(ids).logits, full, atol=1e-5, rtol=1e-5)

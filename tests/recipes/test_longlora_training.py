@@ -24,8 +24,10 @@ def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("longlora")
     documents = list(stdlib_documents())[:10]
     tokenizer = train_bpe_tokenizer(documents, vocab_size=400)
-    for family in ("llama", "gpt2"):
-        tiny_model(family, vocab_size=len(tokenizer), max_positions=64).save_pretrained(root / family)
+    for family, overrides in (("llama", {}), ("gpt2", {}), ("mistral", {"sliding_window": 16})):
+        tiny_model(family, vocab_size=len(tokenizer), max_positions=64, **overrides).save_pretrained(
+            root / family
+        )
         tokenizer.save_pretrained(root / family)
     (root / "data.txt").write_text("\n\n".join(documents[:6]))
     return root
@@ -82,6 +84,13 @@ def test_a_tied_embedding_peft_cannot_keep_tied_is_refused_before_loading(worksp
     assert run(workspace, tmp_path, "--lora", "--lora-trainable", "embed", family="gpt2") == 2
     line = one_error(capsys)
     assert "'transformer.wte' is tied" in line and "--lora-trainable norm" in line, line
+
+
+def test_rolled_groups_on_a_sliding_window_checkpoint_are_refused_before_loading(workspace, tmp_path, capsys):
+    """A sliding window is an attention mask, which --s2-wrap's rolled groups cannot follow."""
+    assert run(workspace, tmp_path, "--encoding", "rope", "--s2-attn", "--s2-wrap", family="mistral") == 2
+    line = one_error(capsys)
+    assert "--s2-wrap is not allowed" in line and "sliding window" in line, line
 
 
 def test_s2_settings_reach_the_dry_run(workspace, tmp_path, capsys):

@@ -94,6 +94,15 @@ def check_s2_request(config: TrainConfig, saved: Mapping[str, Any] | None) -> No
         refusal = s2_refusal(instance)
         if refusal:
             raise InvalidParameterError(f"train: --s2-attn: {refusal}")
+    window = (saved or {}).get("sliding_window")
+    sliding = (
+        isinstance(window, int) and window < config.seq_len and (saved or {}).get("use_sliding_window", True)
+    )
+    if config.s2_wrap and sliding:
+        raise InvalidParameterError(
+            f"train: --s2-wrap is not allowed on {config.model!r}: its sliding window ({window} < --seq-len "
+            f"{config.seq_len}) is an attention mask, which the paper's rolled groups cannot follow; allowed: --s2-attn without --s2-wrap"
+        )
     heads = _odd_heads(saved)
     if heads:
         raise InvalidParameterError(
