@@ -207,28 +207,44 @@ def attend_separable(
     fp32/fp64 only (:data:`FEATURE_DTYPES`). q, k, v (B, Hq, T, D) -> (B, Tq, Hq, D).
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
+    minimum = torch.finfo(q.dtype).min
+    key_term = bias.key_term  # (B, Hq, Tk)
+    line = None
+    if mask is None:  # keys in reverse order (reversed key b holds key Tk-1-b): the causal mask
+        k, v, key_term = k.flip(2), v.flip(2), key_term.flip(-1)  # is a strided view of one line
+        longest = max(stop - start for start, stop in spans)
+        line = torch.cat((q.new_full((longest - 1,), minimum), q.new_zeros(k_len)))  # min, then 0
     queries = F.pad(q, (0, 1), value=1.0)  # (B, Hq, Tq, D+1)
     values = F.pad(v, (0, 1))  # (B, Hq, Tk, D+1): the extra feature's output is dropped
-    minimum = torch.finfo(q.dtype).min
+    # without gradients each block writes its feature into one (B, Hq, Tk, D+1) copy of the keys
+    # (with gradients SDPA keeps each block's keys for backward: a new tensor per block)
+    in_place = None if torch.is_grad_enabled() else F.pad(k, (0, 1))
     outputs = []
     for (start, stop), k_start in zip(spans, firsts, strict=True):
         k_end, rows = causal_keys(q_len, k_len, stop), stop - start
-        reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
-        column = (reference - bias.key_term[..., k_start:k_end]) / softmax_scale  # (B, Hq, keys)
-        column = column.to(q.dtype).expand(k.shape[0], -1, -1)
-        keys = torch.cat((k[:, :, k_start:k_end], column[..., None]), dim=-1)  # (B, Hq, keys, D+1)
-        if mask is None:  # (1, 1, rows, keys): the minimum after each query's own key
-            additive = torch.full((rows, k_end), minimum, dtype=q.dtype, device=q.device)
-            additive = additive.triu_(k_end - rows + 1)[None, None]
+        if line is not None:  # the block's causal keys are the reversed keys first .. Tk-1
+            first = q_len - stop
+            keys_of_block = slice(first, k_len)
+            # (1, 1, rows, keys): query a may attend reversed key b iff a + b >= rows - 1
+            additive = line.as_strided((1, 1, rows, k_len - first), (0, 0, 1, 1), longest - rows)
         else:  # (B|1, 1, rows, keys)
+            keys_of_block = slice(k_start, k_end)
             allowed = mask[..., start:stop, k_start:k_end]
             additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 ~allowed, minimum
             )
+        reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
+        column = (reference - key_term[..., keys_of_block]) / softmax_scale  # (B, Hq, keys)
+        column = column.to(q.dtype).expand(k.shape[0], -1, -1)
+        if in_place is not None:
+            keys = in_place[:, :, keys_of_block]  # (B, Hq, keys, D+1)
+            keys[..., -1] = column
+        else:
+            keys = torch.cat((k[:, :, keys_of_block], column[..., None]), dim=-1)  # (B, Hq, keys, D+1)
         out = F.scaled_dot_product_attention(
             queries[:, :, start:stop],
             keys,
-            values[:, :, k_start:k_end],
+            values[:, :, keys_of_block],
             attn_mask=additive,
             dropout_p=dropout_p,
             scale=softmax_scale,
