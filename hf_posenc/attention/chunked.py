@@ -209,11 +209,12 @@ def attend_separable(
     q_len, k_len = q.shape[-2], k.shape[-2]
     minimum = torch.finfo(q.dtype).min
     key_term = bias.key_term  # (B, Hq, Tk)
-    line = None
-    if mask is None:  # keys in reverse order (reversed key b holds key Tk-1-b): the causal mask
-        k, v, key_term = k.flip(2), v.flip(2), key_term.flip(-1)  # is a strided view of one line
-        longest = max(stop - start for start, stop in spans)
-        line = torch.cat((q.new_full((longest - 1,), minimum), q.new_zeros(k_len)))  # min, then 0
+    # without a padding mask the keys go in reverse order (reversed key b holds key Tk-1-b): the
+    # causal mask is then a strided view of one line, the dtype's minimum and then zeros
+    longest = max(stop - start for start, stop in spans)
+    causal_line = torch.cat((q.new_full((longest - 1,), minimum), q.new_zeros(k_len)))
+    if mask is None:
+        k, v, key_term = k.flip(2), v.flip(2), key_term.flip(-1)
     queries = F.pad(q, (0, 1), value=1.0)  # (B, Hq, Tq, D+1)
     values = F.pad(v, (0, 1))  # (B, Hq, Tk, D+1): the extra feature's output is dropped
     # without gradients each block writes its feature into one (B, Hq, Tk, D+1) copy of the keys
@@ -222,17 +223,17 @@ def attend_separable(
     outputs = []
     for (start, stop), k_start in zip(spans, firsts, strict=True):
         k_end, rows = causal_keys(q_len, k_len, stop), stop - start
-        if line is not None:  # the block's causal keys are the reversed keys first .. Tk-1
-            first = q_len - stop
-            keys_of_block = slice(first, k_len)
-            # (1, 1, rows, keys): query a may attend reversed key b iff a + b >= rows - 1
-            additive = line.as_strided((1, 1, rows, k_len - first), (0, 0, 1, 1), longest - rows)
-        else:  # (B|1, 1, rows, keys)
+        if mask is not None:  # (B|1, 1, rows, keys)
             keys_of_block = slice(k_start, k_end)
             allowed = mask[..., start:stop, k_start:k_end]
             additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 ~allowed, minimum
             )
+        else:  # the block's causal keys are the reversed keys first .. Tk-1
+            first = q_len - stop
+            keys_of_block = slice(first, k_len)
+            # (1, 1, rows, keys): query a may attend reversed key b iff a + b >= rows - 1
+            additive = causal_line.as_strided((1, 1, rows, k_len - first), (0, 0, 1, 1), longest - rows)
         reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
         column = (reference - key_term[..., keys_of_block]) / softmax_scale  # (B, Hq, keys)
         column = column.to(q.dtype).expand(k.shape[0], -1, -1)
