@@ -25,20 +25,25 @@ Defaults against the reference code (bojone/rerope at its last commit, checked f
   README's only published results use ``ReRoPE-w1024`` on that model (a quarter): we take the
   published setting, scaled to the checkpoint's length. ``window=max_position_embeddings // 8``
   reproduces the code's constant.
-* Not reproduced: both patches also multiply every query by ``max(1, log(n + 1) / log(4096))``
-  (``training_length = 4096``; Su's log-n attention scaling, kexue.fm/archives/8823), which
-  changes nothing up to the trained length and sharpens attention past it. It is a separate
-  technique, not part of the rectified positions; here the queries stay unscaled.
+* ``logn`` = False: both patches also multiply every query by ``max(1, log(n + 1) / log(L))``
+  (n the query's position, ``training_length`` L = 4096; Su's log-n attention scaling,
+  kexue.fm/archives/8823), which changes nothing up to the trained length and sharpens attention
+  past it. It is a separate technique from the rectified positions, so it is opt-in:
+  ``logn=True`` applies it with L = the checkpoint's trained length (``max_position_embeddings``),
+  which with ``window=max_position_embeddings // 8`` and ``leak=16`` is the reference patches'
+  forward exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from ..core.config import check_number
+from ..core.config import check_bool, check_number
 from ..core.registry import register_encoding
+from .call import NeighbourSplit, ScoreCall
 from .window_split import WindowSplitConfig, WindowSplitRoPE
 
 #: the source of both encodings: the blog post and its reference code
@@ -46,12 +51,41 @@ PAPER = "Su 2023, kexue.fm/archives/9708 (bojone/rerope)"
 
 
 @dataclasses.dataclass
-class ReRoPEConfig(WindowSplitConfig):
+class RectifiedConfig(WindowSplitConfig):
+    """The window-split settings plus the reference code's optional log-n query scaling."""
+
+    #: multiply each query by max(1, log(n + 1) / log(L)), L the trained length (bojone's patches)
+    logn: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        check_bool(self.encoding, "logn", self.logn)
+
+
+class RectifiedRoPE(WindowSplitRoPE):
+    """ReRoPE's base (not registered): the window split, with the optional log-n query scaling."""
+
+    def neighbour_split(self, call: ScoreCall) -> NeighbourSplit:
+        split = super().neighbour_split(call)
+        if not self.config.logn:  # type: ignore[attr-defined]
+            return split
+        trained = float(self.geometry.max_position_embeddings)
+        # (B, 1, Tq, 1): log(n + 1) / log(L), at least 1 (no change up to the trained length)
+        scale = (split.q_positions.double() + 1).log().div(math.log(trained)).clamp(min=1.0)[:, None, :, None]
+        return dataclasses.replace(
+            split,
+            near_q=split.near_q * scale.to(split.near_q.dtype),
+            far_q=split.far_q * scale.to(split.far_q.dtype),
+        )
+
+
+@dataclasses.dataclass
+class ReRoPEConfig(RectifiedConfig):
     encoding = "rerope"
 
 
 @register_encoding
-class ReRoPE(WindowSplitRoPE):
+class ReRoPE(RectifiedRoPE):
     name = "rerope"
     aliases = ("rectified_rope",)
     config_class = ReRoPEConfig
@@ -66,7 +100,7 @@ class ReRoPE(WindowSplitRoPE):
 
 
 @dataclasses.dataclass
-class LeakyReRoPEConfig(WindowSplitConfig):
+class LeakyReRoPEConfig(RectifiedConfig):
     encoding = "leaky_rerope"
     leak: float = 16.0  # k: past the window, distances grow with slope 1/k (k = 1: plain RoPE)
 
@@ -76,7 +110,7 @@ class LeakyReRoPEConfig(WindowSplitConfig):
 
 
 @register_encoding
-class LeakyReRoPE(WindowSplitRoPE):
+class LeakyReRoPE(RectifiedRoPE):
     name = "leaky_rerope"
     aliases = ("leaky_rectified_rope",)
     config_class = LeakyReRoPEConfig

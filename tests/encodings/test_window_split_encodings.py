@@ -64,6 +64,38 @@ def test_many_decoding_steps_with_left_padding_equal_the_full_forward(family, ca
             torch.testing.assert_close(out.logits[:, -1], full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+@pytest.mark.parametrize(
+    "params",
+    [{"window": 3, "logn": True}, {"window": 2, "leak": 4.0, "logn": True}],
+    ids=["rerope", "leaky_rerope"],
+)
+def test_logn_scales_queries_past_the_trained_length_as_the_reference_code(params, backend):
+    """logn=True (bojone/rerope's ``query_states *= (log(n + 1) / log(training_length)).clip(1)``) on a
+    model trained on 8 positions, run on 12: queries 8.. are scaled (fp64 reference), earlier ones not;
+    KV-cache decoding over those positions equals the full forward."""
+    name = "leaky_rerope" if "leak" in params else "rerope"
+    model = patch(make_model("llama", max_position_embeddings=8), name, params, backend=backend)
+    plain = patch(
+        make_model("llama", max_position_embeddings=8), name, {**params, "logn": False}, backend=backend
+    )
+    ids = token_ids(2, LENGTH)
+    records, attention = run_and_capture(model, ids)
+    for layer_idx, module in enumerate(attention):
+        hidden, output = records[layer_idx]
+        expected = layer_reference(name, params, module, hidden, model, layer_idx)
+        torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        scaled, unscaled = model(ids).logits, plain(ids).logits
+        torch.testing.assert_close(scaled[:, :7], unscaled[:, :7], atol=1e-6, rtol=0)  # log(n+1) <= log 8
+        assert (scaled[:, 8:] - unscaled[:, 8:]).abs().max() > 1e-4
+        cache = DynamicCache(config=model.config)
+        out = model(ids[:, :4], past_key_values=cache, use_cache=True)
+        for t in range(4, LENGTH):
+            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            torch.testing.assert_close(out.logits[:, -1], scaled[:, t], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("name", "params"),
     [

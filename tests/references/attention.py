@@ -175,10 +175,12 @@ def two_map_attention_layer(
     window: int | None,
     rotation,
     positions,
+    query_scale=None,
 ) -> torch.Tensor:
     """softmax_j((R(a) q_i) . (R(b) k_j) * softmax_scale) v_j with ``(a, b) = positions(i, j)``: RoPE
     where the rotation of both query and key depends on the pair (SelfExtend, ReRoPE).
-    ``rotation(p) -> (D, D)`` is the RoPE matrix of position p (None: no rotation)."""
+    ``rotation(p) -> (D, D)`` is the RoPE matrix of position p (None: no rotation);
+    ``query_scale(i) -> float``, when given, multiplies q_i (ReRoPE's log-n scaling)."""
     hidden = hidden.double()
     batch, length, _ = hidden.shape
     q, k, v = projections(module, hidden, hidden)
@@ -192,6 +194,8 @@ def two_map_attention_layer(
                 scores = []
                 for j in keys:
                     qi, kj = q[b, i, h], k[b, j, g]
+                    if query_scale is not None:
+                        qi = qi * query_scale(i)
                     if rotation is not None:
                         a, p = positions(i, j)
                         qi, kj = rotation(a) @ qi, rotation(p) @ kj

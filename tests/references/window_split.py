@@ -14,8 +14,11 @@ from .rope import reference_inv_freq, rotation_matrix
 PositionMap = Callable[[int, int], tuple[float, float]]
 
 
-def split_layer_reference(params: dict, module, hidden, model, layer_idx: int, positions: PositionMap):
-    """One attention layer in fp64 with (query, key) positions ``positions(i, j)``."""
+def split_layer_reference(
+    params: dict, module, hidden, model, layer_idx: int, positions: PositionMap, query_scale=None
+):
+    """One attention layer in fp64 with (query, key) positions ``positions(i, j)`` (and queries
+    multiplied by ``query_scale(i)`` when given)."""
     theta, rotates = native_rope(model, layer_idx)
     rotation = None
     if rotates:
@@ -30,6 +33,7 @@ def split_layer_reference(params: dict, module, hidden, model, layer_idx: int, p
         window=native_window(model, layer_idx),
         rotation=rotation,
         positions=positions,
+        query_scale=query_scale,
     )
 
 
