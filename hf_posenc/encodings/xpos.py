@@ -39,6 +39,7 @@ import math
 import torch
 
 from ..core.config import EncodingConfig, check_number, fail, resolved
+from ..core.interpolation import ScaledRange, positional_range
 from ..core.registry import register_encoding
 from ..errors import PositionRangeError
 from .base import Encoding
@@ -117,6 +118,28 @@ class XPos(Encoding[XPosConfig]):
             float(scaling["factor"]) if scaling is not None and scaling["type"] == "linear" else 1.0
         )
 
+    def scaled_range(self) -> ScaledRange | None:
+        """Under a linear scaling ``f``: the rotation angles p * omega / f (as rope's, over the
+        horizon) and the decay exponents n ln(1/zeta_0) / (f scale_base), whose query scale
+        zeta_0^(n/(f scale_base)) must stay a float32 number (with HEADROOM_BITS to spare) up to
+        max_position_embeddings; past the trained length, positions the model's dtype cannot
+        scale are refused when they arrive (``_check_range``). The tighter of the two."""
+        if self.decay_factor == 1.0:
+            return None
+        angles = positional_range(
+            self.decay_factor, self.geometry.max_position_embeddings, "rotation angles p * omega / f", 1.0
+        )
+        longest = self.geometry.max_position_embeddings
+        decay = ScaledRange(
+            self.decay_factor,
+            "decay exponents n ln(1/zeta_0) / (f * scale_base)",
+            longest * -math.log(float(decay_base(self.dim, self.config.gamma)[0])) / self.config.scale_base,
+            -(math.log(torch.finfo(torch.float32).tiny) + HEADROOM_BITS * math.log(2.0)),
+            f"where the query scale zeta_0^(n/(f*scale_base)) leaves float32 (with 2^{HEADROOM_BITS} to spare)",
+            f"positions up to {longest} (max_position_embeddings)",
+        )
+        return decay if angles is None or decay.smallest_factor >= angles.smallest_factor else angles
+
     def _check_range(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         if torch.compiler.is_compiling() or positions.numel() == 0:
             return
@@ -127,8 +150,8 @@ class XPos(Encoding[XPosConfig]):
             bad = top if top >= limit else bottom
             raise PositionRangeError(
                 f"xpos: position {bad} is outside what {dtype} can scale (|position| < {limit} at "
-                f"scale_base={cfg.scale_base:g}, gamma={cfg.gamma:g}); use a larger scale_base, float32 "
-                "instead of float16, or linear scaling"
+                f"scale_base={cfg.scale_base:g}, gamma={cfg.gamma:g}, linear factor {self.decay_factor:g}); use a "
+                "larger scale_base, float32 instead of float16, or a larger linear scaling factor"
             )
 
     def _scaled_cos_sin(self, call: LayerCall, dtype: torch.dtype):

@@ -12,6 +12,7 @@ m_h = 2^(-8h/H) (Press et al.); FIRE's distance (i - j) / f and c (i - j) / f wh
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -114,3 +115,18 @@ def test_liere_reads_its_generators_as_trained():
         patched.posenc.generators.mul_(10.0)
     with pytest.raises(InvalidParameterError, match="liere: parameter scaling="):
         hf_posenc.reconfigure(patched, scaling=linear(factor))
+
+
+def test_xpos_refuses_a_factor_whose_decay_leaves_float32_within_the_trained_length():
+    """xPos (Sun et al. 2023): the query scale zeta_0^(n/(f*gamma)), zeta_0 = 0.4/1.4 at c = 0.4,
+    gamma = scale_base = 512, must stay above float32's smallest normal number (with 2^10 to
+    spare, the encoding's headroom) up to max_position_embeddings: f >= n_max ln(1/zeta_0) /
+    (gamma (-ln tiny - 10 ln 2)). Below that xpos refused every position only when it ran."""
+    bound = stated_bound(refusal("xpos", 1e-6))
+    tiny = torch.finfo(torch.float32).tiny
+    expected = MAX_POSITIONS * math.log(1.4 / 0.4) / (512 * -(math.log(tiny) + 10 * math.log(2.0)))
+    assert bound == pytest.approx(expected, rel=1e-2)
+    patched = hf_posenc.patch_model(model(), "xpos", scaling=linear(bound * 2))
+    with torch.no_grad():
+        logits = patched(token_ids(1, MAX_POSITIONS)).logits
+    assert torch.isfinite(logits).all()
