@@ -24,7 +24,7 @@ from ..core.config import check_number
 from ..core.registry import register_encoding
 from .base import Encoding
 from .call import LayerCall
-from .expe_common import ExactPositionConfig, override_leading, warn_if_indistinguishable
+from .expe_common import ExactPositionConfig, check_codes_fit, override_leading, warn_if_indistinguishable
 from .expe_precision import expe_component
 
 
@@ -62,4 +62,6 @@ class ExPE(Encoding[ExPEConfig]):
         values = call.memo.get(
             ("expe",), lambda: expe_values(positions, cfg.code_length(), cfg.S, cfg.theta, cfg.factor)
         )  # (B, T, l)
+        if call.layer_idx == 0:
+            check_codes_fit(self, positions, values, hidden.dtype)
         return override_leading(hidden, values, cfg.override_value)

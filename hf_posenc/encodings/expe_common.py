@@ -10,7 +10,7 @@ import torch
 
 from ..core.config import EncodingConfig, check_bool, check_number, resolved
 from ..core.interpolation import PositionInterpolation
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, PositionRangeError
 from .base import Encoding, module_cache
 from .expe_precision import first_collision
 
@@ -79,6 +79,29 @@ def override_leading(
     l = values.shape[-1]  # noqa: E741
     overridden = torch.cat((values.to(hidden.dtype), hidden[..., l:]), dim=-1)  # (B, T, hidden)
     return overridden, overridden if override_value else hidden
+
+
+def check_codes_fit(
+    encoding: Encoding[ExactConfigT], positions: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> None:
+    """Refuse a forward whose codes ``values`` (B,T,l) of ``positions`` (B,T) are not finite in
+    ``dtype``: written into the q/k input they would be inf, and the logits NaN. Only float16 can
+    get there (one host read per forward): when patching, the codes are bounded by CODE_LIMIT
+    (1e9), far inside float32 and bfloat16."""
+    if torch.compiler.is_compiling() or float(torch.finfo(dtype).max) >= CODE_LIMIT or not positions.numel():
+        return
+    finite = torch.isfinite(values.to(dtype)).all(dim=-1)  # (B, T): the codes as the q/k input holds them
+    if bool(finite.all()):
+        return
+    first = int(positions[~finite].min())
+    cfg = encoding.config
+    largest = float(values[~finite].abs().max())
+    allowed = f"positions below {first} in {dtype}, " if first > 0 else ""
+    raise PositionRangeError(
+        f"{cfg.encoding}: position {first} has codes up to {largest:.3g}, past {dtype}'s largest number "
+        f"({float(torch.finfo(dtype).max):.6g}) ({cfg.code_parameters()}, l={cfg.l}); allowed: {allowed}a larger "
+        "scaling factor or smaller theta, or the model in float32 or bfloat16"
+    )
 
 
 def warn_if_indistinguishable(

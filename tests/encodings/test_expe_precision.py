@@ -129,3 +129,37 @@ def test_reconfigure_recomputes_the_limit():
     assert forward(model, 1040) == []
     caught = forward(model, limit - 2)
     assert len(caught) == 1 and f"positions past {limit} " in str(caught[0].message)
+
+
+@pytest.mark.parametrize(("name", "factor"), [("expe", 1e-7), ("exqpe", 1e-6), ("exqpe", 2e-6)])
+def test_a_float16_forward_whose_codes_overflow_is_refused_in_one_line(name, factor):
+    """ExPE/ExQPE write their codes into the q/k input in the model's dtype: a code that float16
+    rounds to inf made the logits NaN (issue 19's adversarial round: expe at factor 1e-7, exqpe
+    at 1e-6, 64 tokens). The paper's codes
+    (tests/references) cast to float16 say where: a forward reaching the first position whose
+    codes are inf is refused naming it, the forward just before it is not."""
+    from references.exqpe import exqpe_values
+
+    from hf_posenc.errors import PositionRangeError
+
+    model = make_model("llama").half()
+    hf_posenc.patch_model(model, name, scaling={"type": "linear", "factor": factor})
+    l = model.config.hidden_size // 8  # noqa: E741 - the default l
+    if name == "expe":
+        codes = lambda n: expe_values(n, l, 0.0, 1 / 2048, factor)  # noqa: E731
+    else:
+        codes = lambda n: exqpe_values(n, l, 0.0, 1 / 2048, 1 / 16, factor)  # noqa: E731
+    first = next(n for n in range(64) if not torch.tensor(codes(n)).to(torch.float16).isfinite().all())
+    assert first > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the collision warning, which these positions also pass
+        with (
+            pytest.raises(
+                PositionRangeError, match=rf"^{name}: position {first} .*float16.*allowed: "
+            ) as caught,
+            torch.no_grad(),
+        ):
+            model(token_ids(1, 64))
+        assert "\n" not in str(caught.value)
+        with torch.no_grad():
+            model(token_ids(1, first))  # positions 0 .. first-1: their codes are finite, not refused
