@@ -3,7 +3,10 @@
 ``flash_alibi``         flash-attn's ``flash_attn_func(..., alibi_slopes=)`` for a distance-linear
                         bias (:class:`LinearDistanceBias`, ALiBi), fp16/bf16, no padding mask;
 ``fla_forgetting``      flash-linear-attention's ``parallel_forgetting_attn`` for a cumulative
-                        bias (:class:`CumulativeBias`, FoX without a cache), no padding;
+                        bias (:class:`CumulativeBias`, FoX without a cache), fp16/bf16, no
+                        padding (in fp32 its Triton dots run in TF32: on an H200 FoX's fp32
+                        logits, gradients and cached decoding left eager's 1e-4, so fp32 calls
+                        go to FlexAttention, which keeps IEEE fp32);
 ``fla_stickbreaking``   flash-linear-attention's ``parallel_stickbreaking_attn`` for stick-breaking
                         attention (``sba``) at inference, no padding, no cache.
 
@@ -165,7 +168,8 @@ class FlaForgettingBackend(Backend):
     requests = frozenset({AUTO})
 
     def serves(self, call: AttentionCall) -> bool:
-        return _fused_bias_call(call, CumulativeBias) and call.dropout_p == 0.0 and fla_available()
+        half = call.q.dtype in (torch.float16, torch.bfloat16)
+        return _fused_bias_call(call, CumulativeBias) and half and call.dropout_p == 0.0 and fla_available()
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return output_only(attend_fla_forgetting(**call.bias_arguments()))

@@ -173,3 +173,25 @@ def test_fla_stickbreaking_path_equals_the_eager_sba(params):
         )
         is None
     )  # gradients recorded here: not served
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fla_forgetting_serves_half_precision_only(monkeypatch, dtype):
+    """fla's kernels run fp32 dots in TF32 (on an H200, FoX's fp32 logits, gradients and cached
+    decoding through it left eager's 1e-4): an fp32 call is left to FlexAttention / chunked."""
+    import types
+
+    import hf_posenc.attention.kernels as kernels
+
+    monkeypatch.setattr(kernels, "fla_available", lambda: True)
+    c = torch.zeros(1, 2, 8)
+    call = types.SimpleNamespace(
+        explicit=False,
+        want_weights=False,
+        mask=None,
+        on_cuda=True,
+        bias=CumulativeBias(c, c),
+        q=torch.zeros(1, 2, 8, 4, dtype=dtype),
+        dropout_p=0.0,
+    )
+    assert kernels.FlaForgettingBackend().serves(call) == (dtype != torch.float32)
