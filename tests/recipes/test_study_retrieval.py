@@ -62,3 +62,41 @@ def test_a_study_with_retrieval_documents_reports_passkey_accuracy(tmp_path, cap
         assert sorted(overall) == [256, 512]
         assert all(c["prompt_tokens"] == c["length"] - 16 for c in overall.values())
     assert (tmp_path / "retrieval_heatmaps.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.fixture(scope="module")
+def passkey_tokenizer():
+    from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+
+    text = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    return train_bpe_tokenizer([text * 20, "pass key 0123456789 remember it " * 20], vocab_size=300)
+
+
+def test_reused_passkey_documents_are_verified(tmp_path, passkey_tokenizer):
+    """The documents are written once and reused by every later pretraining (and a resumed study):
+    a file damaged in place (same size), truncated, or written for other settings stops the
+    study with one line naming it and the fix; an intact one is reused as it is. Before, any file
+    at that path was used without a look."""
+    from hf_posenc.recipes.data import DataError
+    from hf_posenc.recipes.study.retrieval import write_training_documents
+
+    config = StudyConfig(output_dir=str(tmp_path), retrieval_documents=2, train_length=256)
+    path = write_training_documents(config, passkey_tokenizer)
+    written = path.read_bytes()
+    assert write_training_documents(config, passkey_tokenizer) == path and path.read_bytes() == written
+
+    flipped = bytearray(written)
+    flipped[len(flipped) // 2] ^= 0x01  # one bit, the size unchanged
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(DataError, match=rf"^{path}: .*SHA-256.*rm {path} "):
+        write_training_documents(config, passkey_tokenizer)
+    path.write_bytes(written[:-10])
+    with pytest.raises(DataError, match=rf"^{path}: .*bytes where {len(written)} were written"):
+        write_training_documents(config, passkey_tokenizer)
+    path.write_bytes(written)
+    other = StudyConfig(output_dir=str(tmp_path), retrieval_documents=3, train_length=256)
+    with pytest.raises(
+        DataError, match=r"written for .*'retrieval_documents': 2.*asks for .*'retrieval_documents': 3"
+    ):
+        write_training_documents(other, passkey_tokenizer)
+    assert write_training_documents(config, passkey_tokenizer) == path and path.read_bytes() == written

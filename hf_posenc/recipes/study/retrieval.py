@@ -46,6 +46,7 @@ def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
 
     path = Path(config.output_dir) / FILE
     if path.is_file():
+        verify_documents(path, _settings(config))
         return path
     task = TASKS[TASK]
     # the training pipeline adds only the end-of-text token; the length fitting counts what the
@@ -64,7 +65,69 @@ def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
         for text in training_documents(task, tokenizer, length, config.retrieval_documents, config.seed):
             handle.write(json.dumps({"text": text}) + "\n")
     partial.replace(path)
+    record_documents(path, _settings(config))
     return path
+
+
+#: the record beside the documents: their size, SHA-256 and the settings they were written for
+RECORD = FILE.with_suffix(".sha256.json")
+
+
+def _settings(config: Any) -> dict[str, int]:
+    """The study settings the documents are made from (with the tokenizer, which the base run fixes)."""
+    return {
+        "retrieval_documents": int(config.retrieval_documents),
+        "train_length": int(config.train_length),
+        "seed": int(config.seed),
+    }
+
+
+def record_documents(path: Path, settings: dict[str, int]) -> None:
+    """Write the record of ``path`` (size, SHA-256, settings) beside it, atomically."""
+    from ..training.checkpoints import file_digest
+
+    record = {"bytes": path.stat().st_size, "sha256": file_digest(path), "settings": settings}
+    target = path.with_name(RECORD.name)
+    partial = target.with_name(target.name + ".tmp")
+    partial.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    partial.replace(target)
+
+
+def verify_documents(path: Path, settings: dict[str, int]) -> None:
+    """Check the passkey documents a study reuses against their record: a damaged, truncated or
+    edited file (every later pretraining would train on it, re-tokenised without a word, since the
+    token cache follows the file's size and mtime) or one written for other settings stops the
+    study with one line naming the file and the fix. A file from before records existed is
+    recorded as it is."""
+    from ..data import DataError
+    from ..training.checkpoints import file_digest
+
+    record_path = path.with_name(RECORD.name)
+    fix = (
+        f"delete it and its record (rm {path} {record_path}) and run the same command again: it is rewritten"
+    )
+    if not record_path.is_file():
+        record_documents(path, settings)
+        return
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        size, digest, written_for = int(record["bytes"]), str(record["sha256"]), dict(record["settings"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(
+            f"{record_path}: the passkey documents' record is unreadable ({error}); {fix}"
+        ) from None
+    actual = path.stat().st_size
+    if actual != size:
+        raise DataError(f"{path}: the passkey documents have {actual} bytes where {size} were written; {fix}")
+    if file_digest(path) != digest:
+        raise DataError(
+            f"{path}: the passkey documents do not match the SHA-256 recorded when they were written "
+            f"(damaged or edited); {fix}"
+        )
+    if written_for != settings:
+        raise DataError(
+            f"{path}: the passkey documents were written for {written_for}, this study asks for {settings}; {fix}"
+        )
 
 
 def evaluate_retrieval(config: Any, runs: dict[str, Path], tokenizer: Any) -> dict[str, list]:
