@@ -82,7 +82,8 @@ class GenerateCompilePolicy:
     that grows beside the cache): ``generate()`` decodes eagerly, and raises that one line when
     the caller asked for compilation with ``compile_config``. ``unverified_on_cuda``: a score-bias
     encoding, seen failing under the CUDA graphs of transformers' compiled step on an H100 and not
-    measured since; it decodes eagerly on CUDA and compiles elsewhere (CPU: only when asked)."""
+    measured since; transformers' automatic compilation on CUDA is off for it (an explicit
+    ``compile_config`` compiles), and elsewhere transformers decides (CPU: only when asked)."""
 
     def __init__(self, model: Any, refusal: str | None, unverified_on_cuda: bool) -> None:
         self.model, self.refusal, self.unverified_on_cuda = model, refusal, unverified_on_cuda
@@ -99,8 +100,12 @@ class GenerateCompilePolicy:
             if generation_config.compile_config is not None and not generation_config.disable_compile:
                 raise UnsupportedModelError(self.refusal)
             return False
-        if self.unverified_on_cuda and self.model.device.type == "cuda":
-            return False
+        if (
+            self.unverified_on_cuda
+            and self.model.device.type == "cuda"
+            and generation_config.compile_config is None
+        ):
+            return False  # automatic compilation only: an explicit compile_config is the caller's to make
         return type(self.model)._valid_auto_compile_criteria(self.model, model_kwargs, generation_config)
 
 

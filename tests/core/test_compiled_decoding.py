@@ -145,13 +145,17 @@ def test_a_compiled_forward_over_a_static_cache_refuses_a_stateful_encoding():
 
 def test_score_bias_encodings_decode_eagerly_on_cuda_unless_measured(monkeypatch):
     """transformers' automatic compilation on CUDA (CUDA graphs) stays off for score-bias
-    encodings (seen failing there, not measured since); elsewhere transformers decides."""
+    encodings (seen failing there, not measured since); an explicit ``compile_config`` is the
+    caller's choice, and elsewhere transformers' own criteria decide."""
     from hf_posenc.compat import GenerateCompilePolicy
 
     model = patch(make_model("llama"), "alibi")
     policy = model._valid_auto_compile_criteria
     assert isinstance(policy, GenerateCompilePolicy) and policy.unverified_on_cuda
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
-    assert policy({"cache": None}, model.generation_config) is False
+    monkeypatch.setattr(type(model), "_valid_auto_compile_criteria", lambda self, kwargs, config: True)
+    assert policy({"cache": None}, model.generation_config) is False  # automatic: eager
+    asked = model.generation_config.__class__(compile_config=_compile_config("inductor"))
+    assert policy({"cache": None}, asked) is True  # asked for: transformers decides
     rope = patch(make_model("llama"), "rope")
     assert "_valid_auto_compile_criteria" not in rope.__dict__  # transformers' own criteria
