@@ -54,9 +54,20 @@ class PiecewiseDistanceBias(BlockBias):
     def x(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         """The normalised distance of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``:
         (B|1, rows, keys) fp32, non-increasing along the keys."""
-        queries, keys = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
-        distance = (queries[:, None] - keys[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
-        return self.feature[distance] / self.normalizer[:, start:stop, None]
+        normalizer = self.normalizer[:, start:stop, None]  # (B|1, rows, 1)
+        if torch.is_grad_enabled():  # gathered by distance (autograd's backward of a gather is cheap)
+            queries, key_indices = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
+            distance = (queries[:, None] - key_indices[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
+            return self.feature[distance] / normalizer
+        # over the keys in reverse order the distance of (a, b) is a + b + first: a strided view
+        # (stride 1 along both) of one line of features, divided and flipped back
+        rows, keys = stop - start, k_end - k_start
+        first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, 0)
+        positions = torch.arange(first, first + rows + keys - 1, device=self.feature.device).clamp_(min=0)
+        line = self.feature[positions]  # (rows + keys - 1,)
+        reversed_x = line.new_empty(normalizer.shape[0], rows, keys)  # contiguous (a view's strides are not)
+        torch.div(line.as_strided((rows, keys), (1, 1)), normalizer, out=reversed_x)
+        return reversed_x.flip(-1)
 
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
@@ -118,19 +129,21 @@ class PiecewiseDistanceBias(BlockBias):
         if allowed is None:  # causal: from key index i + 1 on, the pieces are shifted past K
             queries, _ = query_key_indices(self.q_len, self.k_len, x.device, start, stop)
             future = queries + 1 - k_start  # (rows,) the first future key of each query
-        segment = monotone_segments(x.detach(), self.points, future, masked)  # (B|1, rows, keys)
+        segment, ends = monotone_segments(x.detach(), self.points, future, masked)  # (B|1, rows, keys)
         if allowed is not None:  # (B|1, 1, rows, keys)
             segment = segment.masked_fill(~allowed[:, 0], masked)
         slopes = F.pad(self.slopes, (0, masked))  # (Hq, 2K+2): slope 0 ...
         intercepts = F.pad(self.intercepts, (0, masked), value=torch.finfo(dtype).min)  # ... and the minimum
-        return PiecewiseBlock.apply(x, segment, slopes, intercepts).to(dtype)  # (B', Hq, rows, keys)
+        return PiecewiseBlock.apply(x, segment, ends, slopes, intercepts).to(dtype)  # (B', Hq, rows, keys)
 
 
 def monotone_segments(
     x: torch.Tensor, points: torch.Tensor, future: torch.Tensor | None = None, shift: int = 0
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, rows, keys), non-increasing along the keys; points (K,) sorted -> the number of
-    points <= x, (B, rows, keys) int64, plus ``shift`` from key ``future[row]`` on (rows,) when given.
+    points <= x, (B, rows, keys) int32, plus ``shift`` from key ``future[row]`` on (rows,) when
+    given; and the run ends E (B * rows, K) int64: piece m covers keys E[m] .. E[m-1]-1 of a row
+    (E[-1] = keys, E[K] = 0) before the shift.
 
     Along a row the keys with x >= p_k are a prefix (of length E_k, one ``searchsorted`` per row
     and point), so the count is K minus the number of prefixes that ended: a cumulative sum of
@@ -142,25 +155,32 @@ def monotone_segments(
     flat = x.reshape(-1, keys)  # (B * rows, keys)
     count = points.shape[0]
     ends = torch.searchsorted(flat.neg(), points.neg().expand(flat.shape[0], count).contiguous(), right=True)
-    ended = torch.zeros(flat.shape[0], keys + 1, dtype=torch.int64, device=x.device)
-    ended.scatter_add_(1, ends, torch.ones_like(ends))  # (B * rows, keys + 1)
+    ended = torch.zeros(flat.shape[0], keys + 1, dtype=torch.int32, device=x.device)
+    ended.scatter_add_(
+        1, ends, torch.ones(ends.shape, dtype=torch.int32, device=x.device)
+    )  # (B * rows, keys + 1)
     if future is not None:
         rows_future = future.clamp(0, keys).repeat(batch)[:, None]  # (B * rows, 1)
-        ended.scatter_add_(1, rows_future, torch.full_like(rows_future, -shift))
-    return (count - ended.cumsum(1)[:, :-1]).reshape(x.shape)
+        ended.scatter_add_(
+            1, rows_future, torch.full(rows_future.shape, -shift, dtype=torch.int32, device=x.device)
+        )
+    pieces = count - ended.cumsum(1, dtype=torch.int32)[:, :-1]
+    return pieces.reshape(x.shape), ends
 
 
 class PiecewiseBlock(torch.autograd.Function):
-    """(x (B|1, rows, keys), piece (B', rows, keys), slopes, intercepts (Hq, P)) ->
-    ``slopes[h, piece] * x + intercepts[h, piece]`` (B', Hq, rows, keys) fp32.
+    """(x (B|1, rows, keys), piece (B', rows, keys) int32, run ends E (B|1 * rows, K), slopes,
+    intercepts (Hq, P)) -> ``slopes[h, piece] * x + intercepts[h, piece]`` (B', Hq, rows, keys) fp32.
+    Pieces past K are masked keys: they pass no gradient.
 
     Forward: per (batch row, head) two gathers from (P,) vectors into one output block and a
     multiply-add, no (Hq, rows, keys) temporaries. Backward: the gradient of slopes and
-    intercepts summed per piece (``index_add_``), of x summed over the heads.
+    intercepts summed per piece — the pieces of a row are runs of keys (E), so a run's sum is a
+    difference of the row's cumulative sums at its two ends — and of x summed over the heads.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, piece: torch.Tensor, slopes: torch.Tensor, intercepts: torch.Tensor):
+    def forward(ctx, x, piece, ends, slopes, intercepts):
         batch, heads = piece.shape[0], slopes.shape[0]
         out = x.new_empty(batch, heads, *piece.shape[1:])  # (B', Hq, rows, keys)
         gathered = x.new_empty(piece[0].numel())
@@ -171,23 +191,31 @@ class PiecewiseBlock(torch.autograd.Function):
                 torch.index_select(intercepts[h], 0, index, out=block)
                 torch.index_select(slopes[h], 0, index, out=gathered)
                 block.addcmul_(gathered, values)
-        ctx.save_for_backward(x, piece, slopes)
+        ctx.save_for_backward(x, piece, ends, slopes)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, piece, slopes = ctx.saved_tensors
-        batch, heads = piece.shape[0], slopes.shape[0]
-        grad = grad.float()
+        x, piece, ends, slopes = ctx.saved_tensors
+        (batch, rows, keys), heads, count = piece.shape, slopes.shape[0], ends.shape[-1]
+        grad = grad.float().masked_fill(piece[:, None] > count, 0.0)  # (B', Hq, rows, keys)
+        # run m of a row is keys E[m] .. E[m-1]-1: its sum is prefix(E[m-1]) - prefix(E[m])
+        full = ends.new_full((ends.shape[0], 1), keys)
+        bounds = torch.cat((full, ends, torch.zeros_like(full)), dim=-1).view(-1, rows, count + 2)
+        bounds = bounds.expand(batch, rows, count + 2)[:, None].expand(batch, heads, rows, count + 2)
+        before = (bounds - 1).clamp(min=0)  # prefix(e) = cumsum[e - 1], prefix(0) = 0
+
+        def run_sums(values: torch.Tensor) -> torch.Tensor:  # (B', Hq, rows, keys) -> (Hq, K+1)
+            prefix = values.cumsum(-1).gather(-1, before).masked_fill_(bounds == 0, 0.0)
+            return (prefix[..., :-1] - prefix[..., 1:]).sum(dim=(0, 2))
+
+        grad_slopes, grad_intercepts = torch.zeros_like(slopes), torch.zeros_like(slopes)
+        grad_intercepts[:, : count + 1] = run_sums(grad)
+        grad_slopes[:, : count + 1] = run_sums(grad * x[:, None])
         grad_x = torch.zeros(batch, piece[0].numel(), dtype=torch.float32, device=x.device)
-        grad_slopes = torch.zeros_like(slopes)
-        grad_intercepts = torch.zeros_like(slopes)
         for b in range(batch):
-            index, values = piece[b].reshape(-1), x[b if x.shape[0] > 1 else 0].reshape(-1)
+            index = piece[b].reshape(-1)
             for h in range(heads):
-                g = grad[b, h].reshape(-1)
-                grad_intercepts[h].index_add_(0, index, g)
-                grad_slopes[h].index_add_(0, index, g * values)
-                grad_x[b].addcmul_(g, slopes[h].index_select(0, index))
+                grad_x[b].addcmul_(grad[b, h].reshape(-1), slopes[h].index_select(0, index))
         grad_x = grad_x.view(piece.shape).sum_to_size(x.shape)
-        return grad_x, None, grad_slopes, grad_intercepts
+        return grad_x, None, None, grad_slopes, grad_intercepts

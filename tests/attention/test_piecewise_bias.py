@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,6 +69,17 @@ def _case(q_len, extra_keys, width, threshold, c, factor, padded_rows, seed):
     return function, positions, bias, _reference(function, positions, q_len, k_len, factor)
 
 
+def _attendable(q_len: int, k_len: int, padded_rows: bool) -> torch.Tensor:
+    """(B, Tq, Tk) bool: the causal keys, and in the padded row only real queries and keys (past
+    the 2 pads; FIRE's x <= 1 holds there, its breakpoints are only resolved on [-1, 2])."""
+    keys = torch.arange(k_len - q_len, k_len)[:, None]  # (Tq, 1) key index of each query
+    causal = torch.arange(k_len)[None, :] <= keys  # (Tq, Tk)
+    if not padded_rows:
+        return causal[None]
+    real = causal & (torch.arange(k_len)[None, :] >= 2) & (keys >= 2)
+    return torch.stack((causal, real))
+
+
 CASES = {
     "q_len": st.integers(1, 12),
     "extra_keys": st.integers(0, 9),
@@ -102,8 +112,8 @@ def test_the_per_score_function_is_the_formula(
     )
     with torch.no_grad():
         scores = bias.elementwise()(b, h, a, j)  # (B, H, Tq, Tk)
-    causal = torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]
-    torch.testing.assert_close(scores[..., causal].double(), expected[..., causal], atol=1e-5, rtol=1e-5)
+    attendable = _attendable(q_len, k_len, padded_rows)[:, None].expand_as(scores)  # (B, H, Tq, Tk)
+    torch.testing.assert_close(scores[attendable].double(), expected[attendable], atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=60, deadline=None)
@@ -124,15 +134,16 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
     generator = torch.Generator().manual_seed(holes)
     holes = torch.rand(positions.shape[0], 1, q_len - start, k_end - k_start, generator=generator) > 0.3
     causal = torch.arange(k_start, k_end)[None, :] <= torch.arange(k_len - q_len + start, k_len)[:, None]
-    allowed = holes & causal
+    real = _attendable(q_len, k_len, padded_rows)[:, None, start:, k_start:k_end]  # (B, 1, rows, keys)
+    allowed = holes & real
     reference = expected[:, :, start:, k_start:k_end]
     for given_mask in (allowed, None):  # None: the causal keys
         with torch.no_grad():
             block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32)
-        attendable = (allowed if given_mask is not None else causal[None, None]).expand_as(block)
-        expanded = reference.expand_as(block)
-        torch.testing.assert_close(block[attendable].double(), expanded[attendable], atol=1e-5, rtol=1e-5)
-        assert bool((block[~attendable] == torch.finfo(torch.float32).min).all())
+        compared = (allowed if given_mask is not None else real).expand_as(block)
+        masked = (~allowed if given_mask is not None else ~causal[None, None]).expand_as(block)
+        torch.testing.assert_close(block[compared].double(), reference[compared], atol=1e-5, rtol=1e-5)
+        assert bool((block[masked] == torch.finfo(torch.float32).min).all())
     rows = bias.table_rows
     # L as the module holds it (fp32): at L itself either side gives the same normaliser
     stored = torch.tensor(abs(float(function.L_multiplier.detach())) * function.init_L, dtype=torch.float32)
@@ -148,25 +159,51 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
         )
 
 
-@pytest.mark.parametrize("padded_rows", [False, True])
-def test_folded_block_gradients_equal_the_formula_views(padded_rows):
-    """Gradients of every FIRE parameter through a folded block (summed per piece) equal those
-    through the formula's view (autograd of gathers); masked entries pass none."""
-    function, positions, _, _ = _case(9, 4, 12, 3.0, 0.4, 1.0, padded_rows, 7)
-    allowed = torch.rand(2 if padded_rows else 1, 1, 6, 13, generator=torch.Generator().manual_seed(1)) > 0.2
-    weights = torch.randn(2 if padded_rows else 1, 3, 6, 13, generator=torch.Generator().manual_seed(2))
+@settings(max_examples=30, deadline=None)
+@given(
+    q_len=st.integers(1, 12),
+    extra_keys=st.integers(0, 6),
+    width=st.integers(1, 20),
+    padded_rows=st.booleans(),
+    start=st.integers(0, 11),
+    k_start=st.integers(0, 4),
+    holes=st.one_of(st.none(), st.integers(0, 2**16)),
+    seed=st.integers(0, 2**16),
+)
+def test_folded_block_gradients_equal_the_formula_views(
+    q_len, extra_keys, width, padded_rows, start, k_start, holes, seed
+):
+    """Gradients of every FIRE parameter through a folded block (summed per run of keys of one
+    piece) equal autograd through the formula's view restricted to the attendable entries: a
+    masked entry (padding holes, or the future when no mask is given) passes no gradient even
+    when the loss reads it."""
+    function, positions, _, _ = _case(q_len, extra_keys, width, 2.5, 0.4, 1.0, padded_rows, seed)
+    k_len = q_len + extra_keys
+    start, k_start = min(start, q_len - 1), min(k_start, k_len - 1)
+    rows, keys = q_len - start, k_len - k_start
+    causal = torch.arange(k_start, k_len)[None, :] <= torch.arange(k_len - q_len + start, k_len)[:, None]
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(positions.shape[0], 3, rows, keys, generator=generator)
+    allowed = None
+    attendable = causal[None, None].expand(positions.shape[0], 1, rows, keys)
+    if holes is not None:
+        allowed = (
+            torch.rand(positions.shape[0], 1, rows, keys, generator=torch.Generator().manual_seed(holes))
+            > 0.3
+        )
+        attendable = allowed
     results = []
     for folded in (True, False):
         function.zero_grad()
-        bias = function.bias(positions, 9, 13)
-        if folded:
-            block = bias.folded(3, 9, 0, 13, allowed, torch.float32)
+        bias = function.bias(positions, q_len, k_len)
+        if folded:  # the loss reads every entry, masked ones included
+            (bias.folded(start, q_len, k_start, k_len, allowed, torch.float32) * weights).sum().backward()
         else:
-            block = bias.span(3, 9, 0, 13).expand_as(weights)
-        (torch.where(allowed, block, 0.0) * weights).sum().backward()
+            span = bias.span(start, q_len, k_start, k_len).expand_as(weights)
+            (torch.where(attendable, span, 0.0) * weights).sum().backward()
         results.append({n: p.grad.clone() for n, p in function.named_parameters()})
     for name in results[1]:
-        torch.testing.assert_close(results[0][name], results[1][name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(results[0][name], results[1][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 @settings(max_examples=60, deadline=None)
@@ -187,7 +224,7 @@ def test_monotone_segments_count_the_breakpoints_at_or_below_x(rows, keys, count
         .values
     )
     expected = (points[None, None, None, :] <= x[..., None]).sum(-1)
-    assert torch.equal(monotone_segments(x, points), expected)
+    assert torch.equal(monotone_segments(x, points)[0], expected)
     future = torch.randint(-2, keys + 3, (rows,), generator=generator)
     shifted = expected + 41 * (torch.arange(keys)[None, :] >= future[:, None])
-    assert torch.equal(monotone_segments(x, points, future, 41), shifted)
+    assert torch.equal(monotone_segments(x, points, future, 41)[0], shifted)
