@@ -93,6 +93,26 @@ def test_compiled_static_cache_generation_on_a_second_family(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["rope", "alibi"])
+def test_compiled_decoding_returns_the_eager_attention_maps(name):
+    """``output_attentions`` from the compiled step: one map per layer over the cache's slots
+    (unwritten ones 0), equal to the eager static cache's (which reads the written slots on the
+    host); alibi's keys are rolled inside the step and its maps put back slot by slot."""
+    model = patch(make_model("llama"), name)
+    model.set_attn_implementation("eager")
+    ids, mask = _left_padded_batch()
+    kwargs = dict(cache_implementation="static", return_dict_in_generate=True, output_attentions=True)
+    eager = _generate(model, ids, mask, **kwargs)
+    torch._dynamo.reset()
+    compiled = _generate(model, ids, mask, compile_config=_compile_config("aot_eager"), **kwargs)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for step_compiled, step_eager in zip(compiled.attentions, eager.attentions, strict=True):
+        for maps, expected in zip(step_compiled, step_eager, strict=True):
+            torch.testing.assert_close(maps, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rope", "alibi"])
 def test_compiled_static_cache_generation_with_inductor(name):
     """With inductor (generated C++ kernels, transformers' default backend): the key count read
     from the cache's data made it fail before ("Could not guard on data-dependent expression");
