@@ -35,7 +35,8 @@ CASES = [
         "rope",
         {"scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}},
         id="rope-dynamic",  # a logits stage: positions of the keys in the static buffer
-    )
+    ),
+    pytest.param(["rope", "alibi"], None, id="hybrid-rope-alibi"),  # whole buffer, rolled buffer
 ]
 
 
