@@ -144,7 +144,7 @@ def attend_flex(
     gqa = q.shape[1] != k.shape[1]
     function = _flex_function(compiled)
 
-    def attempt(q, k, v, kernel_options: dict[str, int] | None = None) -> torch.Tensor:
+    def attempt(q, k, v, kernel_options: dict[str, object] | None = None) -> torch.Tensor:
         return function(
             q,
             k,

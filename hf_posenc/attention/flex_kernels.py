@@ -19,6 +19,7 @@ reuses (same shapes and guards), so the probe costs one extra forward and backwa
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ import torch
 
 #: (name, kernel_options): forward options prefixed ``fwd_``, backward ``bwd_`` (torch strips
 #: the prefix for its kernel); every tile divides FlexAttention's 128-token mask block
-KERNEL_LADDER: tuple[tuple[str, dict[str, int]], ...] = (
+KERNEL_LADDER: tuple[tuple[str, dict[str, object]], ...] = (
     ("default", {}),
     (
         "tiles-64",
@@ -59,6 +60,19 @@ KERNEL_LADDER: tuple[tuple[str, dict[str, int]], ...] = (
         },
     ),
 )
+
+
+#: FlashAttention-4 as FlexAttention's backend (torch's CuTe DSL template): first for calls that
+#: need no backward (inference, frozen tables) where the ``flash_attn.cute`` package is installed
+FLASH_RUNG: tuple[str, dict[str, object]] = ("flash", {"BACKEND": "FLASH"})
+
+
+def flash4_available() -> bool:
+    """Whether FlexAttention's FLASH backend can be asked for (the FlashAttention-4 CuTe package)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no flash_attn at all
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +114,7 @@ _EXHAUSTED: dict[KernelClass, str] = {}
 
 def kernel_choices() -> dict[str, str]:
     """``{class label: rung name, or "chunked (...)" where every rung failed}`` for this process."""
-    choices = {cls.label(): KERNEL_LADDER[index][0] for cls, index in _CHOSEN.items()}
+    choices = {cls.label(): ladder(cls)[index][0] for cls, index in _CHOSEN.items()}
     choices.update({cls.label(): f"chunked ({why})" for cls, why in _EXHAUSTED.items()})
     return dict(sorted(choices.items()))
 
@@ -111,7 +125,7 @@ def forget_kernel_choices() -> None:
     _EXHAUSTED.clear()
 
 
-def _probe_backward(attempt: Callable[..., torch.Tensor], q, k, v, options: dict[str, int]) -> None:
+def _probe_backward(attempt: Callable[..., torch.Tensor], q, k, v, options: dict[str, object]) -> None:
     """Forward and backward of ``attempt`` on detached copies of q, k, v (the call's own shapes):
     builds the backward kernel now. ``autograd.grad`` asks only for the copies' gradients, so no
     parameter's ``.grad`` is touched."""
@@ -119,6 +133,14 @@ def _probe_backward(attempt: Callable[..., torch.Tensor], q, k, v, options: dict
     out = attempt(*copies, options)
     wanted = [t for t in copies if t.requires_grad]
     torch.autograd.grad(out.float().sum(), wanted, allow_unused=True)
+
+
+def ladder(cls: KernelClass) -> tuple[tuple[str, dict[str, object]], ...]:
+    """The rungs tried for ``cls``: FlashAttention-4 first where it may serve (no backward: its
+    FlexAttention template computes no captured-tensor gradients), then :data:`KERNEL_LADDER`."""
+    if not cls.backward and cls.device.startswith("cuda") and flash4_available():
+        return (FLASH_RUNG, *KERNEL_LADDER)
+    return KERNEL_LADDER
 
 
 def _first_line(error: BaseException | None) -> str:
@@ -147,8 +169,9 @@ def attend_with_ladder(
         return None
     tried: list[str] = []
     last_error: BaseException | None = None
-    for index in range(_CHOSEN.get(cls, 0), len(KERNEL_LADDER)):
-        name, options = KERNEL_LADDER[index]
+    rungs = ladder(cls)
+    for index in range(_CHOSEN.get(cls, 0), len(rungs)):
+        name, options = rungs[index]
         try:
             if cls.backward and _CHOSEN.get(cls) != index and not torch.compiler.is_compiling():
                 _probe_backward(attempt, q, k, v, options)

@@ -11,6 +11,7 @@ prompt), not N times.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -219,3 +220,19 @@ def test_generate_compiles_flex_for_the_prompt_not_for_every_token(compiled_on_c
     assert 1 <= frames <= 2, dict(counters["stats"])  # the prompt's graph (at most once more for a guard)
     reference = models["eager"].generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert torch.equal(tokens, reference)
+
+
+def test_flashattention4_is_tried_first_only_where_no_backward_is_needed(monkeypatch):
+    """With the FlashAttention-4 package present, a CUDA call that needs no backward asks for
+    FlexAttention's FLASH backend first and climbs to the tiles when it fails to build; a call
+    that needs a backward never asks for it (its template has no captured-tensor gradients)."""
+    monkeypatch.setattr(flex_kernels, "flash4_available", lambda: True)
+    forward = flex_kernels.KernelClass("cuda:0", "bfloat16", 64, 64, "DistanceBias", backward=False)
+    training = dataclasses.replace(forward, backward=True)
+    on_cpu = dataclasses.replace(forward, device="cpu")
+    assert [name for name, _ in flex_kernels.ladder(forward)] == ["flash", "default", "tiles-64", "tiles-32"]
+    assert flex_kernels.ladder(forward)[0][1] == {"BACKEND": "FLASH"}
+    assert flex_kernels.ladder(training) == KERNEL_LADDER
+    assert flex_kernels.ladder(on_cpu) == KERNEL_LADDER
+    monkeypatch.setattr(flex_kernels, "flash4_available", lambda: False)
+    assert flex_kernels.ladder(forward) == KERNEL_LADDER
