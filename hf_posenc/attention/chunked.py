@@ -93,14 +93,15 @@ class BiasedBlockAttention(torch.autograd.Function):
         q, k, v, bias, out = ctx.saved_tensors
         scale, dtype = ctx.scale, q.dtype
         qf, kf, vf, grad = q.float(), k.float(), v.float(), grad_out.float()
-        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale + bias.float()  # (B, H, rows, keys)
+        # the scale on q and k (rows/keys x D) rather than on the (rows, keys) scores: one pass fewer
+        scores = torch.matmul(qf * scale, kf.transpose(-1, -2)).add_(bias.float())  # (B, H, rows, keys)
         weights = torch.softmax(scores, dim=-1)  # P
         del scores
         grad_v = torch.matmul(weights.transpose(-1, -2), grad)
         row = (grad * out.float()).sum(-1, keepdim=True)  # (B, H, rows, 1)
         grad_scores = weights.mul_(torch.matmul(grad, vf.transpose(-1, -2)).sub_(row))  # dS, over P
-        grad_q = torch.matmul(grad_scores, kf) * scale
-        grad_k = torch.matmul(grad_scores.transpose(-1, -2), qf) * scale
+        grad_q = torch.matmul(grad_scores, kf * scale)
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), qf * scale)
         grad_bias = grad_scores.sum_to_size(bias.shape).to(bias.dtype) if ctx.needs_input_grad[3] else None
         return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype), grad_bias, None
 
