@@ -74,17 +74,21 @@ class ScoreCall(LayerCall):
     def with_allowed(self, allowed: torch.Tensor | None) -> ScoreCall:
         return dataclasses.replace(self, allowed=allowed)
 
-    def rows(self, start: int, stop: int) -> ScoreCall:
-        """The call of queries ``start .. stop-1`` with the keys they may attend (bottom-right aligned)."""
+    def rows(self, start: int, stop: int, k_start: int = 0) -> ScoreCall:
+        """The call of queries ``start .. stop-1`` with the keys ``k_start ..`` they may attend
+        (bottom-right aligned: the keys past the block's last query are dropped, so query
+        ``start + a`` stays aligned with key ``Tk - Tq + start + a``). ``k_start`` > 0 drops
+        leading keys none of the queries may attend (earlier packed documents, left padding)."""
         k_end = causal_keys(self.q_len, self.k_len, stop)
+        keys = slice(k_start, k_end)
         return dataclasses.replace(
             self,
             q=self.q[:, :, start:stop],
-            k=self.k[:, :, :k_end],
+            k=self.k[:, :, keys],
             hidden=self.hidden[:, start:stop],
             positions=self.positions[:, start:stop],
-            key_positions=None if self.key_positions is None else self.key_positions[:, :k_end],
-            allowed=None if self.allowed is None else self.allowed[..., start:stop, :k_end],
+            key_positions=None if self.key_positions is None else self.key_positions[:, keys],
+            allowed=None if self.allowed is None else self.allowed[..., start:stop, keys],
         )
 
 
