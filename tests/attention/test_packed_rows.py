@@ -58,19 +58,19 @@ def test_packed_rows_equal_each_document_alone_under_eager(case, monkeypatch):
         assert torch.equal(a, b), n  # the same weights
 
     served: list[str] = []
-    original = hf_posenc.attention.rows.RowBlocksBackend.attend
+    for backend in hf_posenc.attention.registered_backends():
 
-    def spy(self, call):
-        served.append(self.name)
-        return original(self, call)
+        def spy(call, backend=backend, original=backend.attend):
+            served.append(backend.name)
+            return original(call)
 
-    monkeypatch.setattr(hf_posenc.attention.rows.RowBlocksBackend, "attend", spy)
+        monkeypatch.setattr(backend, "attend", spy)
     ids = torch.stack([torch.cat(row) for row in rows])
     positions = torch.stack([torch.cat([torch.arange(len(d)) for d in row]) for row in rows])
     weights = torch.randn(ids.shape[0], ids.shape[1], VOCAB, generator=torch.Generator().manual_seed(3))
     logits = packed_model(input_ids=ids, position_ids=positions, use_cache=False).logits
     (logits * weights).sum().backward()
-    assert served and set(served) == {"rows"}
+    assert served and set(served) == {"rows"}, served
 
     for r, row in enumerate(rows):
         offset = 0
