@@ -9,6 +9,7 @@ import json
 import pytest
 
 from hf_posenc.errors import InvalidParameterError
+from hf_posenc.recipes.longeval.task import Instance, Task
 from hf_posenc.recipes.study import StudyConfig, run_study
 from hf_posenc.recipes.study.runs import plan_study
 
@@ -100,3 +101,115 @@ def test_reused_passkey_documents_are_verified(tmp_path, passkey_tokenizer):
     ):
         write_training_documents(other, passkey_tokenizer)
     assert write_training_documents(config, passkey_tokenizer) == path and path.read_bytes() == written
+
+
+def test_passkey_documents_for_other_keys_or_prompt_stop_the_study(tmp_path, passkey_tokenizer):
+    """The key range and the instruction line shape the documents too: documents written for keys
+    1-99 are refused for a study asking for keys 1-50000 or for no instruction line (one line with
+    the fix); the protocol's values are not recorded, so records from before stay valid."""
+    from hf_posenc.recipes.data import DataError
+    from hf_posenc.recipes.study.retrieval import RECORD, write_training_documents
+
+    config = StudyConfig(
+        output_dir=str(tmp_path), retrieval_documents=2, train_length=256, retrieval_max_key=99
+    )
+    path = write_training_documents(config, passkey_tokenizer)
+    assert json.loads(path.with_name(RECORD.name).read_text())["settings"]["retrieval_max_key"] == 99
+    for other in ({"retrieval_max_key": 50000}, {"retrieval_instruction": False}):
+        asked = StudyConfig(output_dir=str(tmp_path), retrieval_documents=2, train_length=256, **other)
+        with pytest.raises(DataError, match=r"written for .*asks for"):
+            write_training_documents(asked, passkey_tokenizer)
+    protocol = StudyConfig(output_dir=str(tmp_path / "p"), retrieval_documents=2, train_length=256)
+    written = write_training_documents(protocol, passkey_tokenizer)
+    assert set(json.loads(written.with_name(RECORD.name).read_text())["settings"]) == {
+        "retrieval_documents",
+        "train_length",
+        "seed",
+    }
+
+
+@pytest.mark.parametrize("instruction", [True, False])
+def test_the_study_passkey_draws_keys_in_its_range_with_or_without_the_instruction_line(instruction):
+    """``Passkey(max_key, instruction)``: Landmark's filler, key line and question, keys in [1, max_key]
+    (the reference solver reads them back), the instruction line only when asked; the protocol's
+    default is keys in [1, 50000] with the line."""
+    from longeval_reference import bpe_tokenizer, solve
+
+    from hf_posenc.recipes.longeval.passkey import Passkey
+    from hf_posenc.recipes.longeval.tasks import task_samples
+
+    tokenizer = bpe_tokenizer()
+    instruction_line = "There is an important info hidden inside a lot of irrelevant text."
+    samples = list(task_samples(Passkey(9, instruction), tokenizer, 150, [0.0, 0.5, 1.0], 12, seed=0))
+    for sample in samples:
+        assert len(tokenizer(sample.prompt)["input_ids"]) == 150
+        assert solve(sample.prompt) == [sample.answers[0]] and 1 <= int(sample.answers[0]) <= 9
+        assert (instruction_line in sample.prompt) is instruction
+        assert "The grass" in sample.prompt  # the filler (what is left of it at 150 tokens)
+        assert sample.prompt.endswith("What is the pass key? The pass key is")
+    protocol = list(task_samples(Passkey(), tokenizer, 150, [0.5], 40, seed=0))
+    assert all(instruction_line in s.prompt for s in protocol)
+    assert max(int(s.answers[0]) for s in protocol) > 999  # keys up to 50000
+    with pytest.raises(InvalidParameterError, match="max_key=0 is not allowed"):
+        Passkey(0)
+
+
+class _Parity(Task):
+    """A passkey-like task whose prompts of odd keys have an even number of characters only (the way
+    a tokenizer can jump over a length): ``"ab" * size + "??"``; even keys fit any length."""
+
+    name = "parity"
+    description = "test task"
+    citation = "none"
+    metric = "first_integer"
+    max_new_tokens = 4
+
+    def __init__(self, odd_only: bool = False) -> None:
+        self.odd_only = odd_only
+
+    def instance(self, rng, length, depth):
+        key = rng.randint(1, 9) | (1 if self.odd_only else 0)
+        jumps = key % 2 == 1
+
+        def render(size, pad):
+            return ("ab" * size + "??") if jumps else ("a" * size + "?")
+
+        return Instance(render, (str(key),))
+
+
+def test_training_documents_skip_draws_no_prompt_fits_and_still_have_the_asked_length():
+    """A draw whose prompt cannot have exactly the length left for the answer is skipped: every
+    document has the asked length (one character = one token here) and the count is kept; a task
+    that never fits is refused after SKIP_LIMIT draws in a row."""
+    from longeval_reference import char_level_tokenizer
+
+    from hf_posenc.recipes.longeval.fit import PromptLengthError
+    from hf_posenc.recipes.longeval.training_data import SKIP_LIMIT, hash_seed, training_documents
+    from hf_posenc.recipes.longeval.words import sample_rng
+
+    tokenizer = char_level_tokenizer()
+    # 40 characters: a prompt of 37 and " k." -- odd keys only make prompts of even length
+    documents = list(training_documents(_Parity(), tokenizer, 40, 6, seed=0))
+    drawn = [_Parity().instance(sample_rng(hash_seed(0), "parity", i), 40, 0.5).answers[0] for i in range(6)]
+    assert any(int(key) % 2 for key in drawn)  # some of the first six draws were skipped
+    assert len(documents) == 6
+    for document in documents:
+        assert len(document) == 40 and int(document[-2]) % 2 == 0
+    with pytest.raises(PromptLengthError):
+        list(training_documents(_Parity(odd_only=True), tokenizer, 40, 1, seed=0))
+    assert SKIP_LIMIT >= 8
+
+
+def test_evaluation_prompts_are_a_token_shorter_where_the_length_cannot_be_met():
+    """The study scores prompts of length - ANSWER_ROOM tokens, or the next shorter length every
+    sample meets (never longer, so prompt and answer stay within the evaluation length)."""
+    from longeval_reference import char_level_tokenizer
+
+    from hf_posenc.recipes.study.retrieval import ANSWER_ROOM, DEPTHS, evaluation_samples
+
+    tokenizer = char_level_tokenizer()
+    tokens, samples = evaluation_samples(_Parity(odd_only=True), tokenizer, 51, 2, seed=0)
+    assert 51 - ANSWER_ROOM == 35 and tokens == 34  # odd keys: even lengths only
+    assert len(samples) == 2 * len(DEPTHS) and all(len(s.prompt) == 34 for s in samples)
+    tokens, samples = evaluation_samples(_Parity(), tokenizer, 50, 2, seed=1)
+    assert tokens == 34 and all(len(s.prompt) == 34 for s in samples)

@@ -130,6 +130,20 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="passkey prompts per evaluation length and depth (depths 0, 0.5, 1)",
     )
     parser.add_argument(
+        "--retrieval-max-key",
+        type=int,
+        default=defaults.retrieval_max_key,
+        metavar="N",
+        help="pass keys uniform in [1, N], trained on and scored (Landmark's protocol: 50000)",
+    )
+    parser.add_argument(
+        "--retrieval-instruction",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.retrieval_instruction,
+        help="keep the passkey prompt's instruction line (Landmark's protocol); --no-retrieval-instruction "
+        "drops it, leaving the filler, the key line and the question",
+    )
+    parser.add_argument(
         "--eval-only",
         nargs="*",
         default=None,

@@ -13,8 +13,11 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from .fit import token_counter
+from .fit import PromptLengthError, token_counter
 from .task import Task, build_sample
+
+#: draws in a row that no prompt fits before a length is refused
+SKIP_LIMIT = 32
 
 
 def answer_text(task: Task, answers: tuple[str, ...]) -> str:
@@ -27,18 +30,33 @@ def answer_text(task: Task, answers: tuple[str, ...]) -> str:
 
 def training_documents(task: Task, tokenizer: Any, length: int, count: int, seed: int) -> Iterator[str]:
     """``count`` documents of ``task``: a prompt fitted to ``length`` minus the answer's tokens, then the
-    answer (the whole document is ``length`` tokens up to a token where prompt and answer meet)."""
+    answer (the whole document is ``length`` tokens up to a token where prompt and answer meet).
+
+    A draw (key, depth) whose prompt no filler size fits exactly (one character more adds two
+    tokens there) is skipped and the next index drawn, so every document has the asked length;
+    after ``SKIP_LIMIT`` such draws in a row the length is refused (:class:`.fit.PromptLengthError`)."""
     count_tokens = token_counter(tokenizer)
     depths = random.Random(f"depths|{seed}|{task.name}")
     hint = None
-    for index in range(count):
+    index = made = skipped = 0
+    while made < count:
         depth = depths.random() if task.uses_depth else None
-        probe = build_sample(task, count_tokens, length, depth, index, hash_seed(seed), hint=hint)
-        answer = answer_text(task, probe.answers)
-        answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-        sample = build_sample(
-            task, count_tokens, length - answer_tokens, depth, index, hash_seed(seed), hint=hint
-        )
+        try:
+            probe = build_sample(task, count_tokens, length, depth, index, hash_seed(seed), hint=hint)
+            answer = answer_text(task, probe.answers)
+            answer_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+            sample = build_sample(
+                task, count_tokens, length - answer_tokens, depth, index, hash_seed(seed), hint=hint
+            )
+        except PromptLengthError:
+            skipped += 1
+            if skipped >= SKIP_LIMIT:
+                raise
+            index += 1
+            continue
+        skipped = 0
+        index += 1
+        made += 1
         hint = sample.haystack_size
         joined = answer.lstrip() if sample.prompt.endswith(" ") else answer  # vt's answer prefix ends in " "
         yield sample.prompt + joined

@@ -35,20 +35,47 @@ def training_source(config: Any) -> list[str]:
     return [str(Path(config.output_dir) / FILE)]
 
 
+def study_task(config: Any) -> Any:
+    """The study's passkey: Landmark's protocol (:class:`~hf_posenc.recipes.longeval.passkey.Passkey`),
+    with keys in ``[1, retrieval_max_key]`` and, unless ``retrieval_instruction``, without its
+    instruction line (see the module docstring of :mod:`hf_posenc.recipes.longeval.passkey`)."""
+    from ..longeval.passkey import Passkey
+
+    return Passkey(config.retrieval_max_key, config.retrieval_instruction)
+
+
+def evaluation_samples(task: Any, tokenizer: Any, length: int, samples: int, seed: int) -> tuple[int, list]:
+    """The samples scored at ``length`` (every depth): prompts of ``length - ANSWER_ROOM`` tokens, or
+    a few tokens fewer when some draw has no prompt of exactly that many (a tokenizer where one
+    character more adds two tokens); returns ``(prompt tokens, samples)``."""
+    from ..longeval.fit import PromptLengthError
+    from ..longeval.tasks import task_samples
+
+    target = length - ANSWER_ROOM
+    failure: PromptLengthError | None = None
+    for tokens in range(target, target - ANSWER_ROOM // 2, -1):
+        try:
+            return tokens, list(task_samples(task, tokenizer, tokens, DEPTHS, samples, seed))
+        except PromptLengthError as error:
+            failure = error
+    assert failure is not None
+    raise failure
+
+
 def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
     """Write the passkey training documents for ``tokenizer`` (if the experiment is on and they are
     not there yet); each is ``train_length - 1`` tokens, one block with its end-of-text token."""
     if not getattr(config, "retrieval_documents", 0):
         return None
     from ...errors import InvalidParameterError
-    from ..longeval.tasks import TASKS, minimum_length
+    from ..longeval.tasks import minimum_length
     from ..longeval.training_data import training_documents
 
     path = Path(config.output_dir) / FILE
     if path.is_file():
         verify_documents(path, _settings(config))
         return path
-    task = TASKS[TASK]
+    task = study_task(config)
     # the training pipeline adds only the end-of-text token; the length fitting counts what the
     # tokenizer adds by default (a BOS), so aim at one block of text tokens plus those
     added = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
@@ -74,12 +101,21 @@ RECORD = FILE.with_suffix(".sha256.json")
 
 
 def _settings(config: Any) -> dict[str, int]:
-    """The study settings the documents are made from (with the tokenizer, which the base run fixes)."""
-    return {
+    """The study settings the documents are made from (with the tokenizer, which the base run fixes);
+    the key range and the instruction line only where they differ from the protocol's, so records
+    written before they could be set stay valid."""
+    from ..longeval.passkey import MAX_KEY
+
+    settings = {
         "retrieval_documents": int(config.retrieval_documents),
         "train_length": int(config.train_length),
         "seed": int(config.seed),
     }
+    if config.retrieval_max_key != MAX_KEY:
+        settings["retrieval_max_key"] = int(config.retrieval_max_key)
+    if not config.retrieval_instruction:
+        settings["retrieval_instruction"] = 0
+    return settings
 
 
 def record_documents(path: Path, settings: dict[str, int]) -> None:
@@ -134,19 +170,19 @@ def evaluate_retrieval(config: Any, runs: dict[str, Path], tokenizer: Any) -> di
     """Passkey accuracy of each row at every evaluation length (and depth); ``{label: cells}``."""
     from ...core.loading import load_model
     from ..longeval.runner import evaluate_samples, summarize
-    from ..longeval.tasks import TASKS, minimum_length, task_samples
+    from ..longeval.tasks import minimum_length
     from ..threads import use_threads
 
-    task = TASKS[TASK]
+    task = study_task(config)
     # the prompt and the generated answer together fit each evaluation length (and the model's positions)
-    lengths = {config.train_length * m - ANSWER_ROOM: config.train_length * m for m in config.multiples}
-    shortest = minimum_length(task, tokenizer, min(lengths), config.retrieval_samples, config.seed)
-    samples = [
-        sample
-        for length in lengths
-        if length >= shortest
-        for sample in task_samples(task, tokenizer, length, DEPTHS, config.retrieval_samples, config.seed)
-    ]
+    shortest = minimum_length(task, tokenizer, config.train_length, config.retrieval_samples, config.seed)
+    lengths: dict[int, int] = {}  # prompt tokens -> the evaluation length (its column)
+    samples = []
+    for length in (config.train_length * m for m in config.multiples):
+        if length - ANSWER_ROOM >= shortest:
+            tokens, built = evaluation_samples(task, tokenizer, length, config.retrieval_samples, config.seed)
+            lengths[tokens] = length
+            samples += built
     results = {}
     for label, directory in runs.items():
         model = load_model(str(directory)).eval()
@@ -170,6 +206,8 @@ def write_retrieval_report(
         "task": TASK,
         "depths": list(DEPTHS),
         "samples": config.retrieval_samples,
+        "max_key": config.retrieval_max_key,
+        "instruction": config.retrieval_instruction,
         "seed": config.seed,
     }
     settings["training_documents"] = config.retrieval_documents
@@ -178,7 +216,11 @@ def write_retrieval_report(
             out / "retrieval.json", results, settings=settings, metadata=metadata
         )
     }
-    title = f"Passkey retrieval (trained at {config.train_length} tokens with {config.retrieval_documents} passkey documents)"
+    variant = "" if config.retrieval_instruction else ", no instruction line"
+    title = (
+        f"Passkey retrieval (trained at {config.train_length} tokens with {config.retrieval_documents} passkey "
+        f"documents, keys 1-{config.retrieval_max_key}{variant})"
+    )
     paths["retrieval png"] = report.plot_heatmap_grid(
         out / "retrieval_heatmaps.png", results, TASK, config.train_length, title
     )

@@ -47,6 +47,8 @@ class StudyConfig:
     #: passkey documents mixed into every pretraining (0: none); see hf_posenc.recipes.study.retrieval
     retrieval_documents: int = 0
     retrieval_samples: int = 4  # passkey prompts per evaluation length and depth
+    retrieval_max_key: int = 50000  # pass keys uniform in [1, this] (Landmark's protocol: 50000)
+    retrieval_instruction: bool = True  # the passkey prompt's instruction line (Landmark's protocol: yes)
     report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers of every run
 
     def __post_init__(self) -> None:
@@ -59,6 +61,7 @@ class StudyConfig:
             "hidden_size",
             "num_layers",
             "retrieval_samples",
+            "retrieval_max_key",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
