@@ -22,6 +22,8 @@ Registered as backend ``chunked``: calls with a score bias and no explicit-score
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -91,19 +93,73 @@ class BiasedBlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, bias, out = ctx.saved_tensors
-        scale, dtype = ctx.scale, q.dtype
-        qf, kf, vf, grad = q.float(), k.float(), v.float(), grad_out.float()
-        # the scale on q and k (rows/keys x D) rather than on the (rows, keys) scores: one pass fewer
-        scores = torch.matmul(qf * scale, kf.transpose(-1, -2)).add_(bias.float())  # (B, H, rows, keys)
-        weights = torch.softmax(scores, dim=-1)  # P
-        del scores
-        grad_v = torch.matmul(weights.transpose(-1, -2), grad)
-        row = (grad * out.float()).sum(-1, keepdim=True)  # (B, H, rows, 1)
-        grad_scores = weights.mul_(torch.matmul(grad, vf.transpose(-1, -2)).sub_(row))  # dS, over P
-        grad_q = torch.matmul(grad_scores, kf * scale)
-        grad_k = torch.matmul(grad_scores.transpose(-1, -2), qf * scale)
+        grad_q, grad_k, grad_v, grad_scores = block_gradients(q, k, v, bias, out, grad_out, ctx.scale)
         grad_bias = grad_scores.sum_to_size(bias.shape).to(bias.dtype) if ctx.needs_input_grad[3] else None
-        return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype), grad_bias, None
+        return grad_q, grad_k, grad_v, grad_bias, None
+
+
+def block_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of one block's softmax(q k^T * scale + bias) v: dq, dk, dv (q's dtype) and
+    dS (fp32, (B, H, rows, keys), the gradient of the scores and so of the bias)."""
+    dtype = q.dtype
+    qf, kf, vf, grad = q.float(), k.float(), v.float(), grad_out.float()
+    # the scale on q and k (rows/keys x D) rather than on the (rows, keys) scores: one pass fewer
+    scores = torch.matmul(qf * scale, kf.transpose(-1, -2)).add_(bias.float())  # (B, H, rows, keys)
+    weights = torch.softmax(scores, dim=-1)  # P
+    del scores
+    grad_v = torch.matmul(weights.transpose(-1, -2), grad)
+    row = (grad * out.float()).sum(-1, keepdim=True)  # (B, H, rows, 1)
+    grad_scores = weights.mul_(torch.matmul(grad, vf.transpose(-1, -2)).sub_(row))  # dS, over P
+    grad_q = torch.matmul(grad_scores, kf * scale)
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), qf * scale)
+    return grad_q.to(dtype), grad_k.to(dtype), grad_v.to(dtype), grad_scores
+
+
+class RebuiltBiasAttention(torch.autograd.Function):
+    """SDPA of one block whose bias is rebuilt in backward instead of kept (a form's
+    :meth:`BlockBias.tensors`): forward builds the block's float mask without gradients and
+    runs SDPA's fused kernel; backward builds it again from the form's tensors with gradients,
+    takes :func:`block_gradients` and sends dS through the rebuild. Training keeps no more
+    than one block of bias, as activation checkpointing would, without running the block's
+    SDPA forward a second time. ``build(*tensors) -> (B|1, H, rows, keys)``; no dropout.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, build, *tensors: torch.Tensor):
+        with torch.no_grad():
+            bias = build(*tensors)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        ctx.scale, ctx.build = scale, build
+        ctx.save_for_backward(q, k, v, out, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, *tensors = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [
+                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[5:], strict=True)
+            ]
+            bias = ctx.build(*inputs)
+        grad_q, grad_k, grad_v, grad_scores = block_gradients(
+            q, k, v, bias.detach(), out, grad_out, ctx.scale
+        )
+        wanted = [t for t in inputs if t.requires_grad]
+        found: tuple[torch.Tensor | None, ...] = ()
+        if wanted and bias.requires_grad:
+            grad_bias = grad_scores.sum_to_size(bias.shape).to(bias.dtype)
+            found = torch.autograd.grad(bias, wanted, grad_bias, allow_unused=True)
+        by_input = iter(found)
+        tensor_grads = [next(by_input) if t.requires_grad and found else None for t in inputs]
+        return (grad_q, grad_k, grad_v, None, None, *tensor_grads)
 
 
 def block_attention(
@@ -172,12 +228,30 @@ def attend_chunked(
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
 
+    def rebuilt_block(
+        q_block: torch.Tensor, start: int, stop: int, k_start: int, tensors: dict
+    ) -> torch.Tensor:
+        k_end = causal_keys(q_len, k_len, stop)
+        allowed = None if mask is None else mask[..., start:stop, k_start:k_end]
+        names = list(tensors)
+
+        def build(*values: torch.Tensor) -> torch.Tensor:  # (B|1, Hq, rows, keys)
+            form = dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
+            return form.folded(start, stop, k_start, k_end, allowed, q.dtype)
+
+        k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
+        return RebuiltBiasAttention.apply(q_block, k_block, v_block, softmax_scale, build, *tensors.values())
+
     recompute = torch.is_grad_enabled() and len(spans) > 1
+    # forms that can be rebuilt from their tensors keep nothing per block and skip the second SDPA forward
+    rebuildable = bias.tensors() if recompute and dropout_p == 0.0 else None
     outputs = []
     for (start, stop), k_start in zip(spans, firsts, strict=True):
         q_block = q[:, :, start:stop]
         if toeplitz_block is not None and stop <= toeplitz_rows:
             outputs.append(toeplitz_block(start, stop))
+        elif rebuildable is not None:
+            outputs.append(rebuilt_block(q_block, start, stop, k_start, rebuildable))
         elif recompute:
             outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
         else:

@@ -60,6 +60,12 @@ class BlockBias:
         """The bias of one score from index tensors, or None when the form cannot say it per score."""
         return None
 
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        """The tensor fields the form is built from, by name, when ``dataclasses.replace(form,
+        **tensors)`` rebuilds it (the chunked backend rebuilds a block's bias in backward from
+        them instead of keeping it); None for forms that cannot be rebuilt so."""
+        return None
+
     def distance_table(self) -> tuple[int, torch.Tensor] | None:
         """``(rows, table)`` when the first ``rows`` queries have the bias ``table[h, i - j]``
         ((Hq, Tk) fp32, a Toeplitz matrix), else None."""
@@ -100,6 +106,9 @@ class DistanceBias(BlockBias):
     def distance_table(self) -> tuple[int, torch.Tensor] | None:
         return self.q_len, self.table
 
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        return {"table": self.table}
+
     def elementwise(self) -> ElementwiseBias:
         table, offset = self.table, self.k_len - self.q_len
 
@@ -119,6 +128,9 @@ class LinearDistanceBias(DistanceBias):
         distance = torch.arange(k_len, device=slopes.device, dtype=torch.float32)  # (Tk,)
         object.__setattr__(self, "slopes", slopes)
         super().__init__(q_len, k_len, -slopes[:, None] * distance)  # (Hq, Tk)
+
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        return None  # built from its slopes by its own __init__, not by dataclasses.replace
 
     def elementwise(self) -> ElementwiseBias:
         """``-slope_h * (i - j)`` computed per score (no table gather: arithmetic is cheaper in a

@@ -81,6 +81,15 @@ class PiecewiseDistanceBias(BlockBias):
     def distance_table(self) -> tuple[int, torch.Tensor] | None:
         return (self.table_rows, self.table) if self.table_rows > 0 else None
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "feature": self.feature,
+            "normalizer": self.normalizer,
+            "slopes": self.slopes,
+            "intercepts": self.intercepts,
+            "floor": self.floor,
+        }
+
     @property
     def table(self) -> torch.Tensor:
         """(Hq, Tk) fp32: the bias of distance d for queries whose normaliser is ``floor``."""

@@ -52,19 +52,25 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
     [
         ("t5", {}, "recompute"),
         ("kerple", {}, "recompute"),
-        ("fire", {}, "recompute"),
+        ("fire", {}, "recompute"),  # every query below L: a Toeplitz table
+        ("fire", {"init_L": 6.0}, "rebuilt"),  # past L: blocks rebuilt in backward
         ("fox", {}, "separable"),
     ],
     ids=lambda v: str(v),
 )
 def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, params, path, monkeypatch):
     """Training a learned-bias encoding on the chunked backend never sends SDPA a float mask
-    that needs its gradient: a bias written out per block goes through BiasedBlockAttention, a
-    separable one (FoX) rides in q and k (attend_separable, SDPA's own backward); every
-    parameter's gradient equals the eager backend's (fp32, 1e-5)."""
+    that needs its gradient: a Toeplitz view goes through BiasedBlockAttention, a bias written
+    out per block is rebuilt in backward from its form's tensors (RebuiltBiasAttention, no
+    second SDPA forward), a separable one (FoX) rides in q and k (attend_separable, SDPA's own
+    backward); every parameter's gradient equals the eager backend's (fp32, 1e-5)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
-    calls = {"recompute": 0, "separable": 0}
-    originals = {"recompute": chunked.BiasedBlockAttention.apply, "separable": chunked.attend_separable}
+    calls = {"recompute": 0, "separable": 0, "rebuilt": 0}
+    originals = {
+        "recompute": chunked.BiasedBlockAttention.apply,
+        "separable": chunked.attend_separable,
+        "rebuilt": chunked.RebuiltBiasAttention.apply,
+    }
 
     def counting(kind):
         def call(*args, **kwargs):
@@ -75,6 +81,7 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
 
     monkeypatch.setattr(chunked.BiasedBlockAttention, "apply", counting("recompute"))
     monkeypatch.setattr(chunked, "attend_separable", counting("separable"))
+    monkeypatch.setattr(chunked.RebuiltBiasAttention, "apply", counting("rebuilt"))
     ids = token_ids(2, 40)
     grads = {}
     for backend in ("chunked", "eager"):
