@@ -5,16 +5,23 @@ For query block ``[s, e)`` of ``Tq`` (bottom-right aligned to ``Tk`` keys) only 
 half the work of one masked call over all keys (the causal skipping native SDPA does with
 ``is_causal``), and at most one block of bias exists at a time.
 
-Toeplitz biases (:class:`DistanceBias`) without a padding mask are not written out at
-all: over the keys in reverse order, bias-plus-causal-mask of query ``a`` and reversed key
+Toeplitz biases (:class:`DistanceBias`, and the leading rows a form gives by
+``distance_table()``, FIRE's below its threshold) without a padding mask are not written out
+at all: over the keys in reverse order, bias-plus-causal-mask of query ``a`` and reversed key
 ``b`` depends on ``a + b`` only, so each block's float mask is an ``as_strided`` view (row
 and column stride 1) of one (Hq, Tq + Tk - 1) vector per call. Attention does not depend on
 the order of the keys, and gradients reach the distance table through the view.
 
+Separable biases ``u_i - w_j`` (FoX) in fp32/fp64 ride in q and k as one more feature
+(:func:`attend_separable`): each block is one fused SDPA call with only the causal mask.
+
 Other biases (and any padding mask) are written out one (B|1, Hq, block, keys) block at a
-time, over the keys from the first one a query of the block may attend: the other documents
-of a packed sequence (and left padding) before it are skipped, not computed and masked; with gradients, each block is recomputed in backward (activation checkpointing), so
-training keeps no more than one block either.
+time (``BlockBias.folded``, the mask folded in), over the keys from the first one a query of
+the block may attend: the other documents of a packed sequence (and left padding) before it
+are skipped, not computed and masked. With gradients a block's bias is rebuilt in backward
+from its form's tensors (:class:`RebuiltBiasAttention`) or, for forms that cannot say them,
+the block is recomputed (activation checkpointing), so training keeps no more than one block
+either.
 
 Registered as backend ``chunked``: calls with a score bias and no explicit-score stage, under
 ``backend="chunked"``, ``"flex"`` (where FlexAttention declines) and ``"auto"``.
