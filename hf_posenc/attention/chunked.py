@@ -297,13 +297,17 @@ def attend_separable(
     causal_line = torch.cat((q.new_full((longest - 1,), minimum), q.new_zeros(k_len)))
     if mask is None:
         k, v, key_term = k.flip(2), v.flip(2), key_term.flip(-1)
-    queries = F.pad(q, (0, 1), value=1.0)  # (B, Hq, Tq, D+1)
-    values = F.pad(v, (0, 1))  # (B, Hq, Tk, D+1): the extra feature's output is dropped
     # without gradients each block writes its feature into one (B, Hq, Tk, D+1) copy of the keys
-    # (with gradients SDPA keeps each block's keys for backward: a new tensor per block)
-    in_place = None if torch.is_grad_enabled() else F.pad(k, (0, 1))
-    outputs = []
-    for (start, stop), k_start in zip(spans, firsts, strict=True):
+    # and reads one padded copy of the values; with gradients each block builds its own and is
+    # recomputed in backward (activation checkpointing): SDPA would otherwise keep every block's
+    # (B, Hq, keys, D+1) keys, O(Tq * Tk / block) values per layer, and with a padding mask every
+    # block's additive mask, O(Tq * Tk)
+    grad = torch.is_grad_enabled()
+    recompute = grad and len(spans) > 1
+    in_place = None if grad else F.pad(k, (0, 1))
+    padded_values = None if grad else F.pad(v, (0, 1))  # (B, Hq, Tk, D+1): the extra output is dropped
+
+    def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
         k_end, rows = causal_keys(q_len, k_len, stop), stop - start
         if mask is not None:  # (B|1, 1, rows, keys)
             keys_of_block = slice(k_start, k_end)
@@ -319,20 +323,30 @@ def attend_separable(
         reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
         column = (reference - key_term[..., keys_of_block]) / softmax_scale  # (B, Hq, keys)
         column = column.to(q.dtype).expand(k.shape[0], -1, -1)
-        if in_place is not None:
+        if in_place is not None and padded_values is not None:
             keys = in_place[:, :, keys_of_block]  # (B, Hq, keys, D+1)
             keys[..., -1] = column
+            values = padded_values[:, :, keys_of_block]
         else:
             keys = torch.cat((k[:, :, keys_of_block], column[..., None]), dim=-1)  # (B, Hq, keys, D+1)
+            values = F.pad(v[:, :, keys_of_block], (0, 1))  # (B, Hq, keys, D+1)
         out = F.scaled_dot_product_attention(
-            queries[:, :, start:stop],
+            F.pad(q_block, (0, 1), value=1.0),  # (B, Hq, rows, D+1)
             keys,
-            values[:, :, keys_of_block],
+            values,
             attn_mask=additive,
             dropout_p=dropout_p,
             scale=softmax_scale,
         )  # (B, Hq, rows, D+1)
-        outputs.append(out[..., :-1])
+        return out[..., :-1]
+
+    outputs = []
+    for (start, stop), k_start in zip(spans, firsts, strict=True):
+        q_block = q[:, :, start:stop]
+        if recompute:
+            outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
+        else:
+            outputs.append(one_block(q_block, start, stop, k_start))
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
