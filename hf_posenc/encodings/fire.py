@@ -99,7 +99,9 @@ class FIREFunction(nn.Module):
         Gradients reach every MLP parameter through A and B (which units are on is a constant
         of the segment, as the ReLU's derivative is).
         """
-        if not torch.is_grad_enabled():  # decoding: reuse the pieces while the MLP is unchanged
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # decoding: reuse the pieces while the MLP is unchanged (not under torch.compile,
+            # which cannot trace data pointers: the compiled step recomputes them, K units)
             key = tuple(
                 (p.data_ptr(), p._version, p.dtype)
                 for p in (*self.hidden.parameters(), *self.out.parameters())
@@ -205,7 +207,14 @@ class FIRE(Encoding[FIREConfig]):
 
 
 def _distinct_rows(positions: torch.Tensor) -> torch.Tensor:
-    """(B, Tq) positions -> (1, Tq) when every row is the same (no padding), else unchanged."""
-    if positions.shape[0] > 1 and torch.equal(positions, positions[:1].expand_as(positions)):
+    """(B, Tq) positions -> (1, Tq) when every row is the same (no padding), else unchanged.
+    Under torch.compile the rows stay as they are (asking is a data-dependent branch; per-row
+    positions give the same bias)."""
+    compiling = torch.compiler.is_compiling()
+    if (
+        not compiling
+        and positions.shape[0] > 1
+        and torch.equal(positions, positions[:1].expand_as(positions))
+    ):
         return positions[:1]
     return positions

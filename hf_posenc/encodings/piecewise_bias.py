@@ -14,8 +14,8 @@ the distance table ``table[h, d] = f_h(feature[d] / floor)`` (Hq, Tk).
 The views, each exact (the same fp32 operations on the same x):
 
 - ``rows``/``span``: the formula, with ``torch.searchsorted`` for the piece;
-- ``elementwise`` (FlexAttention): the table for queries below, else a branch-free binary
-  search over the breakpoints (ceil(log2(K+1)) ``torch.where`` steps, 6 for K = 32);
+- ``elementwise`` (FlexAttention): the piece as the count of breakpoints <= x (measured
+  faster on a GPU than a binary search over them, see the method);
 - ``distance_table``: the leading queries below the threshold, which the chunked backend
   serves as a strided Toeplitz view (nothing written out);
 - ``folded`` (one chunked block, mask included): x and the piece per (query, key) for all
@@ -30,7 +30,6 @@ The views, each exact (the same fp32 operations on the same x):
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
@@ -98,27 +97,24 @@ class PiecewiseDistanceBias(BlockBias):
         return self.slopes[:, segment] * x + self.intercepts[:, segment]
 
     def elementwise(self) -> ElementwiseBias:
+        """f(x) of one score from its linear pieces, the piece being the number of breakpoints
+        <= x counted over the K breakpoints (each a broadcast scalar load). Measured on an H200
+        (bf16, T=8192, forward): this count ran FIRE at 6.97x native where a binary search over
+        the breakpoints (log2(K+1) dependent gathers, plus a distance table below L computed
+        beside it) ran at 12.69x, and the search's CPU compile took minutes instead of seconds."""
         offset = self.k_len - self.q_len
-        feature, normalizer, below, table = self.feature, self.normalizer, self.below, self.table
-        slopes, intercepts = self.slopes, self.intercepts
-        count = self.points.shape[0]
-        size = 1 << math.ceil(math.log2(count + 1))  # 2^m >= K + 1 entries: -inf, the points, +inf...
-        infinity = torch.tensor([math.inf], device=self.points.device)
-        padded = torch.cat((-infinity, self.points.float(), infinity.expand(size - 1 - count)))
-        steps = [size >> level for level in range(1, size.bit_length())]  # size/2, ..., 1
+        feature, normalizer = self.feature, self.normalizer
+        points, slopes, intercepts = self.points.float(), self.slopes, self.intercepts
         shared_rows = normalizer.shape[0] == 1
 
         def piecewise(b, h, q_idx, kv_idx):
             distance = torch.clamp(q_idx + offset - kv_idx, min=0)
             row = 0 if shared_rows else b
             x = feature[distance] / normalizer[row, q_idx]
-            # the largest n with padded[n] <= x is the number of breakpoints <= x
             segment = torch.zeros_like(distance)
-            for step in steps:
-                candidate = segment + step
-                segment = torch.where(padded[candidate] <= x, candidate, segment)
-            searched = slopes[h, segment] * x + intercepts[h, segment]
-            return torch.where(below[row, q_idx], table[h, distance], searched)
+            for k in range(points.shape[0]):
+                segment = segment + (x >= points[k]).to(distance.dtype)
+            return slopes[h, segment] * x + intercepts[h, segment]
 
         return piecewise
 

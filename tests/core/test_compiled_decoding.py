@@ -22,15 +22,7 @@ from hf_posenc.errors import UnsupportedModelError
 #: every encoding whose decoding step can be compiled (the rest refuse by name, tested below)
 COMPILABLE = tuple(cls.name for cls in encoding_classes() if cls.compiled_decoding_refusal() is None)
 STATEFUL = tuple(cls.name for cls in encoding_classes() if cls.compiled_decoding_refusal() is not None)
-#: FIRE's bias (encodings/fire.py, ``_distinct_rows``) asks whether every row of a batch has the
-#: same positions with ``torch.equal``: a data-dependent branch that fullgraph tracing refuses
-_FIRE_BRANCH = pytest.mark.xfail(
-    strict=True,
-    reason="fire.py _distinct_rows: torch.equal on positions is data-dependent under torch.compile",
-)
-CASES = [
-    pytest.param(name, None, id=name, marks=[_FIRE_BRANCH] if name == "fire" else []) for name in COMPILABLE
-] + [
+CASES = [pytest.param(name, None, id=name) for name in COMPILABLE] + [
     pytest.param(
         "rope",
         {"scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}},
