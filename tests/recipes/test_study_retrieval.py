@@ -213,3 +213,27 @@ def test_evaluation_prompts_are_a_token_shorter_where_the_length_cannot_be_met()
     assert len(samples) == 2 * len(DEPTHS) and all(len(s.prompt) == 34 for s in samples)
     tokens, samples = evaluation_samples(_Parity(), tokenizer, 50, 2, seed=1)
     assert tokens == 34 and all(len(s.prompt) == 34 for s in samples)
+
+
+def test_the_retrieval_preset_fills_what_is_not_given(tmp_path, monkeypatch):
+    """``study --retrieval`` sets 25000 documents, keys 1-99 and no instruction line; a flag given on
+    the command line (or a value in --config) wins over the preset; without it nothing changes."""
+    from hf_posenc.recipes.cli import main
+    from hf_posenc.recipes.cli import study as cli_study
+
+    seen = []
+    monkeypatch.setattr(cli_study, "run_study", lambda config, **_: seen.append(config))
+    out = str(tmp_path / "s")
+    assert main(["study", "--output-dir", out, "--retrieval"]) == 0
+    assert (seen[-1].retrieval_documents, seen[-1].retrieval_max_key, seen[-1].retrieval_instruction) == (
+        25000,
+        99,
+        False,
+    )
+    assert main(["study", "--output-dir", out, "--retrieval", "--retrieval-max-key", "50000"]) == 0
+    assert (seen[-1].retrieval_documents, seen[-1].retrieval_max_key) == (25000, 50000)
+    (tmp_path / "study.yaml").write_text("study:\n  retrieval_documents: 100\n")
+    assert main(["study", "--output-dir", out, "--retrieval", "--config", str(tmp_path / "study.yaml")]) == 0
+    assert (seen[-1].retrieval_documents, seen[-1].retrieval_max_key) == (100, 99)
+    assert main(["study", "--output-dir", out]) == 0
+    assert seen[-1].retrieval_documents == 0 and seen[-1].retrieval_instruction is True

@@ -115,6 +115,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="train every run with documents packed per block, positions restarting per document",
     )
     parser.add_argument(
+        "--retrieval",
+        action="store_true",
+        help="the retrieval experiment in the setting tuned for the embedded default: --retrieval-documents "
+        "25000 --retrieval-max-key 99 --no-retrieval-instruction (each flag given, or set in --config, wins)",
+    )
+    parser.add_argument(
         "--retrieval-documents",
         type=int,
         default=defaults.retrieval_documents,
@@ -163,6 +169,12 @@ def command_study(args: argparse.Namespace) -> int:
     fields = [f.name for f in dataclasses.fields(StudyConfig)]
     file_values = load_study_config(args.config) if args.config else {}
     values = merge_settings(args, fields, file_values)  # flags given on the command line win
+    if args.retrieval:  # the preset fills what neither the command line nor the file sets
+        from ..study.retrieval import PRESET
+        from .common import given_on_command_line, subcommand_argv
+
+        given = given_on_command_line(args._parser, subcommand_argv(args)) | set(file_values)
+        values.update({k: v for k, v in PRESET.items() if k not in given})
     if values.get("base_model"):  # a missing folder is answered before the encodings import torch
         from ..preflight import check_model_path
 

@@ -26,6 +26,10 @@ TASK = "passkey"
 ANSWER_ROOM = 16
 DEPTHS = (0.0, 0.5, 1.0)
 FILE = Path("retrieval") / "train.jsonl"
+#: ``hf-posenc study --retrieval``: the setting in which the default study's model learns the passkey
+#: at the training length and the encodings differ past it (README, "Tuning the retrieval
+#: experiment"): about half the training blocks passkey documents, keys 1-99, no instruction line
+PRESET = {"retrieval_documents": 25000, "retrieval_max_key": 99, "retrieval_instruction": False}
 
 
 def training_source(config: Any) -> list[str]:
