@@ -58,6 +58,9 @@ _EXPORTS = {
     "LieREConfig": "encodings.liere",
     "NoPEConfig": "encodings.nope",
     "RoPEConfig": "encodings.rope",
+    "ReRoPEConfig": "encodings.rerope",
+    "LeakyReRoPEConfig": "encodings.rerope",
+    "SelfExtendConfig": "encodings.selfextend",
     "RoPE2DConfig": "encodings.rope2d",
     "SandwichConfig": "encodings.sandwich",
     "SBAConfig": "encodings.sba",
@@ -92,6 +95,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what static checkers and IDEs see
     from .core.config import EncodingConfig
+    from .core.export import export_native
     from .core.loading import from_pretrained, load_model
     from .core.patch import patch_info, patch_model, patched, unpatch_model
     from .core.reconfiguration import reconfigure
@@ -111,13 +115,16 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from .encodings.learned import LearnedConfig
     from .encodings.liere import LieREConfig
     from .encodings.nope import NoPEConfig
+    from .encodings.rerope import LeakyReRoPEConfig, ReRoPEConfig
     from .encodings.rope import RoPEConfig
     from .encodings.rope2d import RoPE2DConfig
     from .encodings.sandwich import SandwichConfig
     from .encodings.sba import SBAConfig
+    from .encodings.selfextend import SelfExtendConfig
     from .encodings.sinusoidal import SinusoidalConfig
     from .encodings.t5 import T5Config
     from .encodings.tape import TAPEConfig
+    from .encodings.xpos import XPosConfig
 
 __all__ = [
     "__version__",
@@ -126,6 +133,7 @@ __all__ = [
     "patched",
     "patch_info",
     "reconfigure",
+    "export_native",
     "enable_s2_attn",
     "disable_s2_attn",
     "s2_attn",
@@ -156,6 +164,10 @@ __all__ = [
     "SinusoidalConfig",
     "T5Config",
     "TAPEConfig",
+    "ReRoPEConfig",
+    "LeakyReRoPEConfig",
+    "SelfExtendConfig",
+    "XPosConfig",
     "PosencError",
     "UnknownEncodingError",
     "InvalidParameterError",
