@@ -47,3 +47,12 @@ def interrupt_at(step_to_fail: int) -> Callable[[int, dict[str, float]], None]:
             raise Interrupt(f"killed at step {step}")
 
     return callback
+
+
+def one_error(capsys) -> str:
+    """The one error line a refused command printed (and no traceback, no model loaded)."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err and "Loading weights" not in err, err  # no model was loaded
+    return errors[0]

@@ -19,6 +19,7 @@ reuses (same shapes and guards), so the probe costs one extra forward and backwa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import warnings
 from collections.abc import Callable
@@ -67,6 +68,7 @@ KERNEL_LADDER: tuple[tuple[str, dict[str, object]], ...] = (
 FLASH_RUNG: tuple[str, dict[str, object]] = ("flash", {"BACKEND": "FLASH"})
 
 
+@functools.cache  # asked on every compiled call: a file-system lookup, once per process
 def flash4_available() -> bool:
     """Whether FlexAttention's FLASH backend can be asked for (the FlashAttention-4 CuTe package)."""
     try:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, make_model
+from conftest import VOCAB
 from encoding_cases import ALL_CASES, case_ids
+from packing_cases import documents, packed, patched
 
-import hf_posenc
 from hf_posenc.attention import chunked
 
 #: two rows of documents (lengths): documents of 1 token, documents that cross query blocks of
@@ -26,37 +26,13 @@ def small_query_blocks(monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
 
 
-def documents(seed: int = 0) -> list[list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [[torch.randint(3, VOCAB, (n,), generator=generator) for n in row] for row in ROWS]
-
-
-def packed(rows: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The padding-free batch, written from the convention: ids concatenated per row, positions
-    0..n-1 per document, each document's first token not a label."""
-    ids = torch.stack([torch.cat(row) for row in rows])
-    positions = torch.stack([torch.cat([torch.arange(len(d)) for d in row]) for row in rows])
-    labels = ids.masked_fill(positions == 0, -100)
-    return {"input_ids": ids, "position_ids": positions, "labels": labels}
-
-
-def patched(name: str, params: dict, backend: str) -> torch.nn.Module:
-    model = make_model("llama")
-    hf_posenc.patch_model(model, name, backend=backend, **params)
-    torch.manual_seed(1)
-    with torch.no_grad():  # trained-looking encoding parameters (zero-initialised ones included)
-        for parameter in model.posenc.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model.train()
-
-
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
 @pytest.mark.parametrize("case", ALL_CASES, ids=case_ids(ALL_CASES))
 def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(case, backend):
     """sum of token losses over the packed batch == the sum of each document's token losses,
     computed alone; the same for the gradients of every parameter."""
     name, params = case
-    rows = documents()
+    rows = documents(ROWS)
     model = patched(name, params, backend)
     labels = sum(len(d) - 1 for row in rows for d in row)
     loss = model(**packed(rows), use_cache=False, num_items_in_batch=labels).loss
@@ -85,7 +61,7 @@ def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(case, backe
 def test_packed_logits_equal_the_documents_alone_under_flex(case):
     """backend="flex" (uncompiled off CUDA, no backward there): the logits of every document."""
     name, params = case
-    rows = documents(seed=2)
+    rows = documents(ROWS, seed=2)
     model = patched(name, params, "flex").eval()
     with torch.no_grad():
         batch = packed(rows)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, make_model
+from conftest import VOCAB
 from encoding_cases import case_ids, cases_of
+from packing_cases import documents, packed, patched
 
 import hf_posenc
 from hf_posenc.attention import chunked
@@ -31,28 +32,13 @@ def small_query_blocks(monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 4)
 
 
-def documents(seed: int = 0) -> list[list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [[torch.randint(3, VOCAB, (n,), generator=generator) for n in row] for row in ROWS]
-
-
-def patched(name: str, params: dict, backend: str) -> torch.nn.Module:
-    model = make_model("llama")
-    hf_posenc.patch_model(model, name, backend=backend, **params)
-    torch.manual_seed(1)
-    with torch.no_grad():  # trained-looking encoding parameters (zero-initialised ones included)
-        for parameter in model.posenc.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    return model.train()
-
-
 @pytest.mark.parametrize("case", ROW_CASES, ids=case_ids(ROW_CASES))
 def test_packed_rows_equal_each_document_alone_under_eager(case, monkeypatch):
     """Packed (position ids restarting per document) on the rows backend: the logits of every
     document and the gradient of every parameter of sum(logits * weights) equal the eager
     backend's on each document alone; and the rows backend served the packed call."""
     name, params = case
-    rows = documents()
+    rows = documents(ROWS)
     packed_model, eager_model = patched(name, params, "chunked"), patched(name, params, "eager")
     for (n, a), (_, b) in zip(packed_model.named_parameters(), eager_model.named_parameters(), strict=True):
         assert torch.equal(a, b), n  # the same weights
@@ -65,8 +51,8 @@ def test_packed_rows_equal_each_document_alone_under_eager(case, monkeypatch):
             return original(call)
 
         monkeypatch.setattr(backend, "attend", spy)
-    ids = torch.stack([torch.cat(row) for row in rows])
-    positions = torch.stack([torch.cat([torch.arange(len(d)) for d in row]) for row in rows])
+    batch = packed(rows)
+    ids, positions = batch["input_ids"], batch["position_ids"]
     weights = torch.randn(ids.shape[0], ids.shape[1], VOCAB, generator=torch.Generator().manual_seed(3))
     logits = packed_model(input_ids=ids, position_ids=positions, use_cache=False).logits
     (logits * weights).sum().backward()

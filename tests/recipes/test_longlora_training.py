@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import one_error
 
 import hf_posenc
 from hf_posenc.attention import forward
@@ -31,14 +32,6 @@ def workspace(tmp_path_factory) -> Path:
         tokenizer.save_pretrained(root / family)
     (root / "data.txt").write_text("\n\n".join(documents[:6]))
     return root
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1, err
-    assert "Traceback" not in err and "Loading weights" not in err, err  # no model was loaded
-    return errors[0]
 
 
 def run(workspace: Path, tmp_path: Path, *extra: str, family: str = "llama") -> int:

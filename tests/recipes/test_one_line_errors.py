@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import one_error, save_base_model
 
 from hf_posenc.recipes import preflight
 from hf_posenc.recipes.cli import main
 from hf_posenc.recipes.data import DataError, stdlib_documents
 from hf_posenc.recipes.tiny import tiny_model
-from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.corpus import document_dataset
 from hf_posenc.recipes.training.space import DiskFullError
@@ -26,19 +26,9 @@ from hf_posenc.recipes.training.space import DiskFullError
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("one-line")
     documents = list(stdlib_documents())[:10]
-    tokenizer = train_bpe_tokenizer(documents, vocab_size=400)
-    tiny_model("llama", vocab_size=len(tokenizer), max_positions=64).save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_base_model(root, documents, vocab_size=400, max_positions=64)
     (root / "data.txt").write_text("\n\n".join(documents[:6]))
     return root
-
-
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1, err
-    assert "Traceback" not in err and "Loading weights" not in err, err  # no model was loaded
-    return errors[0]
 
 
 def run(workspace: Path, tmp_path: Path, *extra: str) -> int:
