@@ -22,7 +22,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..core.layout import causal_keys
-from ..core.memo import ForwardMemo
 from . import chunked
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .core import attend_explicit
@@ -57,10 +56,6 @@ class RowBlocksBackend(Backend):
             rows = dataclasses.replace(
                 call.score.rows(start, stop, k_start), q=q_block
             )  # the checkpointed input
-            if k_start > 0:
-                # memo entries are keyed by shape (e.g. FIRE's query positions under CAPE): two blocks
-                # with skipped keys can share (rows, keys) and differ in positions, so these get their own
-                rows = dataclasses.replace(rows, memo=ForwardMemo())
             mask = None if call.mask is None else call.mask[..., start:stop, k_start:k_end]
             bias = None
             if call.bias is not None:

@@ -78,11 +78,15 @@ class ScoreCall(LayerCall):
         """The call of queries ``start .. stop-1`` with the keys ``k_start ..`` they may attend
         (bottom-right aligned: the keys past the block's last query are dropped, so query
         ``start + a`` stays aligned with key ``Tk - Tq + start + a``). ``k_start`` > 0 drops
-        leading keys none of the queries may attend (earlier packed documents, left padding)."""
+        leading keys none of the queries may attend (earlier packed documents, left padding).
+
+        Such a call gets its own memo: entries are keyed by shape (e.g. FIRE's query positions),
+        and two blocks with skipped keys can share (rows, keys) while their positions differ."""
         k_end = causal_keys(self.q_len, self.k_len, stop)
         keys = slice(k_start, k_end)
         return dataclasses.replace(
             self,
+            memo=self.memo if k_start == 0 else ForwardMemo(),
             q=self.q[:, :, start:stop],
             k=self.k[:, :, keys],
             hidden=self.hidden[:, start:stop],
