@@ -2,7 +2,7 @@
 # One GPU session's measurements, in one call (a lent GPU's time is short): the CUDA tests,
 # `hf-posenc bench --device cuda --dtype bfloat16` against native SDPA in the same run, profiles.
 # Run from the repository root on a CUDA machine:
-#   OUT=/some/dir STAGES="tests bias frozen other lengths profile" bash scripts/gpu_session.sh
+#   OUT=/some/dir STAGES="tests bias frozen other lengths sweep dropin s2 profile" bash scripts/gpu_session.sh
 # Wheels in .whl/ (transformers, flash-linear-attention, fla-core) are installed first when present.
 # Each stage has its own time limit (STAGE_<NAME>=seconds) and the script goes on after a stage
 # fails; everything lands in $OUT (log.txt, results.tar.gz).
@@ -52,6 +52,18 @@ PY
   if wants lengths; then
     stage "bench: T=2048 and 32768 forward+backward for alibi, t5, fire, fox"
     timeout ${STAGE_LENGTHS:-120} $B --encodings alibi t5 fire fox --modes forward train --lengths 2048 32768 --output-dir "$OUT/work/bench-2k-32k"
+  fi
+  if wants sweep; then
+    stage "FlexAttention alone: tile rungs and learned-table gradients (scripts/gpu_flex_sweep.py)"
+    timeout ${STAGE_SWEEP:-240} python3 scripts/gpu_flex_sweep.py --budget $(( ${STAGE_SWEEP:-240} - 40 )) 2>&1 | grep -v Warning
+  fi
+  if wants dropin; then
+    stage "drop-in: offloaded and compiled static-cache generation equal the default (CUDA)"
+    timeout ${STAGE_DROPIN:-90} python3 -m pytest -q -p no:cacheprovider tests/core/test_dropin_attention.py -k cuda_offloaded -m "slow or not slow" 2>&1 | tail -15 | cut -c1-300
+  fi
+  if wants s2; then
+    stage "S2-Attn (LongLoRA shifted groups) vs full attention, training step"
+    timeout ${STAGE_S2:-150} python3 -m hf_posenc.recipes.benchmark.s2_attn --lengths 2048 8192 16384 --group-size 0.25 --hidden-size 1024 --num-layers 8 --num-heads 16 --vocab-size 32000 --rounds 5 --device cuda --dtype bfloat16 --json "$OUT/work/s2.json" 2>&1 | tail -20
   fi
   if wants profile; then
     stage "profiles"
