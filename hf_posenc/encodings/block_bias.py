@@ -113,7 +113,12 @@ class DistanceBias(BlockBias):
         table, offset = self.table, self.k_len - self.q_len
 
         def by_distance(b, h, q_idx, kv_idx):
-            return table[h, torch.clamp(q_idx + offset - kv_idx, min=0)]
+            # |i - j|, not max(i - j, 0): a future key's score is masked whatever its bias, but
+            # FlexAttention's backward still adds its (zero) gradient into the table entry it
+            # read; clamped, every future key of every diagonal block lands on entry 0 of its
+            # head and the atomic adds queue on one address (measured on an H200, bf16,
+            # T=8192: the learned table's backward kernel took 15.2 ms against 4.3 ms frozen)
+            return table[h, torch.abs(q_idx + offset - kv_idx)]
 
         return by_distance
 

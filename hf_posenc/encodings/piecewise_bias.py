@@ -108,7 +108,9 @@ class PiecewiseDistanceBias(BlockBias):
         shared_rows = normalizer.shape[0] == 1
 
         def piecewise(b, h, q_idx, kv_idx):
-            distance = torch.clamp(q_idx + offset - kv_idx, min=0)
+            distance = torch.abs(q_idx + offset - kv_idx)  # future keys: masked; |d| spreads
+            # their (zero) gradients over the features instead of queueing them all on d = 0
+            # (see DistanceBias.elementwise)
             row = 0 if shared_rows else b
             x = feature[distance] / normalizer[row, q_idx]
             segment = torch.zeros_like(distance)
