@@ -1,6 +1,7 @@
-"""The study's retrieval experiment (off by default): passkey documents of one training block each,
-listed first in every pretraining's data, then passkey accuracy of every row at 1x..kx the training
-length in a second table, retrieval.json and retrieval_heatmaps.png."""
+"""The study's retrieval experiment (on by default, in the setting tuned for the embedded default):
+passkey documents of one training block each, listed first in every pretraining's data, then passkey
+accuracy of every row at 1x..kx the training length in a second table, retrieval.json and
+retrieval_heatmaps.png."""
 
 from __future__ import annotations
 
@@ -13,15 +14,35 @@ from hf_posenc.recipes.longeval.task import Instance, Task
 from hf_posenc.recipes.study import StudyConfig, run_study
 from hf_posenc.recipes.study.runs import plan_study
 
+#: the tuned setting as README documents it ("The extrapolation study"; the tuning log): 25000 passkey
+#: documents (about half the training blocks), keys 1-99, no instruction line, 4 prompts per cell
+DOCUMENTED_DEFAULT = {
+    "retrieval_documents": 25000,
+    "retrieval_max_key": 99,
+    "retrieval_instruction": False,
+    "retrieval_samples": 4,
+}
 
-def test_off_by_default_and_the_default_study_reads_the_same_data(tmp_path):
+
+def test_the_default_study_is_the_tuned_retrieval_setting(tmp_path, monkeypatch):
+    """The study's defaults, as a config and on the command line, are the documented tuned values,
+    and its every pretraining lists the passkey documents first; ``--retrieval-documents 0`` reads the
+    corpus alone (the study before the retrieval experiment)."""
+    from hf_posenc.recipes.cli import main
+    from hf_posenc.recipes.cli import study as cli_study
+
     config = StudyConfig(output_dir=str(tmp_path))
-    assert config.retrieval_documents == 0
-    assert all(settings.data == list(config.data) for _, settings, _ in plan_study(config))
-    on = StudyConfig(output_dir=str(tmp_path), retrieval_documents=10)
-    assert all(
-        settings.data[0] == str(tmp_path / "retrieval" / "train.jsonl") for _, settings, _ in plan_study(on)
-    )
+    assert {name: getattr(config, name) for name in DOCUMENTED_DEFAULT} == DOCUMENTED_DEFAULT
+    seen = []
+    monkeypatch.setattr(cli_study, "run_study", lambda config, **_: seen.append(config))
+    assert main(["study", "--output-dir", str(tmp_path)]) == 0
+    assert {name: getattr(seen[-1], name) for name in DOCUMENTED_DEFAULT} == DOCUMENTED_DEFAULT
+    documents = str(tmp_path / "retrieval" / "train.jsonl")
+    plan = plan_study(config)
+    assert len(plan) == 1 + len(config.encodings)  # the base and every encoding
+    assert all(settings.data == [documents, *config.data] for _, settings, _ in plan)
+    off = StudyConfig(output_dir=str(tmp_path), retrieval_documents=0)
+    assert all(settings.data == list(off.data) for _, settings, _ in plan_study(off))
     with pytest.raises(InvalidParameterError, match="retrieval_documents=-1 is not allowed"):
         StudyConfig(retrieval_documents=-1)
 
@@ -110,16 +131,24 @@ def test_passkey_documents_for_other_keys_or_prompt_stop_the_study(tmp_path, pas
     from hf_posenc.recipes.data import DataError
     from hf_posenc.recipes.study.retrieval import RECORD, write_training_documents
 
+    protocol_prompt = {"retrieval_max_key": 50000, "retrieval_instruction": True}
     config = StudyConfig(
-        output_dir=str(tmp_path), retrieval_documents=2, train_length=256, retrieval_max_key=99
+        output_dir=str(tmp_path),
+        retrieval_documents=2,
+        train_length=256,
+        **{**protocol_prompt, "retrieval_max_key": 99},
     )
     path = write_training_documents(config, passkey_tokenizer)
     assert json.loads(path.with_name(RECORD.name).read_text())["settings"]["retrieval_max_key"] == 99
-    for other in ({"retrieval_max_key": 50000}, {"retrieval_instruction": False}):
-        asked = StudyConfig(output_dir=str(tmp_path), retrieval_documents=2, train_length=256, **other)
+    for other in ({"retrieval_max_key": 50000}, {"retrieval_max_key": 99, "retrieval_instruction": False}):
+        asked = StudyConfig(
+            output_dir=str(tmp_path), retrieval_documents=2, train_length=256, **{**protocol_prompt, **other}
+        )
         with pytest.raises(DataError, match=r"written for .*asks for"):
             write_training_documents(asked, passkey_tokenizer)
-    protocol = StudyConfig(output_dir=str(tmp_path / "p"), retrieval_documents=2, train_length=256)
+    protocol = StudyConfig(
+        output_dir=str(tmp_path / "p"), retrieval_documents=2, train_length=256, **protocol_prompt
+    )
     written = write_training_documents(protocol, passkey_tokenizer)
     assert set(json.loads(written.with_name(RECORD.name).read_text())["settings"]) == {
         "retrieval_documents",
@@ -215,25 +244,24 @@ def test_evaluation_prompts_are_a_token_shorter_where_the_length_cannot_be_met()
     assert tokens == 34 and all(len(s.prompt) == 34 for s in samples)
 
 
-def test_the_retrieval_preset_fills_what_is_not_given(tmp_path, monkeypatch):
-    """``study --retrieval`` sets 25000 documents, keys 1-99 and no instruction line; a flag given on
-    the command line (or a value in --config) wins over the preset; without it nothing changes."""
+def test_the_retrieval_flag_of_before_changes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    """``study --retrieval`` chose the tuned setting before it became the default: it still runs, gives
+    the same settings as no flag (flags given and --config values win as over any default) and says
+    in one line that it changes nothing."""
     from hf_posenc.recipes.cli import main
     from hf_posenc.recipes.cli import study as cli_study
 
     seen = []
     monkeypatch.setattr(cli_study, "run_study", lambda config, **_: seen.append(config))
     out = str(tmp_path / "s")
+    assert main(["study", "--output-dir", out]) == 0
+    assert "--retrieval" not in capsys.readouterr().out
     assert main(["study", "--output-dir", out, "--retrieval"]) == 0
-    assert (seen[-1].retrieval_documents, seen[-1].retrieval_max_key, seen[-1].retrieval_instruction) == (
-        25000,
-        99,
-        False,
-    )
+    assert seen[-1] == seen[-2]
+    note = capsys.readouterr().out
+    assert "--retrieval changes nothing" in note and "default now" in note and len(note.splitlines()) == 1
     assert main(["study", "--output-dir", out, "--retrieval", "--retrieval-max-key", "50000"]) == 0
     assert (seen[-1].retrieval_documents, seen[-1].retrieval_max_key) == (25000, 50000)
-    (tmp_path / "study.yaml").write_text("study:\n  retrieval_documents: 100\n")
+    (tmp_path / "study.yaml").write_text("study:\n  retrieval_documents: 0\n  retrieval_instruction: true\n")
     assert main(["study", "--output-dir", out, "--retrieval", "--config", str(tmp_path / "study.yaml")]) == 0
-    assert (seen[-1].retrieval_documents, seen[-1].retrieval_max_key) == (100, 99)
-    assert main(["study", "--output-dir", out]) == 0
-    assert seen[-1].retrieval_documents == 0 and seen[-1].retrieval_instruction is True
+    assert (seen[-1].retrieval_documents, seen[-1].retrieval_instruction) == (0, True)

@@ -19,6 +19,14 @@ def _defaults() -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
+def _tuned(defaults: argparse.Namespace) -> str:
+    """The default retrieval setting in words (the one tuned for the embedded default)."""
+    instruction = "" if defaults.retrieval_instruction else ", no instruction line"
+    return (
+        f"{defaults.retrieval_documents} passkey documents, keys 1-{defaults.retrieval_max_key}{instruction}"
+    )
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     defaults = _defaults()  # no StudyConfig(): validating its encodings would import the engine
     parser = commands.add_parser(
@@ -27,8 +35,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="With no arguments: an offline study on the Python standard library's sources, with a tiny "
         "Llama first pretrained with RoPE, switched to rope, alibi, t5, nope, sinusoidal, expe and exqpe, "
         "plus evaluation-only rows: expe/exqpe at scaling factor 2 (the ExPE paper's Table 3), RoPE with "
-        "position interpolation and RoPE with SelfExtend, no training (how long it takes: README, 'How long "
-        "the default study takes').",
+        "position interpolation and RoPE with SelfExtend, no training; every pretraining mixes in "
+        f"{_tuned(defaults)} and the base and every trained row are scored "
+        "on the passkey at every evaluation length, a second table (--retrieval-documents 0: no passkey "
+        "documents, no second table). How long it takes: README, 'How long the default study takes'.",
     )
     add_run_option(
         parser,
@@ -117,8 +127,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--retrieval",
         action="store_true",
-        help="the retrieval experiment in the setting tuned for the embedded default: --retrieval-documents "
-        "25000 --retrieval-max-key 99 --no-retrieval-instruction (each flag given, or set in --config, wins)",
+        help=f"changes nothing, kept so older commands run: the setting it chose ({_tuned(defaults)}) is the "
+        "default now",
     )
     parser.add_argument(
         "--retrieval-documents",
@@ -126,7 +136,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=defaults.retrieval_documents,
         metavar="N",
         help="passkey documents (one training block each) mixed into every pretraining, then passkey accuracy "
-        "at every evaluation length: a second table and retrieval_heatmaps.png (0: off)",
+        "at every evaluation length: a second table and retrieval_heatmaps.png (0: off; the "
+        "count is tuned for the embedded tiny Llama)",
     )
     parser.add_argument(
         "--retrieval-samples",
@@ -146,8 +157,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--retrieval-instruction",
         action=argparse.BooleanOptionalAction,
         default=defaults.retrieval_instruction,
-        help="keep the passkey prompt's instruction line (Landmark's protocol); --no-retrieval-instruction "
-        "drops it, leaving the filler, the key line and the question",
+        help="keep the passkey prompt's instruction line (Landmark's protocol); without it (the default, "
+        "--no-retrieval-instruction) the prompt is the filler, the key line and the question",
     )
     parser.add_argument(
         "--eval-only",
@@ -169,12 +180,12 @@ def command_study(args: argparse.Namespace) -> int:
     fields = [f.name for f in dataclasses.fields(StudyConfig)]
     file_values = load_study_config(args.config) if args.config else {}
     values = merge_settings(args, fields, file_values)  # flags given on the command line win
-    if args.retrieval:  # the preset fills what neither the command line nor the file sets
-        from ..study.retrieval import PRESET
-        from .common import given_on_command_line, subcommand_argv
-
-        given = given_on_command_line(args._parser, subcommand_argv(args)) | set(file_values)
-        values.update({k: v for k, v in PRESET.items() if k not in given})
+    if args.retrieval:  # the preset of before is the default now: said, not silently swallowed
+        print(
+            f"[study] --retrieval changes nothing: its setting ({_tuned(_defaults())}) is the default now; "
+            "--retrieval-documents 0 leaves the experiment out",
+            flush=True,
+        )
     if values.get("base_model"):  # a missing folder is answered before the encodings import torch
         from ..preflight import check_model_path
 

@@ -1,5 +1,6 @@
-"""The study's retrieval experiment ("train short, test long", issue 20.4), off unless
-``retrieval_documents > 0``.
+"""The study's retrieval experiment ("train short, test long", issue 20.4), on by default in the
+setting tuned for the embedded default (:class:`~hf_posenc.recipes.study.spec.StudyConfig`:
+25000 documents, keys 1-99, no instruction line); off with ``retrieval_documents=0``.
 
 A tiny model pretrained on Python sources never retrieves a pass key, so retrieval is made
 learnable: ``retrieval_documents`` passkey documents (Landmark's prompt followed by the key,
@@ -26,10 +27,6 @@ TASK = "passkey"
 ANSWER_ROOM = 16
 DEPTHS = (0.0, 0.5, 1.0)
 FILE = Path("retrieval") / "train.jsonl"
-#: ``hf-posenc study --retrieval``: the setting in which the default study's model learns the passkey
-#: at the training length and the encodings differ past it (README, "Tuning the retrieval
-#: experiment"): about half the training blocks passkey documents, keys 1-99, no instruction line
-PRESET = {"retrieval_documents": 25000, "retrieval_max_key": 99, "retrieval_instruction": False}
 
 
 def training_source(config: Any) -> list[str]:
@@ -88,7 +85,8 @@ def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
     if length < shortest:
         raise InvalidParameterError(
             f"study: retrieval documents need a training length of at least {shortest} tokens for this tokenizer "
-            f"(the passkey prompt and its answer); --train-length is {config.train_length}"
+            f"(the passkey prompt and its answer); --train-length is {config.train_length}; "
+            "--retrieval-documents 0 leaves the retrieval experiment out"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")

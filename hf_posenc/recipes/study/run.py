@@ -145,6 +145,13 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
         for label, settings, status in plan:
             print(f"  {status:<8} {label}: {settings.max_steps} steps -> {settings.output_dir}")
         print(f"  evaluate at {', '.join(str(config.train_length * m) for m in config.multiples)} tokens")
+        if config.retrieval_documents:
+            instruction = "" if config.retrieval_instruction else ", no instruction line"
+            print(
+                f"  passkey retrieval: {config.retrieval_documents} training documents (keys "
+                f"1-{config.retrieval_max_key}{instruction}) in every pretraining, {config.retrieval_samples} "
+                "prompts per length and depth (--retrieval-documents 0: none)"
+            )
         from .evaluate import eval_only_rows
 
         for spec in eval_only_rows(config.eval_only, config.encodings):
