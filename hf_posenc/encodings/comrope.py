@@ -58,7 +58,7 @@ from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 from .rope2d import axial_frequencies, check_axes, token_coordinates
-from .skew_rotation import dense_basis, eigenbasis, rotate_pairs
+from .skew_rotation import dense_basis, eigenbasis, rotate_qk
 
 VARIANTS = ("ap", "ld")
 EXP_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -212,9 +212,7 @@ class ComRoPE(Encoding[ComRoPEConfig]):
             angles = (weight[:, None, :, :, None] * mu.to(dtype)[None, :, None]).flatten(
                 -2
             )  # (B|1, Hkv, T, d_rot/2)
-            cos, sin = angles.cos().float(), angles.sin().float()
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # RoPE's layout
-            return rotate_pairs(q, self.dim, dense, cos, sin), rotate_pairs(k, self.dim, dense, cos, sin)
+            return rotate_qk(q, k, self.dim, dense, angles)
 
         def distinct() -> tuple[torch.Tensor, torch.Tensor]:
             coords = token_coordinates(self.name, call.coordinates, call.positions, cfg.axes)  # (B, T, N)

@@ -50,7 +50,7 @@ from ..errors import InvalidParameterError
 from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
-from .skew_rotation import dense_basis, eigenbasis, rotate_pairs
+from .skew_rotation import dense_basis, eigenbasis, rotate_qk
 
 
 @dataclasses.dataclass
@@ -223,9 +223,7 @@ class LieRE(Encoding[LieREConfig]):
             # fp32 angles p mu, as RoPE's p omega (fp64 cos/sin would cost more than the rotation)
             p = interpolate(call.positions, self.config.factor).float()  # (B, T) p / f
             angles = p[:, None, :, None] * mu.float()[None, :, None]  # (B, Hkv|1, T, d_rot/2)
-            cos, sin = angles.cos().float(), angles.sin().float()
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # RoPE's layout
-            return rotate_pairs(q, self.dim, dense, cos, sin), rotate_pairs(k, self.dim, dense, cos, sin)
+            return rotate_qk(q, k, self.dim, dense, angles)
         rotation = self.rotations(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, nb, b, b)
         k_rot = self.apply_rotation(k, rotation)
         if rotation.shape[1] > 1:  # query head h uses the generators of its KV head h // group

@@ -104,7 +104,8 @@ def rotate_pairs(
     x: torch.Tensor, dim: int, dense: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
     """x (B, H, T, D) with its first ``dim`` dims turned by W rot W^T per KV head (fp32): ``dense``
-    (Hkv|1, dim, dim), ``cos``/``sin`` (B, Hkv|1, T, dim); the query heads of a group share theirs."""
+    (Hkv|1, dim, dim), ``cos``/``sin`` (B, Hkv|1, T, dim); the query heads of a group share theirs
+    (the definition through autograd; the encodings use :func:`rotate_qk`)."""
     batch, heads, length, _ = x.shape
     kv_heads = dense.shape[0]
     rotated, passed = x[..., :dim].float(), x[..., dim:]
@@ -115,3 +116,105 @@ def rotate_pairs(
         out = rotate_dense(grouped, dense[:, None], cos[:, :, None], sin[:, :, None]).flatten(1, 2)
     out = out.to(x.dtype)
     return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, T, d) -> (B, Hkv|1, G, T, d), a view (the query heads of a KV head side by side)."""
+    batch, heads, length, dim = x.shape
+    groups = heads // kv_heads
+    return x.reshape(batch, heads // groups, groups, length, dim)
+
+
+def _half_turn(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation of z (..., d) by the angles of ``cos``/``sin`` (..., d/2): pair (k, k + d/2)."""
+    z1, z2 = z.chunk(2, dim=-1)
+    return torch.cat((z1 * cos - z2 * sin, z1 * sin + z2 * cos), dim=-1)
+
+
+def _trig(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """angles (B|1, H|1, T, n) in their own dtype (fp64 where asked) -> fp32 cos, sin (B|1, H|1, 1, T, n)."""
+    return angles.cos().float()[:, :, None], angles.sin().float()[:, :, None]
+
+
+class _RotateQK(torch.autograd.Function):
+    """(q, k) -> (W rot(theta) W^T q, W rot(theta) W^T k) per KV head, fp32 inside, keeping for
+    backward only what the attention keeps anyway (issue 21.5).
+
+    Through autograd each rotation kept x, z = x W, rotate_half(z), rot(theta) z and cos/sin:
+    about four (B, H, T, d) fp32 tensors per q and per k and layer, 1.5x the native model's
+    training memory. W is orthogonal, so backward recomputes them from the rotated output y:
+    t = rot(theta) z = y W, z = rot(-theta) t. With g = dy W (the gradient of t):
+
+        dx = W rot(-theta) g
+        dW = W (z^T rot(-theta) g) + dy^T t      (x^T dz with x = z W^T, plus y = t W^T's term)
+        dtheta_k = g_{k+d/2} t_k - g_k t_{k+d/2}
+
+    In fp32 y is the tensor SDPA saves too (no copy); in lower precision y is rounded, so the
+    input x is kept instead and z recomputed (one (B, H, T, d) tensor per q and k). The output
+    has the input's memory layout (native RoPE's elementwise rotation keeps the projections'
+    (B, T, H, D) layout, so SDPA's output needs no copy before ``o_proj``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, dense, angles):
+        # q (B, Hq, T, d), k (B, Hkv, T, d), dense W (Hkv|1, d, d) fp32, angles (B|1, Hkv|1, T, d/2)
+        kv_heads = dense.shape[0]
+        cos, sin = _trig(angles)  # (B|1, Hkv|1, 1, T, d/2) fp32
+        outs = []
+        for x in (q, k):
+            z = _grouped(x, kv_heads).float() @ dense[:, None]  # (B, Hkv|1, G, T, d)
+            y = (_half_turn(z, cos, sin) @ dense[:, None].transpose(-1, -2)).flatten(1, 2)
+            out = torch.empty_like(x)  # the input's layout and dtype
+            out.copy_(y)
+            outs.append(out)
+        ctx.exact = q.dtype == torch.float32
+        ctx.save_for_backward(*(outs if ctx.exact else (q, k)), dense, angles)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        first, second, dense, angles = ctx.saved_tensors
+        kv_heads = dense.shape[0]
+        w = dense[:, None]  # (Hkv|1, 1, d, d)
+        cos, sin = _trig(angles)  # (B|1, Hkv|1, 1, T, d/2) fp32
+        grads = []
+        grad_dense = torch.zeros_like(dense)
+        grad_angles = torch.zeros_like(angles, dtype=torch.float32)
+        for saved, grad in ((first, grad_q), (second, grad_k)):
+            if grad is None:
+                grads.append(None)
+                continue
+            dy = _grouped(grad, kv_heads).float()  # (B, Hkv|1, G, T, d)
+            if ctx.exact:  # saved: the output y
+                t = _grouped(saved, kv_heads) @ w  # rot(theta) z
+                z = _half_turn(t, cos, -sin)
+            else:  # saved: the input x
+                z = _grouped(saved, kv_heads).float() @ w
+                t = _half_turn(z, cos, sin)
+            g = dy @ w  # gradient of t
+            dz = _half_turn(g, cos, -sin)  # rot(-theta) g
+            grads.append((dz @ w.transpose(-1, -2)).flatten(1, 2).to(saved.dtype))
+            if ctx.needs_input_grad[2]:
+                inner = (z.transpose(-1, -2) @ dz).sum(dim=(0, 2))  # (Hkv|1, d, d)
+                outer = (dy.transpose(-1, -2) @ t).sum(dim=(0, 2))
+                grad_dense += (dense @ inner + outer).sum_to_size(dense.shape)
+            if ctx.needs_input_grad[3]:
+                t1, t2 = t.chunk(2, dim=-1)
+                g1, g2 = g.chunk(2, dim=-1)
+                grad_angles += (g2 * t1 - g1 * t2).sum(dim=2).sum_to_size(angles.shape)
+        return grads[0], grads[1], grad_dense, grad_angles.to(angles.dtype)
+
+
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, dim: int, dense: torch.Tensor, angles: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Hq, T, D), k (B, Hkv, T, D) with their first ``dim`` dims turned by W rot(theta) W^T
+    per KV head: ``dense`` W (Hkv|1, dim, dim) fp32 from :func:`dense_basis` (rows in the dims'
+    order), ``angles`` theta (B|1, Hkv|1, T, dim/2) fp32 or fp64 (cos/sin taken in it; column k of W's halves turns by
+    theta_k); the query heads of a group share their KV head's. Computed in fp32, returned in
+    q's and k's dtype; equals :func:`rotate_pairs` with cos/sin of the angles duplicated over
+    the two halves, at the memory cost of RoPE (see :class:`_RotateQK`)."""
+    if dim == q.shape[-1]:
+        return _RotateQK.apply(q, k, dense, angles)
+    q_rot, k_rot = _RotateQK.apply(q[..., :dim], k[..., :dim], dense, angles)
+    return torch.cat((q_rot, q[..., dim:]), dim=-1), torch.cat((k_rot, k[..., dim:]), dim=-1)

@@ -9,9 +9,11 @@ whose eigenvalues are not separated.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from conftest import make_model, patch
+from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -116,8 +118,10 @@ def rotated(name: str, posenc, layer: int, positions: torch.Tensor, q, k, params
 ENCODINGS = [
     ("liere", {}),
     ("liere", {"shared_across_heads": True, "block_size": 4}),
+    ("liere", {"partial_rotary_factor": 0.5}),
     ("comrope", {}),
     ("comrope", {"variant": "ld", "block_size": 2}),
+    ("comrope", {"partial_rotary_factor": 0.5, "matrix_exp_dtype": "float64"}),
 ]
 
 
@@ -137,19 +141,23 @@ def test_rotation_and_gradients_equal_matrix_exp_reference(name, params):
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     d = model.config.hidden_size // heads
     positions = torch.tensor([[0, 1, 2, 5, 9, 17, 40]])
-    q = torch.randn(1, heads, positions.shape[1], d, generator=generator)
-    k = torch.randn(1, kv_heads, positions.shape[1], d, generator=generator)
+    q = torch.randn(1, heads, positions.shape[1], d, generator=generator).requires_grad_()
+    k = torch.randn(1, kv_heads, positions.shape[1], d, generator=generator).requires_grad_()
     grad_q, grad_k = torch.randn(q.shape, generator=generator), torch.randn(k.shape, generator=generator)
 
     q_rot, k_rot = posenc.rotate(probe_layer_call(positions, layer), q, k)
     ((q_rot * grad_q).sum() + (k_rot * grad_k).sum()).backward()
     got = {n: p.grad for n, p in posenc.named_parameters()}
+    got_q, got_k = q.grad, k.grad
 
     params64 = {n: p.detach().double().requires_grad_() for n, p in posenc.named_parameters()}
-    want_q, want_k = rotated(name, posenc, layer, positions, q, k, params64)
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    want_q, want_k = rotated(name, posenc, layer, positions, q64, k64, params64)
     ((want_q * grad_q.double()).sum() + (want_k * grad_k.double()).sum()).backward()
     torch.testing.assert_close(q_rot.double(), want_q.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_rot.double(), want_k.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_q.double(), q64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k.double(), k64.grad, atol=1e-5, rtol=1e-5)
     for n, p in params64.items():
         scale = float(p.grad.abs().max().clamp_min(1.0))
         torch.testing.assert_close(got[n].double(), p.grad, atol=1e-5 * scale, rtol=1e-5, msg=n)
@@ -192,3 +200,89 @@ def test_initial_generators_are_decomposed(name, theta, head_dim):
     model = make_model("llama", hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1)
     posenc = patch(model, name, {"theta": theta}, randomize=False).posenc
     assert posenc.decomposed(0, ForwardMemo()) is not None
+
+
+@pytest.mark.parametrize("name", ["liere", "comrope"])
+def test_bfloat16_rotation_and_gradients_stay_within_bfloat16_rounding(name):
+    """In bf16 (the input kept for backward instead of the rounded output) the rotated q, k and
+    every gradient stay within bf16 rounding (2e-2 relative to the largest value) of the fp64
+    matrix_exp reference, for a batch of two rows with different positions (left padding)."""
+    model = patch(make_model("llama"), name, {}, randomize=False)
+    posenc = model.posenc
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in posenc.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    d = model.config.hidden_size // heads
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])
+    q = torch.randn(2, heads, 6, d, generator=generator)
+    k = torch.randn(2, kv_heads, 6, d, generator=generator)
+    grad_q, grad_k = torch.randn(q.shape, generator=generator), torch.randn(k.shape, generator=generator)
+    q16, k16 = q.bfloat16().requires_grad_(), k.bfloat16().requires_grad_()
+    q_rot, k_rot = posenc.rotate(probe_layer_call(positions, 0), q16, k16)
+    assert q_rot.dtype == k_rot.dtype == torch.bfloat16
+    ((q_rot.float() * grad_q).sum() + (k_rot.float() * grad_k).sum()).backward()
+    got = {n: p.grad.double() for n, p in posenc.named_parameters()}
+
+    params64 = {n: p.detach().double().requires_grad_() for n, p in posenc.named_parameters()}
+    q64, k64 = q16.detach().double().requires_grad_(), k16.detach().double().requires_grad_()
+    total = 0
+    for row in range(2):
+        want_q, want_k = rotated(
+            name, posenc, 0, positions[row : row + 1], q64[row : row + 1], k64[row : row + 1], params64
+        )
+        total = (
+            total
+            + (want_q * grad_q[row : row + 1].double()).sum()
+            + (want_k * grad_k[row : row + 1].double()).sum()
+        )
+        for got_x, want_x in ((q_rot[row : row + 1], want_q), (k_rot[row : row + 1], want_k)):
+            close(got_x.double(), want_x.detach())
+    total.backward()
+    close(q16.grad.double(), q64.grad)
+    close(k16.grad.double(), k64.grad)
+    for n, p in params64.items():
+        close(got[n], p.grad, msg=n)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
+    """Within bf16 rounding: 2e-2 of the largest magnitude of ``want``."""
+    scale = float(want.abs().max().clamp_min(1e-3))
+    torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=0, msg=msg)
+
+
+def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward over one training forward."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()  # the kept tensors serve a real backward
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", ["liere", "comrope"])
+def test_training_keeps_what_rope_keeps(name, kv_heads):
+    """Issue 21.5: per token and layer, a training forward keeps beyond what the same model with
+    RoPE keeps only the angles (Hkv * d/2 fp32, an eighth of q and k) and the positions; with
+    grouped keys also the rotated keys (SDPA keeps its per-query-head copy instead): none of
+    the rotation's (B, H, T, d) intermediates (x, x W, rotate_half, the rotated z, cos and
+    sin), which made its training memory 1.5x. Measured as the growth from T to 2T, so the
+    per-layer constants (the generators' decomposition) cancel."""
+    model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads).train()
+    patched = patch(copy.deepcopy(model), name, {}, randomize=False)
+    rope = patch(copy.deepcopy(model), "rope", {}, randomize=False)
+    short, long = token_ids(1, 64), token_ids(1, 128)
+    growth = (_saved_bytes(patched, long) - _saved_bytes(patched, short)) - (
+        _saved_bytes(rope, long) - _saved_bytes(rope, short)
+    )
+    d = 64 // 4
+    per_token = kv_heads * d // 2 + 1 + (kv_heads * d if kv_heads < 4 else 0)  # fp32 values per layer
+    assert growth <= model.config.num_hidden_layers * 64 * per_token * 4, growth
