@@ -10,6 +10,17 @@ elsewhere it runs uncompiled, which is exact but materialises the scores (for te
 speed) and has no backward. Causal block masks are cached per (Tq, Tk, device); padding masks
 per forward.
 
+Compiled calls run at a length bucket (:func:`bucket_length`), not at their own lengths: q, k and
+v are padded to the bucket, the block mask masks the padded keys and discards the padded queries
+(whole padded blocks are skipped by the kernel), the bias is evaluated on the padded ranges
+(:class:`~hf_posenc.encodings.block_bias.ScoreGrid`: tables padded, the key offset a tensor) and
+the output is sliced back. One graph is compiled per (bias form, bucket of Tq, bucket of Tk,
+dtype, with or without backward) instead of per length: a bucket is a multiple of
+``step = max(128, 2^(ceil(log2 n) - 1) / FLEX_BUCKETS_PER_OCTAVE)`` (``FLEX_BUCKETS_PER_OCTAVE``
+buckets between each power of two and the next), so it pads a length n by less than
+``max(128, n / FLEX_BUCKETS_PER_OCTAVE)`` positions (< 25 % past 1024 with 4 per octave; 8000 and
+8192 share the bucket 8192).
+
 Compiled FlexAttention never serves a call of fewer than :data:`FLEX_MIN_QUERIES` queries
 (decoding steps, short prompts): each such call would be a new shape to compile, and the
 chunked backend computes a few query rows at once without any (T, T) tensor.
@@ -23,15 +34,17 @@ Registered as backend ``flex``: under ``backend="flex"``, and ``"auto"`` on CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..compat import raise_recompile_limit
 from ..core.memo import ForwardMemo
-from ..encodings.block_bias import BlockBias
+from ..encodings.block_bias import BlockBias, ScoreGrid
 from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
 from .flex_kernels import attend_with_ladder
 
@@ -39,9 +52,13 @@ from .flex_kernels import attend_with_ladder
 FLEX_MIN_QUERIES = 128
 #: compile FlexAttention off CUDA too (tests of the compiled forward on CPU; slow there)
 COMPILE_OFF_CUDA = False
-#: compiled graphs FlexAttention may keep: one per (bias form, length, dtype, with/without
+#: compiled graphs FlexAttention may keep: one per (bias form, length bucket, dtype, with/without
 #: backward); torch's default of 8 would send the ninth to the uncompiled O(T^2) path
 FLEX_RECOMPILE_LIMIT = 256
+#: length buckets of compiled calls between each power of two and the next (padding < n / this)
+FLEX_BUCKETS_PER_OCTAVE = 4
+#: the smallest bucket step: FlexAttention's mask block (a bucket never splits a block)
+FLEX_BUCKET_STEP = 128
 
 _BLOCK_MASKS: dict[tuple, object] = {}
 _BLOCK_MASK_LIMIT = 16
@@ -65,35 +82,94 @@ def _flex_function(compiled: bool) -> Callable:
     return flex_attention
 
 
-def _block_mask(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, device: torch.device):
+def bucket_length(n: int) -> int:
+    """The length a compiled call of ``n`` queries (or keys) runs at: ``n`` rounded up to a multiple
+    of ``max(FLEX_BUCKET_STEP, 2^(ceil(log2 n) - 1) / FLEX_BUCKETS_PER_OCTAVE)``, so
+    ``n <= bucket_length(n) < n + max(FLEX_BUCKET_STEP, n / FLEX_BUCKETS_PER_OCTAVE)``."""
+    below = 1 << max(n - 1, 1).bit_length() - 1  # the largest power of two < n (n > 1)
+    step = max(FLEX_BUCKET_STEP, below // FLEX_BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A call's lengths and the sizes it runs at; when ``bucketed`` (compiled calls) also its key
+    offset and key count as 0-d int32 tensors: values the compiled graph reads, not constants it
+    would be specialised on (one graph per bucket, whatever the offset)."""
+
+    q_len: int
+    k_len: int
+    bucketed: bool
+    q_size: int
+    k_size: int
+    offset: torch.Tensor | None = None  # () int32: k_len - q_len
+    keys: torch.Tensor | None = None  # () int32: k_len
+
+    def grid(self) -> ScoreGrid | None:
+        return None if self.offset is None else ScoreGrid(self.q_size, self.k_size, self.offset)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(q_len: int, k_len: int, device: torch.device, bucketed: bool) -> _Layout:
+    if not bucketed:
+        return _Layout(q_len, k_len, False, q_len, k_len)
+    # filled on the device (no host-to-device copy per call), once per (Tq, Tk, device)
+    offset = torch.full((), k_len - q_len, dtype=torch.int32, device=device)
+    keys = torch.full((), k_len, dtype=torch.int32, device=device)
+    return _Layout(q_len, k_len, True, bucket_length(q_len), bucket_length(k_len), offset, keys)
+
+
+def _causal_block_mask(layout: _Layout, device: torch.device):
+    """The causal block mask of one (Tq, Tk, device), padded queries and keys masked (cached)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    offset = k_len - q_len
-    if mask is None:
-        key = (q_len, k_len, str(device))
-        cached = _BLOCK_MASKS.get(key)
-        if cached is None:
-            if len(_BLOCK_MASKS) >= _BLOCK_MASK_LIMIT:
-                _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+    key = (layout.q_len, layout.k_len, layout.bucketed, str(device))
+    cached = None if torch.compiler.is_compiling() else _BLOCK_MASKS.get(key)
+    if cached is None:
+        if len(_BLOCK_MASKS) >= _BLOCK_MASK_LIMIT:
+            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+        offset, keys = layout.offset, layout.keys
+        if offset is not None:
+
+            def causal(b, h, q_idx, kv_idx):  # a padded query (key index >= Tk) attends nothing
+                return (q_idx + offset >= kv_idx) & (q_idx + offset < keys)
+        else:
+            constant = layout.k_len - layout.q_len
 
             def causal(b, h, q_idx, kv_idx):
-                return q_idx + offset >= kv_idx
+                return q_idx + constant >= kv_idx
 
-            cached = create_block_mask(causal, None, None, q_len, k_len, device=device)
+        cached = create_block_mask(causal, None, None, layout.q_size, layout.k_size, device=device)
+        if not torch.compiler.is_compiling():
             _BLOCK_MASKS[key] = cached
-        return cached
+    return cached
 
-    allowed = mask.expand(batch, 1, q_len, k_len)  # (B, 1, Tq, Tk) bool, causal already
+
+def _padding_block_mask(mask: torch.Tensor, batch: int, layout: _Layout, device: torch.device):
+    """The block mask of a boolean (B|1, 1, Tq, Tk) mask, causal already; padded queries and keys
+    masked."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    extra_q, extra_k = layout.q_size - layout.q_len, layout.k_size - layout.k_len
+    allowed = F.pad(mask, (0, extra_k, 0, extra_q), value=False) if extra_q or extra_k else mask
+    allowed = allowed.expand(batch, 1, layout.q_size, layout.k_size)  # (B, 1, Tq', Tk') bool
 
     def padded(b, h, q_idx, kv_idx):
         return allowed[b, 0, q_idx, kv_idx]
 
-    return create_block_mask(padded, batch, None, q_len, k_len, device=device)
+    return create_block_mask(padded, batch, None, layout.q_size, layout.k_size, device=device)
 
 
-def _score_mod(bias: BlockBias) -> Callable | None:
-    """``score + bias`` per score, or None when the bias form cannot say it per score."""
-    elementwise = bias.elementwise()
+def _pad_length(x: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, H, T, D) zero-padded to (B, H, size, D) (``x`` itself when T == size)."""
+    extra = size - x.shape[-2]
+    return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
+
+
+def _score_mod(bias: BlockBias, grid: ScoreGrid | None = None) -> Callable | None:
+    """``score + bias`` per score (over ``grid``'s padded ranges when given), or None when the
+    bias form cannot say it per score."""
+    elementwise = bias.elementwise(grid)
     if elementwise is None:
         return None
 
@@ -122,8 +198,7 @@ def attend_flex(
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D) -> (B,Tq,Hq,D), or None when FlexAttention cannot serve it.
 
     ``kernels``: the patched model's record of the kernel that served each kind of call."""
-    score_mod = _score_mod(bias)
-    if score_mod is None or not flex_available():
+    if not flex_available():
         return None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.device.type != "cuda" and grad:
@@ -133,14 +208,21 @@ def attend_flex(
         return None  # decoding / short calls: never a new compiled shape per token
     batch, _, q_len, _ = q.shape
     k_len = k.shape[-2]
+    tracing = torch.compiler.is_compiling()  # inside a compiled model: nothing traced is cached
+    layout = (_layout.__wrapped__ if tracing else _layout)(q_len, k_len, q.device, compiled)
+    score_mod = _score_mod(bias, layout.grid())
+    if score_mod is None:
+        return None
     if mask is None:
-        block_mask = _block_mask(None, batch, q_len, k_len, q.device)
+        block_mask = _causal_block_mask(layout, q.device)
     else:
-        build = functools.partial(_block_mask, mask, batch, q_len, k_len, q.device)
-        if memo is None or torch.compiler.is_compiling():  # id() cannot be traced; no memo there
+        build = functools.partial(_padding_block_mask, mask, batch, layout, q.device)
+        if memo is None or tracing:  # id() cannot be traced; no memo there
             block_mask = build()
         else:
             block_mask = memo.get(("flex_block_mask", id(mask), q_len, k_len), build)
+    q = _pad_length(q, layout.q_size)  # (B, Hq, Tq', D)
+    k, v = _pad_length(k, layout.k_size), _pad_length(v, layout.k_size)  # (B, Hkv, Tk', D)
     gqa = q.shape[1] != k.shape[1]
     function = _flex_function(compiled)
 
@@ -163,8 +245,8 @@ def attend_flex(
             return attempt(q, k, v).transpose(1, 2)
     out = attend_with_ladder(
         attempt, q, k, v, used=kernels, form=type(bias).__name__
-    )  # (B, Hq, Tq, D) or None
-    return None if out is None else out.transpose(1, 2)
+    )  # (B, Hq, Tq', D) or None
+    return None if out is None else out[:, :, :q_len].transpose(1, 2)
 
 
 @register_backend

@@ -20,6 +20,11 @@ what the bias *is*, never which kernel should serve it.
 
 Queries are bottom-right aligned (:mod:`hf_posenc.core.layout`). Every form gives the bias of the
 keys a causal query may attend; future keys, masked by every backend, get the bias of distance 0.
+
+A compiled kernel runs at a length bucket (:class:`ScoreGrid`): ``elementwise(grid)`` evaluates
+the bias on the padded index ranges, reading only in-range entries there, with every tensor it
+captures sized by the bucket and the key offset a tensor, so one compiled graph serves every
+length of the bucket.
 """
 
 from __future__ import annotations
@@ -28,12 +33,33 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..core.layout import causal_mask, fold_mask, query_key_indices
 
 RowsFunction = Callable[[int, int, int], torch.Tensor]
 #: the bias of scores at index tensors (b, h, q_idx, kv_idx) -> bias (FlexAttention's score_mod layout)
 ElementwiseBias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreGrid:
+    """Where a per-score bias is evaluated when a kernel runs at a length bucket: every query
+    index ``q_idx < q_size`` and key index ``kv_idx < k_size`` (at least the call's own lengths;
+    the scores past them are masked and discarded), and the key offset ``k_len - q_len`` of the
+    call as a 0-d int tensor. A compiled kernel's graph then depends on ``(q_size, k_size)``
+    only: the captured tensors are sized by them and the offset is a value, not a constant."""
+
+    q_size: int
+    k_size: int
+    offset: torch.Tensor  # () int32, k_len - q_len of the call
+
+
+def pad_last(values: torch.Tensor, size: int, value: float = 0.0) -> torch.Tensor:
+    """``values`` (..., n) padded with ``value`` to (..., size) along the last dim (differentiable:
+    the padding's gradient is dropped); ``values`` itself when ``size == n``."""
+    extra = size - values.shape[-1]
+    return values if extra == 0 else F.pad(values, (0, extra), value=value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +82,12 @@ class BlockBias:
         """The whole (B|1, Hq, Tq, Tk) bias."""
         return self.rows(0, self.q_len, self.k_len)
 
-    def elementwise(self) -> ElementwiseBias | None:
-        """The bias of one score from index tensors, or None when the form cannot say it per score."""
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias | None:
+        """The bias of one score from index tensors, or None when the form cannot say it per score.
+
+        ``grid``: evaluated on a length bucket's padded index ranges (see :class:`ScoreGrid`):
+        the same values at the call's own attendable (query, key) pairs, in-range reads
+        everywhere, captured tensors sized by the bucket."""
         return None
 
     def tensors(self) -> dict[str, torch.Tensor] | None:
@@ -109,8 +139,14 @@ class DistanceBias(BlockBias):
     def tensors(self) -> dict[str, torch.Tensor] | None:
         return {"table": self.table}
 
-    def elementwise(self) -> ElementwiseBias:
-        table, offset = self.table, self.k_len - self.q_len
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
+        """``table[h, |i - j|]``; on a grid the table is padded to ``q_size + k_size`` entries,
+        past every |i - j| of the padded ranges (the largest, ``q_size - 1 + offset``, is below
+        it as ``offset < k_len <= k_size``), and the padded scores read distinct entries."""
+        table = self.table
+        offset: int | torch.Tensor = self.k_len - self.q_len
+        if grid is not None:
+            table, offset = pad_last(table, grid.q_size + grid.k_size), grid.offset  # (Hq, Tq' + Tk')
 
         def by_distance(b, h, q_idx, kv_idx):
             # |i - j|, not max(i - j, 0): a future key's score is masked whatever its bias, but
@@ -137,10 +173,11 @@ class LinearDistanceBias(DistanceBias):
     def tensors(self) -> dict[str, torch.Tensor] | None:
         return None  # built from its slopes by its own __init__, not by dataclasses.replace
 
-    def elementwise(self) -> ElementwiseBias:
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
         """``-slope_h * (i - j)`` computed per score (no table gather: arithmetic is cheaper in a
         fused kernel than a load), the same fp32 product as the table's entries."""
-        slopes, offset = self.slopes.float(), self.k_len - self.q_len
+        slopes = self.slopes.float()
+        offset = self.k_len - self.q_len if grid is None else grid.offset
 
         def linear(b, h, q_idx, kv_idx):
             return -slopes[h] * torch.clamp(q_idx + offset - kv_idx, min=0).to(torch.float32)
@@ -159,8 +196,11 @@ class SeparableBias(BlockBias):
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         return self.query_term[..., start:stop, None] - self.key_term[..., None, k_start:k_end]
 
-    def elementwise(self) -> ElementwiseBias:
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
         query_term, key_term = self.query_term, self.key_term
+        if grid is not None:
+            query_term = pad_last(query_term, grid.q_size)  # (B, Hq, Tq')
+            key_term = pad_last(key_term, grid.k_size)  # (B, Hq, Tk')
 
         def separable(b, h, q_idx, kv_idx):
             return query_term[b, h, q_idx] - key_term[b, h, kv_idx]
@@ -191,5 +231,5 @@ class RowBias(BlockBias):
     def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
         return self.function(start, stop, k_end)
 
-    def elementwise(self) -> ElementwiseBias | None:
-        return self.score
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias | None:
+        return self.score if grid is None else None  # a function of the call's own ranges

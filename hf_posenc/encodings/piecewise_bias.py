@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
-from .block_bias import BlockBias, ElementwiseBias
+from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +96,18 @@ class PiecewiseDistanceBias(BlockBias):
         segment = torch.searchsorted(self.points, x.detach(), right=True)  # (Tk,)
         return self.slopes[:, segment] * x + self.intercepts[:, segment]
 
-    def elementwise(self) -> ElementwiseBias:
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
         """f(x) of one score from its linear pieces, the piece being the number of breakpoints
         <= x counted over the K breakpoints (each a broadcast scalar load). Measured on an H200
         (bf16, T=8192, forward): this count ran FIRE at 6.97x native where a binary search over
         the breakpoints (log2(K+1) dependent gathers, plus a distance table below L computed
         beside it) ran at 12.69x, and the search's CPU compile took minutes instead of seconds."""
-        offset = self.k_len - self.q_len
+        offset: int | torch.Tensor = self.k_len - self.q_len
         feature, normalizer = self.feature, self.normalizer
+        if grid is not None:  # padded as DistanceBias's table; a padded query's normaliser is 1, not 0
+            offset = grid.offset
+            feature = pad_last(feature, grid.q_size + grid.k_size)  # (Tq' + Tk',)
+            normalizer = pad_last(normalizer, grid.q_size, value=1.0)  # (B|1, Tq')
         points, slopes, intercepts = self.points.float(), self.slopes, self.intercepts
         shared_rows = normalizer.shape[0] == 1
 

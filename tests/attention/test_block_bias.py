@@ -29,6 +29,7 @@ from hf_posenc.encodings.block_bias import (
     DistanceBias,
     LinearDistanceBias,
     RowBias,
+    ScoreGrid,
     SeparableBias,
 )
 
@@ -44,7 +45,8 @@ def tiny_blocks(monkeypatch):
 def test_every_view_of_a_score_bias_is_its_full_matrix_on_attendable_entries(case):
     """What the backends read of one score bias agree: any block of ``rows`` (chunked) and the
     per-score ``elementwise`` bias (FlexAttention) equal ``full()`` (sdpa/eager) wherever a query
-    may attend, for a square call and for the last queries of a longer key range (decoding).
+    may attend, for a square call and for the last queries of a longer key range (decoding),
+    also when evaluated on a length bucket's padded ranges, which it must read in range.
     (``full()`` itself is checked against each encoding's formula in its own tests.)"""
     name, params = case
     model = patch(make_model("llama"), name, params)
@@ -77,6 +79,22 @@ def test_every_view_of_a_score_bias_is_its_full_matrix_on_attendable_entries(cas
         with torch.no_grad():
             scores = elementwise(b, h, i, j)
         torch.testing.assert_close(scores[..., causal], full[..., causal], atol=1e-6, rtol=0)
+        # on a length bucket's padded ranges (compiled FlexAttention): every padded score reads
+        # in range (eager indexing raises otherwise) and the call's own scores are unchanged
+        q_size, k_size = q_len + 5, k_len + 7
+        grid = ScoreGrid(q_size, k_size, torch.tensor(k_len - q_len, dtype=torch.int32))
+        b, h, i, j = torch.meshgrid(
+            torch.arange(full.shape[0]),
+            torch.arange(full.shape[1]),
+            torch.arange(q_size),
+            torch.arange(k_size),
+            indexing="ij",
+        )
+        with torch.no_grad():
+            padded = bias.elementwise(grid)(b, h, i, j)  # (B|1, Hq, Tq', Tk')
+        assert padded.shape[-2:] == (q_size, k_size) and padded.isfinite().all()
+        own = padded[..., :q_len, :k_len]
+        torch.testing.assert_close(own[..., causal], full[..., causal], atol=1e-6, rtol=0)
 
 
 def test_the_structured_forms_are_the_biases_they_name():

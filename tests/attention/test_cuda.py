@@ -1,6 +1,7 @@
 """On a GPU: what backend="auto" runs there (compiled FlexAttention with its kernel ladder,
 flash-attn / flash-linear-attention where installed, chunked) gives eager's gradients and
-cached decoding. Forward logits: test_backends.py::test_cuda_auto_backend_equals_eager.
+cached decoding, and trains at two lengths of one length bucket with one compilation. Forward
+logits: test_backends.py::test_cuda_auto_backend_equals_eager.
 Skipped on machines without CUDA (CI); run on a GPU with ``pytest tests/attention -k cuda``."""
 
 from __future__ import annotations
@@ -55,3 +56,36 @@ def test_cuda_auto_cached_decoding_equals_eager_full_forward(case):
         for t in range(200, 208):
             steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), reference, atol=1e-4, rtol=0)
+
+
+@CUDA
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=case_ids(BLOCK_CASES))
+def test_cuda_training_at_two_lengths_of_one_bucket_compiles_once(case):
+    """Training batches of 300 and 270 tokens (left-padded row included) run FlexAttention at one
+    length bucket (384): every parameter's gradient within 1e-4 of eager's at both lengths, and
+    torch's compile counter does not move for the second length (no recompilation per length)."""
+    from torch._dynamo.utils import counters
+
+    import hf_posenc.attention.flex as flex
+
+    assert flex.bucket_length(300) == flex.bucket_length(270)
+    name, params = case
+    models = _pair(name, params)
+    counters.clear()
+    graphs = None
+    for length in (300, 270):
+        ids = token_ids(2, length, seed=length).cuda()
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :5] = 0
+        labels = ids.masked_fill(attention_mask == 0, -100)
+        grads = {}
+        for backend, model in models.items():
+            model.zero_grad(set_to_none=True)
+            model(ids, attention_mask=attention_mask, labels=labels).loss.backward()
+            grads[backend] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        for parameter, reference in grads["eager"].items():
+            torch.testing.assert_close(
+                grads["auto"][parameter], reference, atol=1e-4, rtol=1e-3, msg=parameter
+            )
+        graphs = graphs or counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])

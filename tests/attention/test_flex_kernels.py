@@ -178,7 +178,7 @@ def test_decoding_steps_never_reach_flex(monkeypatch, compiled_on_cpu):
     model = patch(make_model("llama"), "alibi", backend="flex")
     prompt = token_ids(1, 20)
     model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    assert seen == [20, 20]  # the prompt, once per layer
+    assert seen == [flex.bucket_length(20)] * 2  # the prompt (at its length bucket), once per layer
 
 
 def _uncompiled_flex(q, k, v, **kwargs):
@@ -193,17 +193,59 @@ def _uncompiled_flex(q, k, v, **kwargs):
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=case_ids(BLOCK_CASES))
 def test_compiled_flex_forward_equals_eager_for_every_bias_form(case, compiled_on_cpu):
     """torch.compile(flex_attention) on CPU, each bias form's score_mod inside the compiled kernel:
-    logits equal backend="eager" (fp32, 1e-5 — the CPU kernel sums in another order)."""
+    logits equal backend="eager" (fp32, 1e-5 — the CPU kernel sums in another order), at two
+    lengths of one length bucket (32 and 20 tokens, both run at 128), compiled once (torch's
+    compile counter does not move for the second length)."""
+    from torch._dynamo.utils import counters
+
     name, params = case
     models = {b: patch(make_model("llama"), name, params, backend=b) for b in ("eager", "flex")}
     models["flex"].posenc.load_state_dict(models["eager"].posenc.state_dict())
-    ids = token_ids(1, 32)
-    with torch.no_grad():
-        reference = models["eager"](ids).logits
-        logits = models["flex"](ids).logits
-    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    assert flex.bucket_length(32) == flex.bucket_length(20)
+    counters.clear()
+    for length in (32, 20):
+        ids = token_ids(1, length, seed=length)
+        with torch.no_grad():
+            reference = models["eager"](ids).logits
+            logits = models["flex"](ids).logits
+        torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+        if length == 32:
+            graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     kernels = hf_posenc.patch_info(models["flex"]).get("kernels", {})
     assert list(kernels.values()) == ["flex (default)"], kernels
+
+
+@pytest.mark.slow
+def test_padding_masks_and_cached_key_offsets_inside_a_bucket_compile_once(compiled_on_cpu):
+    """Left-padded batches with cached keys (T5's distance table read at |i + offset - j|): a
+    prefill and a cached chunk at two different prompt lengths — four (query, key, offset)
+    shapes inside one length bucket — equal eager (fp32, 1e-5) from one compiled graph."""
+    from torch._dynamo.utils import counters
+
+    from hf_posenc.compat import cache_keyword, output_cache
+
+    params = {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}
+    models = {b: patch(make_model("llama"), "t5", params, backend=b) for b in ("eager", "flex")}
+    models["flex"].posenc.load_state_dict(models["eager"].posenc.state_dict())
+    counters.clear()
+    graphs = None
+    for prompt, chunk in ((20, 17), (24, 18)):  # offsets 0, 20, 0, 24; keys up to 42: bucket 128
+        ids = token_ids(2, prompt + chunk, seed=prompt)
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :3] = 0  # row 1 left-padded
+        logits = {}
+        for backend, model in models.items():
+            with torch.no_grad():
+                first = model(ids[:, :prompt], attention_mask=attention_mask[:, :prompt], use_cache=True)
+                cache = {cache_keyword(model): output_cache(first)}
+                second = model(ids[:, prompt:], attention_mask=attention_mask, use_cache=True, **cache)
+            logits[backend] = torch.cat([first.logits, second.logits], dim=1)
+        torch.testing.assert_close(logits["flex"][0], logits["eager"][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits["flex"][1, 3:], logits["eager"][1, 3:], atol=1e-5, rtol=0)
+        graphs = graphs or counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert list(hf_posenc.patch_info(models["flex"])["kernels"].values()) == ["flex (default)"]
 
 
 @pytest.mark.slow
