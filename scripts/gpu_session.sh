@@ -2,7 +2,7 @@
 # One GPU session's measurements, in one call (a lent GPU's time is short): the CUDA tests,
 # `hf-posenc bench --device cuda --dtype bfloat16` against native SDPA in the same run, profiles.
 # Run from the repository root on a CUDA machine:
-#   OUT=/some/dir STAGES="tests bias frozen other lengths sweep dropin s2 profile" bash scripts/gpu_session.sh
+#   OUT=/some/dir STAGES="tests bias frozen other lengths buckets sweep dropin s2 profile" bash scripts/gpu_session.sh
 # Wheels in .whl/ (transformers, flash-linear-attention, fla-core) are installed first when present.
 # Each stage has its own time limit (STAGE_<NAME>=seconds) and the script goes on after a stage
 # fails; everything lands in $OUT (log.txt, results.tar.gz).
@@ -52,6 +52,10 @@ PY
   if wants lengths; then
     stage "bench: T=2048 and 32768 forward+backward for alibi, t5, fire, fox"
     timeout ${STAGE_LENGTHS:-120} $B --encodings alibi t5 fire fox --modes forward train --lengths 2048 32768 --output-dir "$OUT/work/bench-2k-32k"
+  fi
+  if wants buckets; then
+    stage "FlexAttention length buckets: compilations per length, first-call time, bucketed == exact shape (scripts/gpu_flex_buckets.py)"
+    timeout ${STAGE_BUCKETS:-300} python3 scripts/gpu_flex_buckets.py 2>&1 | grep -v Warning
   fi
   if wants sweep; then
     stage "FlexAttention alone: tile rungs and learned-table gradients (scripts/gpu_flex_sweep.py)"

@@ -55,7 +55,8 @@ COMPILE_OFF_CUDA = False
 #: compiled graphs FlexAttention may keep: one per (bias form, length bucket, dtype, with/without
 #: backward); torch's default of 8 would send the ninth to the uncompiled O(T^2) path
 FLEX_RECOMPILE_LIMIT = 256
-#: length buckets of compiled calls between each power of two and the next (padding < n / this)
+#: length buckets of compiled calls between each power of two and the next (padding < n / this);
+#: 0: no buckets, every length compiled at its own shape
 FLEX_BUCKETS_PER_OCTAVE = 4
 #: the smallest bucket step: FlexAttention's mask block (a bucket never splits a block)
 FLEX_BUCKET_STEP = 128
@@ -86,6 +87,8 @@ def bucket_length(n: int) -> int:
     """The length a compiled call of ``n`` queries (or keys) runs at: ``n`` rounded up to a multiple
     of ``max(FLEX_BUCKET_STEP, 2^(ceil(log2 n) - 1) / FLEX_BUCKETS_PER_OCTAVE)``, so
     ``n <= bucket_length(n) < n + max(FLEX_BUCKET_STEP, n / FLEX_BUCKETS_PER_OCTAVE)``."""
+    if FLEX_BUCKETS_PER_OCTAVE <= 0:
+        return n
     below = 1 << max(n - 1, 1).bit_length() - 1  # the largest power of two < n (n > 1)
     step = max(FLEX_BUCKET_STEP, below // FLEX_BUCKETS_PER_OCTAVE)
     return -(-n // step) * step
