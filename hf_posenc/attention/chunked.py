@@ -227,11 +227,27 @@ def attend_chunked(
             q_block, k_block, v_block = q[:, :, start:stop], k_rev[:, :, first:], v_rev[:, :, first:]
             return block_attention(q_block, k_block, v_block, view, softmax_scale, dropout_p)
 
+    # one buffer for every block's bias built without gradients (the blocks of all layers of a
+    # forward, through the memo): SDPA reads a block before the next is built
+    longest = max(stop - start for start, stop in spans)
+    scratch_size = q.shape[0] * q.shape[1] * longest * k_len
+
+    buffers: list[torch.Tensor | None] = []
+
+    def scratch() -> torch.Tensor | None:
+        if torch.is_grad_enabled():
+            return None
+        if not buffers:
+            buffers.append(bias_scratch(memo, scratch_size, q.dtype, q.device))
+        return buffers[0]
+
     def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
         k_end = causal_keys(q_len, k_len, stop)
         # (B|1, 1, rows, keys) or None: the causal keys (bottom-right aligned)
         allowed = None if mask is None else mask[..., start:stop, k_start:k_end]
-        folded = bias.folded(start, stop, k_start, k_end, allowed, q.dtype)  # (B|1, Hq, rows, keys)
+        folded = bias.folded(
+            start, stop, k_start, k_end, allowed, q.dtype, scratch()
+        )  # (B|1, Hq, rows, keys)
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
 
@@ -244,7 +260,7 @@ def attend_chunked(
 
         def build(*values: torch.Tensor) -> torch.Tensor:  # (B|1, Hq, rows, keys)
             form = dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
-            return form.folded(start, stop, k_start, k_end, allowed, q.dtype)
+            return form.folded(start, stop, k_start, k_end, allowed, q.dtype, scratch())
 
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         return RebuiltBiasAttention.apply(q_block, k_block, v_block, softmax_scale, build, *tensors.values())
@@ -348,6 +364,27 @@ def attend_separable(
         else:
             outputs.append(one_block(q_block, start, stop, k_start))
     return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def bias_scratch(
+    memo: ForwardMemo | None, size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """A flat buffer of at least ``size`` values that blocks built without gradients write their
+    bias into (``BlockBias.folded``'s ``scratch``), one per forward and dtype, grown when a
+    call needs more (None under torch.compile, where the graph plans its own buffers). On CPU
+    a new tensor over 32 MiB (glibc's largest mmap threshold) is a fresh mapping whose pages
+    fault on first touch: a block of 8 heads x 256 queries x 4096 keys in fp32 is 32 MiB, and
+    writing it anew each block measured about as long as computing its values."""
+    if torch.compiler.is_compiling():
+        return None
+    holder: dict[str, torch.Tensor] = (
+        {} if memo is None else memo.get(("chunked_bias_scratch", dtype, device), dict)
+    )
+    buffer = holder.get("buffer")
+    if buffer is None or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=dtype, device=device)
+        holder["buffer"] = buffer
+    return buffer
 
 
 def block_first_keys(mask: torch.Tensor, spans: list[tuple[int, int]], memo: ForwardMemo | None) -> list[int]:

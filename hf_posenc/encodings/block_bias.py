@@ -109,10 +109,16 @@ class BlockBias:
         k_end: int,
         allowed: torch.Tensor | None,
         dtype: torch.dtype,
+        scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`span` in ``dtype`` with the dtype's minimum where ``allowed`` (B|1, 1, rows, keys)
         bool is False (None: the causal keys, bottom-right aligned): one block's float attention
-        mask, (B', Hq, rows, keys)."""
+        mask, (B', Hq, rows, keys).
+
+        ``scratch``: a flat buffer in ``dtype`` (at least B' * Hq * rows * keys values) that the
+        block may be written into instead of a new tensor; given only without gradients, and
+        overwritten by the next block (the chunked backend reuses one per forward: on CPU a new
+        block of more than 32 MiB is a fresh mapping from the OS, paid in page faults)."""
         values = self.rows(start, stop, k_end) if k_start == 0 else self.span(start, stop, k_start, k_end)
         if allowed is None:
             allowed = causal_mask(stop - start, k_end, values.device)[..., k_start:]

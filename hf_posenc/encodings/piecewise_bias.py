@@ -132,6 +132,7 @@ class PiecewiseDistanceBias(BlockBias):
         k_end: int,
         allowed: torch.Tensor | None,
         dtype: torch.dtype,
+        scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
         count = self.points.shape[0]
@@ -145,7 +146,13 @@ class PiecewiseDistanceBias(BlockBias):
             segment = segment.masked_fill(~allowed[:, 0], masked)
         slopes = F.pad(self.slopes, (0, masked))  # (Hq, 2K+2): slope 0 ...
         intercepts = F.pad(self.intercepts, (0, masked), value=torch.finfo(dtype).min)  # ... and the minimum
-        return PiecewiseBlock.apply(x, segment, ends, slopes, intercepts).to(dtype)  # (B', Hq, rows, keys)
+        out = None
+        if scratch is not None and scratch.dtype == x.dtype:  # (B', Hq, rows, keys) written in place
+            shape = (segment.shape[0], self.slopes.shape[0], *segment.shape[1:])
+            out = scratch[: shape[0] * shape[1] * segment[0].numel()].view(shape)
+        return PiecewiseBlock.apply(x, segment, ends, slopes, intercepts, out).to(
+            dtype
+        )  # (B', Hq, rows, keys)
 
 
 def monotone_segments(
@@ -181,8 +188,10 @@ def monotone_segments(
 
 class PiecewiseBlock(torch.autograd.Function):
     """(x (B|1, rows, keys), piece (B', rows, keys) int32, run ends E (B|1 * rows, K), slopes,
-    intercepts (Hq, P)) -> ``slopes[h, piece] * x + intercepts[h, piece]`` (B', Hq, rows, keys) fp32.
-    Pieces past K are masked keys: they pass no gradient.
+    intercepts (Hq, P), out (B', Hq, rows, keys) or None) -> ``slopes[h, piece] * x +
+    intercepts[h, piece]`` (B', Hq, rows, keys) fp32, written into ``out`` when given (a
+    buffer that is reused, so only without gradients). Pieces past K are masked keys: they pass
+    no gradient.
 
     Forward: per (batch row, head) two gathers from (P,) vectors into one output block and a
     multiply-add, no (Hq, rows, keys) temporaries. Backward: the gradient of slopes and
@@ -191,9 +200,10 @@ class PiecewiseBlock(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, piece, ends, slopes, intercepts):
+    def forward(ctx, x, piece, ends, slopes, intercepts, out=None):
         batch, heads = piece.shape[0], slopes.shape[0]
-        out = x.new_empty(batch, heads, *piece.shape[1:])  # (B', Hq, rows, keys)
+        if out is None:
+            out = x.new_empty(batch, heads, *piece.shape[1:])  # (B', Hq, rows, keys)
         gathered = x.new_empty(piece[0].numel())
         for b in range(batch):
             index, values = piece[b].reshape(-1), x[b if x.shape[0] > 1 else 0].reshape(-1)
@@ -229,4 +239,4 @@ class PiecewiseBlock(torch.autograd.Function):
             for h in range(heads):
                 grad_x[b].addcmul_(grad[b, h].reshape(-1), slopes[h].index_select(0, index))
         grad_x = grad_x.view(piece.shape).sum_to_size(x.shape)
-        return grad_x, None, None, grad_slopes, grad_intercepts
+        return grad_x, None, None, grad_slopes, grad_intercepts, None

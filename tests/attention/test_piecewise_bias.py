@@ -14,6 +14,7 @@ of the formula's view.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -137,9 +138,13 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
     real = _attendable(q_len, k_len, padded_rows)[:, None, start:, k_start:k_end]  # (B, 1, rows, keys)
     allowed = holes & real
     reference = expected[:, :, start:, k_start:k_end]
-    for given_mask in (allowed, None):  # None: the causal keys
-        with torch.no_grad():
-            block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32)
+    # a reused buffer (the chunked backend's scratch) holding another block's values: overwritten
+    size = positions.shape[0] * 3 * (q_len - start) * (k_end - k_start) + 7
+    for given_mask, scratch in itertools.product((allowed, None), (None, torch.full((size,), math.nan))):
+        with torch.no_grad():  # None: the causal keys
+            block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32, scratch)
+        if scratch is not None:
+            assert block.data_ptr() == scratch.data_ptr()
         compared = (allowed if given_mask is not None else real).expand_as(block)
         masked = (~allowed if given_mask is not None else ~causal[None, None]).expand_as(block)
         torch.testing.assert_close(block[compared].double(), reference[compared], atol=1e-5, rtol=1e-5)
