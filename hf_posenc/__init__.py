@@ -37,6 +37,9 @@ _EXPORTS = {
     "enable_s2_attn": "core.shifted_sparse",
     "disable_s2_attn": "core.shifted_sparse",
     "s2_attn": "core.shifted_sparse",
+    "enable_head_parallel": "core.head_parallel",
+    "disable_head_parallel": "core.head_parallel",
+    "head_parallel": "core.head_parallel",
     "from_pretrained": "core.loading",
     "load_model": "core.loading",
     "list_encodings": "core.registry",
@@ -96,6 +99,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static checkers and IDEs see
     from .core.config import EncodingConfig
     from .core.export import export_native
+    from .core.head_parallel import disable_head_parallel, enable_head_parallel, head_parallel
     from .core.loading import from_pretrained, load_model
     from .core.patch import patch_info, patch_model, patched, unpatch_model
     from .core.reconfiguration import reconfigure
@@ -137,6 +141,9 @@ __all__ = [
     "enable_s2_attn",
     "disable_s2_attn",
     "s2_attn",
+    "enable_head_parallel",
+    "disable_head_parallel",
+    "head_parallel",
     "from_pretrained",
     "load_model",
     "list_encodings",

@@ -24,6 +24,7 @@ from ..core.positions import bind_arguments, positional_names
 from ..encodings.call import LayerCall
 from ..errors import InvalidParameterError
 from .backend import AttentionCall, dispatch, dispatch_with_stream
+from .head_parallel import HeadParallel
 from .shifted import shifted_sparse_attention
 from .static_cache import StaticKeys, rolled_key_positions, static_cache_keys
 
@@ -102,12 +103,20 @@ class PatchedAttentionForward:
                 )
                 k, v, mask = static.k, static.v, static.mask
 
+        attended = layer  # the call of the attended tokens (adjust_output keeps the rank's own)
+        parallel: HeadParallel | None = getattr(runtime, "head_parallel", None)
+        if parallel is not None:  # Ulysses: the rank's heads over every token (see head_parallel.py)
+            attended, q, k, v = parallel.gather(
+                layer, q, k, v, mask, past=context.past_length, reads_hidden=encoding.scores_read_hidden
+            )  # (B, Hq/N, T, D), (B, Hkv/N, T, D) x2
+            mask = None  # checked causal: the whole sequence is attended causally
+
         key_positions = None
         if "logits" in stages and static is not None and static.order is not None:
             key_positions = rolled_key_positions(context.positions, k.shape[-2])  # (B, S)
         elif "logits" in stages and context.key_positions is not None:
             key_positions = context.key_positions[:, -k.shape[-2] :]  # (B, Tk)
-        score = layer.with_attention(q, k, key_positions)
+        score = attended.with_attention(q, k, key_positions)
         attention = AttentionCall(
             score=score,
             v=v,
@@ -118,7 +127,7 @@ class PatchedAttentionForward:
             want_weights=attention_weights_requested(),
             encoding=encoding,
             stages=stages,
-            bias=encoding.score_bias(score) if "score_bias" in stages else None,
+            bias=_bias(encoding, score, parallel) if "score_bias" in stages else None,
             failures=runtime.failed_backends,
             kernels=runtime.kernel_choices,
         )
@@ -129,6 +138,8 @@ class PatchedAttentionForward:
             out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))
         else:
             out, weights = dispatch(attention)  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None
+        if parallel is not None:
+            out = parallel.to_tokens(out)  # (B, T/N, Hq, D): every head of the rank's tokens
         if weights is not None and static is not None:
             # output_attentions over a static cache: native maps span the whole buffer (unused slots 0)
             weights = static.weights_over_slots(weights)
@@ -136,6 +147,12 @@ class PatchedAttentionForward:
         if "adjust_output" in stages:
             out = encoding.adjust_output(layer, out)
         return adapter.output(module, out), weights
+
+
+def _bias(encoding: Any, score: Any, parallel: HeadParallel | None) -> Any:
+    """The encoding's score bias; under head-parallel attention, of the rank's heads only."""
+    bias = encoding.score_bias(score)
+    return bias if parallel is None else parallel.own_heads(bias, score.q.shape[1])
 
 
 def boolean_mask(mask: torch.Tensor | None) -> torch.Tensor | None:

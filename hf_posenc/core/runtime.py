@@ -27,6 +27,7 @@ from .positions import ForwardContext, bind_arguments, compute_context, position
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from ..attention.head_parallel import HeadParallel
     from ..attention.shifted import ShiftedSparse
 
 
@@ -86,10 +87,13 @@ class PartRuntime:
     def _transient(self) -> None:
         self.memo = ForwardMemo()
         self.context: ForwardContext | None = None
+        #: head-parallel attention over a process group (``enable_head_parallel``), or None; holds a
+        #: process group, so it is not copied or pickled
+        self.head_parallel: HeadParallel | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("memo", "context"):
+        for key in ("memo", "context", "head_parallel"):
             state.pop(key, None)
         return state
 

@@ -114,6 +114,10 @@ class Encoding(nn.Module, Generic[ConfigT]):
     #: head width (the KV cache's value head is the model's, and the fused kernels stay usable),
     #: and the attention output handed to ``adjust_output`` is (B, Tq, Hq * (D + stream width))
     attends_stream: ClassVar[bool] = False
+    #: True when a score stage (``score_bias``, ``logits``, ``transform_scores``, ``normalize``) reads
+    #: ``call.hidden``, the layer input of the queries (FoX's forget gates): head-parallel attention
+    #: then gathers it over the ranks (:mod:`hf_posenc.attention.head_parallel`)
+    scores_read_hidden: ClassVar[bool] = False
     #: for stateful encodings: per decoding-state key, the dim aligned with the cached tokens
     #: (cropped with the cache by assisted decoding), or None when the entry cannot be rolled back
     state_sequence_dims: ClassVar[dict[str, int | None]] = {}

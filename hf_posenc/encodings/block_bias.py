@@ -25,6 +25,11 @@ A compiled kernel runs at a length bucket (:class:`ScoreGrid`): ``elementwise(gr
 the bias on the padded index ranges, reading only in-range entries there, with every tensor it
 captures sized by the bucket and the key offset a tensor, so one compiled graph serves every
 length of the bucket.
+
+Every form can be restricted to a range of its heads (:meth:`BlockBias.heads`): head-parallel
+attention (:mod:`hf_posenc.attention.head_parallel`, DeepSpeed Ulysses' layout) attends heads
+``offset .. offset + Hq/N - 1`` on each rank, and takes their bias from the form of all heads
+(O(Hq * T) values, nothing quadratic is computed for the heads dropped).
 """
 
 from __future__ import annotations
@@ -101,6 +106,11 @@ class BlockBias:
         ((Hq, Tk) fp32, a Toeplitz matrix), else None."""
         return None
 
+    def heads(self, start: int, stop: int) -> BlockBias:
+        """The same bias restricted to heads ``start .. stop-1`` (the global head indices of a head
+        slice): a form of the same kind whose head ``h - start`` is this form's head ``h``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be restricted to a range of heads")
+
     def folded(
         self,
         start: int,
@@ -142,6 +152,9 @@ class DistanceBias(BlockBias):
     def distance_table(self) -> tuple[int, torch.Tensor] | None:
         return self.q_len, self.table
 
+    def heads(self, start: int, stop: int) -> BlockBias:
+        return DistanceBias(self.q_len, self.k_len, self.table[start:stop])
+
     def tensors(self) -> dict[str, torch.Tensor] | None:
         return {"table": self.table}
 
@@ -179,6 +192,9 @@ class LinearDistanceBias(DistanceBias):
     def tensors(self) -> dict[str, torch.Tensor] | None:
         return None  # built from its slopes by its own __init__, not by dataclasses.replace
 
+    def heads(self, start: int, stop: int) -> BlockBias:
+        return LinearDistanceBias(self.q_len, self.k_len, self.slopes[start:stop])
+
     def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
         """``-slope_h * (i - j)`` computed per score (no table gather: arithmetic is cheaper in a
         fused kernel than a load), the same fp32 product as the table's entries."""
@@ -201,6 +217,11 @@ class SeparableBias(BlockBias):
 
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         return self.query_term[..., start:stop, None] - self.key_term[..., None, k_start:k_end]
+
+    def heads(self, start: int, stop: int) -> BlockBias:
+        return SeparableBias(
+            self.q_len, self.k_len, self.query_term[:, start:stop], self.key_term[:, start:stop]
+        )
 
     def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
         query_term, key_term = self.query_term, self.key_term
@@ -227,6 +248,9 @@ class CumulativeBias(SeparableBias):
         object.__setattr__(self, "increments", increments)
         super().__init__(length, length, cumulative, cumulative)
 
+    def heads(self, start: int, stop: int) -> BlockBias:
+        return CumulativeBias(self.increments[:, start:stop], self.key_term[:, start:stop])
+
 
 @dataclasses.dataclass(frozen=True)
 class RowBias(BlockBias):
@@ -239,3 +263,14 @@ class RowBias(BlockBias):
 
     def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias | None:
         return self.score if grid is None else None  # a function of the call's own ranges
+
+    def heads(self, start: int, stop: int) -> BlockBias:
+        function, score = self.function, self.score
+
+        def rows(first: int, last: int, k_end: int) -> torch.Tensor:
+            return function(first, last, k_end)[:, start:stop]  # (B|1, heads, rows, k_end)
+
+        def one(b, h, q_idx, kv_idx):
+            return score(b, h + start, q_idx, kv_idx)  # only built when score is not None
+
+        return RowBias(self.q_len, self.k_len, rows, one if score is not None else None)

@@ -50,6 +50,7 @@ class FoX(Encoding[ForgetGateConfig]):
     paper = "Lin et al. 2025, arXiv:2503.02130"
     summary = "data-dependent forget gate: logits + sum of log forget gates between key and query"
     stateful = True
+    scores_read_hidden = True  # the forget gates are computed from the layer input
     state_sequence_dims = {STATE_KEY: -1}
 
     def __init__(self, config: ForgetGateConfig, geometry) -> None:

@@ -80,6 +80,11 @@ class PiecewiseDistanceBias(BlockBias):
     def distance_table(self) -> tuple[int, torch.Tensor] | None:
         return (self.table_rows, self.table) if self.table_rows > 0 else None
 
+    def heads(self, start: int, stop: int) -> BlockBias:
+        return dataclasses.replace(
+            self, slopes=self.slopes[start:stop], intercepts=self.intercepts[start:stop]
+        )
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "feature": self.feature,
