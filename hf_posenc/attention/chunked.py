@@ -39,6 +39,7 @@ from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, SeparableBias
 from .backend import AUTO, AttentionCall, Backend, register_backend
+from .separable import attend_separable
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
@@ -276,90 +277,6 @@ def attend_chunked(
         elif rebuildable is not None:
             outputs.append(rebuilt_block(q_block, start, stop, k_start, rebuildable))
         elif recompute:
-            outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
-        else:
-            outputs.append(one_block(q_block, start, stop, k_start))
-    return torch.cat(outputs, dim=2).transpose(1, 2)
-
-
-def attend_separable(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: SeparableBias,
-    mask: torch.Tensor | None,
-    softmax_scale: float,
-    dropout_p: float,
-    spans: list[tuple[int, int]],
-    firsts: list[int],
-) -> torch.Tensor:
-    """Attention with a separable bias ``u_i - w_j`` (FoX's c_i - c_j) as one more feature of q and k.
-
-    The query term is constant along each softmax row, so it changes no weight: a block of
-    queries adds ``r - w_j`` to its scores, with ``r`` the query term of its last query (so the
-    added values stay small where the weights are; for FoX ``r - w_j`` is the log-forgetting
-    between key j and the block's end, <= 0). That term rides in the scores as
-    ``q' = (q, 1)``, ``k' = (k, (r - w_j) / scale)``, ``v' = (v, 0)``, and each block is one fused
-    SDPA call whose mask is only the causal/padding one, (B|1, 1, rows, keys) instead of a
-    (B, Hq, rows, keys) bias, with SDPA's own fused backward (the bias gradient arrives as k''s).
-    fp32/fp64 only (:data:`FEATURE_DTYPES`). q, k, v (B, Hq, T, D) -> (B, Tq, Hq, D).
-    """
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    minimum = torch.finfo(q.dtype).min
-    key_term = bias.key_term  # (B, Hq, Tk)
-    # without a padding mask the keys go in reverse order (reversed key b holds key Tk-1-b): the
-    # causal mask is then a strided view of one line, the dtype's minimum and then zeros
-    longest = max(stop - start for start, stop in spans)
-    causal_line = torch.cat((q.new_full((longest - 1,), minimum), q.new_zeros(k_len)))
-    if mask is None:
-        k, v, key_term = k.flip(2), v.flip(2), key_term.flip(-1)
-    # without gradients each block writes its feature into one (B, Hq, Tk, D+1) copy of the keys
-    # and reads one padded copy of the values; with gradients each block builds its own and is
-    # recomputed in backward (activation checkpointing): SDPA would otherwise keep every block's
-    # (B, Hq, keys, D+1) keys, O(Tq * Tk / block) values per layer, and with a padding mask every
-    # block's additive mask, O(Tq * Tk)
-    grad = torch.is_grad_enabled()
-    recompute = grad and len(spans) > 1
-    in_place = None if grad else F.pad(k, (0, 1))
-    padded_values = None if grad else F.pad(v, (0, 1))  # (B, Hq, Tk, D+1): the extra output is dropped
-
-    def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
-        k_end, rows = causal_keys(q_len, k_len, stop), stop - start
-        if mask is not None:  # (B|1, 1, rows, keys)
-            keys_of_block = slice(k_start, k_end)
-            allowed = mask[..., start:stop, k_start:k_end]
-            additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                ~allowed, minimum
-            )
-        else:  # the block's causal keys are the reversed keys first .. Tk-1
-            first = q_len - stop
-            keys_of_block = slice(first, k_len)
-            # (1, 1, rows, keys): query a may attend reversed key b iff a + b >= rows - 1
-            additive = causal_line.as_strided((1, 1, rows, k_len - first), (0, 0, 1, 1), longest - rows)
-        reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
-        column = (reference - key_term[..., keys_of_block]) / softmax_scale  # (B, Hq, keys)
-        column = column.to(q.dtype).expand(k.shape[0], -1, -1)
-        if in_place is not None and padded_values is not None:
-            keys = in_place[:, :, keys_of_block]  # (B, Hq, keys, D+1)
-            keys[..., -1] = column
-            values = padded_values[:, :, keys_of_block]
-        else:
-            keys = torch.cat((k[:, :, keys_of_block], column[..., None]), dim=-1)  # (B, Hq, keys, D+1)
-            values = F.pad(v[:, :, keys_of_block], (0, 1))  # (B, Hq, keys, D+1)
-        out = F.scaled_dot_product_attention(
-            F.pad(q_block, (0, 1), value=1.0),  # (B, Hq, rows, D+1)
-            keys,
-            values,
-            attn_mask=additive,
-            dropout_p=dropout_p,
-            scale=softmax_scale,
-        )  # (B, Hq, rows, D+1)
-        return out[..., :-1]
-
-    outputs = []
-    for (start, stop), k_start in zip(spans, firsts, strict=True):
-        q_block = q[:, :, start:stop]
-        if recompute:
             outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
         else:
             outputs.append(one_block(q_block, start, stop, k_start))

@@ -1,0 +1,252 @@
+"""A separable bias ``u_i - w_j`` (FoX's c_i - c_j) on the chunked backend: one more feature of q and k.
+
+The query term is constant along each softmax row, so it changes no weight: a block of
+queries adds ``r - w_j`` to its scores, with ``r`` the query term of its last query (so the
+added values stay small where the weights are; for FoX ``r - w_j`` is the log-forgetting
+between key j and the block's end, <= 0). That term rides in the scores as
+
+    q' = (q, 1),   k' = (k, (r - w_j) / scale),   v' = (v, 0)
+
+and each block of queries is one fused SDPA call whose mask is only the causal/padding one,
+(B|1, 1, rows, keys) instead of a (B, Hq, rows, keys) bias. Without a padding mask the keys go
+in reverse order (reversed key b holds key Tk-1-b), so the causal mask is a strided view of
+one line (the dtype's minimum, then zeros). All blocks share one (B, Hq, Tk, D+1) copy of the
+keys, each writing its own feature column before its call.
+
+Training on CPU (:class:`SeparableAttention`): forward keeps each block's log-sum-exp from
+SDPA's fused CPU kernel, and backward calls that kernel's backward per block with the block's
+feature column written again: nothing (B, Hq, rows, keys) is kept, q', k', v' and the output
+are O(T) (what native SDPA keeps: q, k, v, output, log-sum-exp), and no block's forward runs
+twice (activation checkpointing ran each twice, 1.3x the CPU training time). The gradient
+of the feature column gives the bias terms' gradients: d w_j = -d k'_j[D] / scale, and
+d r = sum_j d k'_j[D] / scale. Elsewhere (other devices, dropout, torch.compile) each block is
+recomputed in backward (activation checkpointing). fp32/fp64 only (in bf16/fp16 the key term
+would be rounded to 8/11 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..core.layout import causal_keys
+from ..encodings.block_bias import SeparableBias
+
+_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _Blocks:
+    """The per-call layout shared by forward and backward: keys/values with the extra feature
+    (reversed without a padding mask), each block's keys and its additive causal/padding mask."""
+
+    def __init__(
+        self,
+        q_len: int,
+        k_len: int,
+        mask: torch.Tensor | None,
+        spans: list[tuple[int, int]],
+        firsts: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.q_len, self.k_len, self.mask, self.spans, self.firsts = q_len, k_len, mask, spans, firsts
+        self.dtype, self.device = dtype, device
+        self.minimum = torch.finfo(dtype).min
+        self.longest = max(stop - start for start, stop in spans)
+        self.reversed = mask is None
+        # one line for every block's causal mask over the reversed keys: minimum, then zeros
+        self.causal_line = torch.cat(
+            (
+                torch.full((self.longest - 1,), self.minimum, dtype=dtype, device=device),
+                torch.zeros(k_len, dtype=dtype, device=device),
+            )
+        )
+
+    def keys(self, index: int) -> slice:
+        """The keys (in the stored order) block ``index`` may attend."""
+        start, stop = self.spans[index]
+        if self.reversed:
+            return slice(self.q_len - stop, self.k_len)  # reversed keys first .. Tk-1
+        return slice(self.firsts[index], causal_keys(self.q_len, self.k_len, stop))
+
+    def additive(self, index: int) -> torch.Tensor:
+        """(B|1, 1, rows, keys) float mask of block ``index``."""
+        start, stop = self.spans[index]
+        rows, keys = stop - start, self.keys(index)
+        if self.mask is None:  # query a may attend reversed key b iff a + b >= rows - 1
+            width = keys.stop - keys.start
+            return self.causal_line.as_strided((1, 1, rows, width), (0, 0, 1, 1), self.longest - rows)
+        allowed = self.mask[..., start:stop, keys]
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~allowed, self.minimum
+        )
+
+    def write_column(
+        self, index: int, keys: torch.Tensor, query_term: torch.Tensor, key_term: torch.Tensor, scale: float
+    ) -> None:
+        """Block ``index``'s feature (r - w_j) / scale into the last column of ``keys`` (B, Hq, Tk, D+1)."""
+        stop = self.spans[index][1]
+        reference = query_term[..., stop - 1, None]  # (B, Hq, 1)
+        span = self.keys(index)
+        keys[:, :, span, -1] = ((reference - key_term[..., span]) / scale).to(keys.dtype)
+
+
+def _ordered(x: torch.Tensor, blocks: _Blocks, dim: int) -> torch.Tensor:
+    return x.flip(dim) if blocks.reversed else x
+
+
+def _with_feature(x: torch.Tensor, blocks: _Blocks, value: float = 0.0) -> torch.Tensor:
+    """(B, H, T, D) -> (B, H, T, D+1) in the stored key order, the extra feature ``value``."""
+    out = x.new_full((*x.shape[:-1], x.shape[-1] + 1), value)
+    out[..., :-1] = _ordered(x, blocks, 2)
+    return out
+
+
+class SeparableAttention(torch.autograd.Function):
+    """Blocks of SDPA's fused CPU kernel with the separable bias as a feature; backward through
+    that kernel's own backward, per block, from the saved output and log-sum-exp (see the module
+    docstring). q (B, Hq, Tq, D), k/v (B, Hq, Tk, D), query_term (B, Hq, Tq), key_term
+    (B, Hq, Tk) -> (B, Hq, Tq, D) laid out as (B, Tq, Hq, D) (o_proj reads it without a copy)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, query_term, key_term, blocks: _Blocks, scale: float):
+        keys = _with_feature(k, blocks)  # (B, Hq, Tk, D+1), stored order
+        values = _with_feature(v, blocks)
+        ordered_key_term = _ordered(key_term, blocks, -1)
+        batch, heads, q_len, dim = q.shape
+        out = q.new_empty(batch, q_len, heads, dim).transpose(1, 2)  # (B, Hq, Tq, D)
+        lse = []
+        for index, (start, stop) in enumerate(blocks.spans):
+            span = blocks.keys(index)
+            blocks.write_column(index, keys, query_term, ordered_key_term, scale)
+            q_block = F.pad(q[:, :, start:stop], (0, 1), value=1.0)  # (B, Hq, rows, D+1)
+            out_block, lse_block = _CPU_FORWARD(  # type: ignore[misc]
+                q_block,
+                keys[:, :, span],
+                values[:, :, span],
+                0.0,
+                False,
+                attn_mask=blocks.additive(index),
+                scale=scale,
+            )
+            out[:, :, start:stop] = out_block[..., :-1]
+            lse.append(lse_block)  # (B, Hq, rows) fp32
+        ctx.blocks, ctx.scale = blocks, scale
+        # the inputs and the output (what native SDPA keeps), not the (D+1)-wide copies: backward
+        # builds those again (two O(T) copies) and writes each block's column into them
+        ctx.save_for_backward(q, k, v, query_term, key_term, out, *lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, query_term, key_term, out, *lse = ctx.saved_tensors
+        blocks, scale = ctx.blocks, ctx.scale
+        keys, values = _with_feature(k, blocks), _with_feature(v, blocks)  # (B, Hq, Tk, D+1), stored order
+        ordered_key_term = _ordered(key_term, blocks, -1)
+        grad_q = torch.zeros_like(q)
+        grad_keys = torch.zeros_like(keys)
+        grad_values = torch.zeros_like(values)
+        grad_query_term = torch.zeros_like(query_term)
+        pad = (0, 1)
+        for index, (start, stop) in enumerate(blocks.spans):
+            span = blocks.keys(index)
+            blocks.write_column(index, keys, query_term, ordered_key_term, scale)
+            dq, dk, dv = _CPU_BACKWARD(
+                F.pad(grad_out[:, :, start:stop], pad),
+                F.pad(q[:, :, start:stop], pad, value=1.0),
+                keys[:, :, span],
+                values[:, :, span],
+                F.pad(out[:, :, start:stop], pad),
+                lse[index],
+                0.0,
+                False,
+                attn_mask=blocks.additive(index),
+                scale=scale,
+            )
+            grad_q[:, :, start:stop] = dq[..., :-1]
+            grad_keys[:, :, span] += dk
+            grad_values[:, :, span] += dv
+            # the column is (r - w_j) / scale, r the query term of the block's last query
+            grad_query_term[..., stop - 1] += dk[..., -1].sum(-1).to(query_term.dtype) / scale
+        grad_key_term = -grad_keys[..., -1].to(key_term.dtype) / scale  # (B, Hq, Tk), stored order
+        return (
+            grad_q,
+            _ordered(grad_keys[..., :-1], blocks, 2),
+            _ordered(grad_values[..., :-1], blocks, 2),
+            grad_query_term,
+            _ordered(grad_key_term, blocks, -1),
+            None,
+            None,
+        )
+
+
+def attend_separable(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: SeparableBias,
+    mask: torch.Tensor | None,
+    softmax_scale: float,
+    dropout_p: float,
+    spans: list[tuple[int, int]],
+    firsts: list[int],
+) -> torch.Tensor:
+    """Attention with a separable bias ``u_i - w_j`` as one more feature of q and k (see the
+    module docstring). q, k, v (B, Hq, T, D), a causal/padding ``mask`` (B|1, 1, Tq, Tk) bool
+    or None, query blocks ``spans`` with their first keys ``firsts`` -> (B, Tq, Hq, D)."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    blocks = _Blocks(q_len, k_len, mask, spans, firsts, q.dtype, q.device)
+    grad = torch.is_grad_enabled()
+    if (
+        grad
+        and q.device.type == "cpu"
+        and dropout_p == 0.0
+        and _CPU_FORWARD is not None
+        and _CPU_BACKWARD is not None
+        and not torch.compiler.is_compiling()
+    ):
+        out = SeparableAttention.apply(q, k, v, bias.query_term, bias.key_term, blocks, softmax_scale)
+        return out.transpose(1, 2)
+
+    key_term = _ordered(bias.key_term, blocks, -1)
+    # without gradients every block writes its feature into one (B, Hq, Tk, D+1) copy of the keys
+    # and reads one padded copy of the values; with gradients (off CPU, or with dropout) each
+    # block builds its own and is recomputed in backward (activation checkpointing): SDPA would
+    # otherwise keep every block's (B, Hq, keys, D+1) keys, O(Tq * Tk / block) values per layer,
+    # and with a padding mask every block's additive mask, O(Tq * Tk)
+    shared = None if grad else (_with_feature(k, blocks), _with_feature(v, blocks))
+    k, v = _ordered(k, blocks, 2), _ordered(v, blocks, 2)
+
+    def one_block(q_block: torch.Tensor, index: int) -> torch.Tensor:
+        span = blocks.keys(index)
+        if shared is not None:
+            keys, values = shared
+            blocks.write_column(index, keys, bias.query_term, key_term, softmax_scale)
+            keys, values = keys[:, :, span], values[:, :, span]
+        else:
+            stop = blocks.spans[index][1]
+            reference = bias.query_term[..., stop - 1, None]  # (B, Hq, 1)
+            column = ((reference - key_term[..., span]) / softmax_scale).to(q.dtype)  # (B, Hq, keys)
+            keys = torch.cat((k[:, :, span], column[..., None]), dim=-1)  # (B, Hq, keys, D+1)
+            values = F.pad(v[:, :, span], (0, 1))
+        out = F.scaled_dot_product_attention(
+            F.pad(q_block, (0, 1), value=1.0),  # (B, Hq, rows, D+1)
+            keys,
+            values,
+            attn_mask=blocks.additive(index),
+            dropout_p=dropout_p,
+            scale=softmax_scale,
+        )  # (B, Hq, rows, D+1)
+        return out[..., :-1]
+
+    recompute = grad and len(spans) > 1
+    outputs = []
+    for index, (start, stop) in enumerate(spans):
+        q_block = q[:, :, start:stop]
+        if recompute:
+            outputs.append(checkpoint(one_block, q_block, index, use_reentrant=False))
+        else:
+            outputs.append(one_block(q_block, index))
+    return torch.cat(outputs, dim=2).transpose(1, 2)
