@@ -232,3 +232,45 @@ def case_id(case: Case) -> str:
 
 def case_ids(cases: list[Case]) -> list[str]:
     return [case_id(case) for case in cases]
+
+
+#: encoding -> whether head-parallel attention can serve it, from the published attention forms:
+#: per-token q/k transforms (rotations, embeddings, layer inputs) and an additive per-head bias
+#: split by heads; an explicit score matrix (two position maps, counted positions, an MLP over the
+#: heads' scores, stick-breaking) is not split here, nor a stage mixing neighbouring tokens before
+#: the exchange (FoX Pro's token shift and QK-norm stage, conservatively) or a positional stream (TAPE)
+HEAD_PARALLEL_SERVED: dict[str, bool] = {
+    "nope": True,
+    "sinusoidal": True,
+    "learned": True,
+    "rope": True,  # except length-dependent scalings (explicit logits), see head_parallel_serves
+    "xpos": True,
+    "liere": True,
+    "fope": True,
+    "rope2d": True,
+    "comrope": True,
+    "expe": True,
+    "exqpe": True,
+    "t5": True,
+    "alibi": True,
+    "kerple": True,
+    "sandwich": True,
+    "fire": True,
+    "fox": True,
+    "fox_pro": False,  # unless none of qk_norm, k_shift, v_shift, see head_parallel_serves
+    "selfextend": False,
+    "rerope": False,
+    "leaky_rerope": False,
+    "cope": False,
+    "cape": False,
+    "sba": False,
+    "tape": False,
+}
+
+
+def head_parallel_serves(name: str, params: dict) -> bool:
+    if name == "rope" and (params.get("scaling") or {}).get("type") in ("dynamic", "longrope"):
+        return False  # frequencies chosen per query length: explicit logits
+    if name == "fox_pro":
+        return not any(params.get(key, True) for key in ("qk_norm", "k_shift", "v_shift"))
+    return HEAD_PARALLEL_SERVED[name]

@@ -33,59 +33,18 @@ from hf_posenc.encodings.base import probe_call
 from hf_posenc.errors import InvalidParameterError, NotPatchedError
 from hf_posenc.models.base import ModelGeometry
 from hf_posenc.recipes.tiny import tiny_model
-from tests.encoding_cases import BLOCK_CASES, CASES_BY_ENCODING
+from tests.encoding_cases import BLOCK_CASES, CASES_BY_ENCODING, HEAD_PARALLEL_SERVED, head_parallel_serves
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("head_parallel_worker.py")
 
-#: encoding -> whether head-parallel attention can serve it, from the published attention forms:
-#: per-token q/k transforms (rotations, embeddings, layer inputs) and an additive per-head bias
-#: split by heads; an explicit score matrix (two position maps, counted positions, an MLP over the
-#: heads' scores, stick-breaking) is not split here, nor a stage mixing neighbouring tokens before
-#: the exchange (FoX Pro's token shift and QK-norm stage, conservatively) or a positional stream (TAPE)
-SERVED: dict[str, bool] = {
-    "nope": True,
-    "sinusoidal": True,
-    "learned": True,
-    "rope": True,  # except length-dependent scalings (explicit logits), see _served
-    "xpos": True,
-    "liere": True,
-    "fope": True,
-    "rope2d": True,
-    "comrope": True,
-    "expe": True,
-    "exqpe": True,
-    "t5": True,
-    "alibi": True,
-    "kerple": True,
-    "sandwich": True,
-    "fire": True,
-    "fox": True,
-    "fox_pro": False,  # unless none of qk_norm, k_shift, v_shift, see _served
-    "selfextend": False,
-    "rerope": False,
-    "leaky_rerope": False,
-    "cope": False,
-    "cape": False,
-    "sba": False,
-    "tape": False,
-}
-
 CASES = [case for cases in CASES_BY_ENCODING.values() for case in cases]
-
-
-def _served(name: str, params: dict) -> bool:
-    if name == "rope" and (params.get("scaling") or {}).get("type") in ("dynamic", "longrope"):
-        return False  # frequencies chosen per query length: explicit logits
-    if name == "fox_pro":
-        return not any(params.get(key, True) for key in ("qk_norm", "k_shift", "v_shift"))
-    return SERVED[name]
 
 
 def test_the_table_covers_every_registered_encoding():
     from hf_posenc.core.registry import encoding_names
 
-    assert set(SERVED) == set(encoding_names())
+    assert set(HEAD_PARALLEL_SERVED) == set(encoding_names())
 
 
 @pytest.mark.parametrize(("name", "params"), CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
@@ -93,7 +52,7 @@ def test_head_parallel_serves_exactly_the_encodings_split_by_heads(name, params)
     from hf_posenc.recipes.training.parallelism import probe_encodings
 
     refusals = [head_parallel_refusal(instance) for instance in probe_encodings(name, params)]
-    assert all(refusal is None for refusal in refusals) == _served(name, params), refusals
+    assert all(refusal is None for refusal in refusals) == head_parallel_serves(name, params), refusals
 
 
 # -- a bias form restricted to a head range ----------------------------------------------------------

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import hf_posenc
 from hf_posenc.recipes.tiny import tiny_model
-from hf_posenc.recipes.training.parallelism import engine_refusal, model_forms
+from hf_posenc.recipes.training.parallelism import (
+    engine_refusal,
+    model_encodings,
+    model_forms,
+    sequence_parallel_refusal,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,16 +38,20 @@ def test_shipped_configs_carry_the_parallel_sizes():
 def test_the_readme_table_is_what_the_check_answers_for_every_encoding():
     """README's 'Sequence and context parallelism' table: CP 'yes' exactly for the encodings
     the context-parallel engine serves (asked of the patched model's attention forms, with their
-    defaults), Ulysses 'no' for every patched model."""
+    defaults), Ulysses 'yes' exactly for those head-parallel attention serves."""
     text = (ROOT / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `(\w+)` \| (yes|no)[^|]*\| no[^|]*\|$", text, flags=re.M))
+    rows = {
+        name: (cp, sp)
+        for name, cp, sp in re.findall(r"^\| `(\w+)` \| (yes|no)[^|]*\| (yes|no)[^|]*\|$", text, flags=re.M)
+    }
     names = {info.name for info in hf_posenc.list_encodings()}
     assert set(rows) == names
     for name in names:
         model = hf_posenc.patch_model(tiny_model("llama"), name)
         served = engine_refusal("context_parallel", model_forms(model)) is None
-        assert rows[name] == ("yes" if served else "no"), name
-        assert engine_refusal("sequence_parallel", model_forms(model)) is not None, name
+        assert rows[name][0] == ("yes" if served else "no"), name
+        ulysses = sequence_parallel_refusal(model_encodings(model)) is None
+        assert rows[name][1] == ("yes" if ulysses else "no"), name
 
 
 def test_train_under_a_context_parallel_launch_stops_before_anything_loads(tmp_path, monkeypatch, capsys):

@@ -7,9 +7,12 @@ causal SDPA over per-token transformed q/k (rotations, absolute embeddings, ExPE
 nothing); a bias on the logits (T5, ALiBi, KERPLE, Sandwich, FIRE), an explicit score matrix
 (CoPE, CAPE, stick-breaking, SelfExtend/ReRoPE's two position maps, dynamic NTK's per-query
 frequencies) or state carried along the sequence (forget gates, TAPE's stream) are not. DeepSpeed
-Ulysses serves no patched encoding (hf_posenc's attention does not call the attention function it
-replaces). Nothing here runs either engine: both need CUDA GPUs (and DeepSpeed), which this machine
-lacks; the 2-process CPU runs of DDP/FSDP are in test_training.py.
+Ulysses goes through hf_posenc's head-parallel attention, which serves the encodings split by heads
+(``tests/encoding_cases.HEAD_PARALLEL_SERVED``; its 2-process runs are in
+tests/attention/test_head_parallel.py, and with DeepSpeed's engine below where DeepSpeed is
+installed); ``hf-posenc train`` still refuses it (its loop does not shard batches over the ranks).
+Context parallelism needs CUDA GPUs, which this machine lacks; the 2-process CPU runs of DDP/FSDP
+are in test_training.py.
 """
 
 from __future__ import annotations
@@ -24,8 +27,13 @@ from hf_posenc.recipes.data import stdlib_documents
 from hf_posenc.recipes.tiny import tiny_model
 from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
 from hf_posenc.recipes.training import parallelism
-from hf_posenc.recipes.training.parallelism import engine_refusal, request_forms
-from tests.encoding_cases import CASES_BY_ENCODING
+from hf_posenc.recipes.training.parallelism import (
+    engine_refusal,
+    probe_encodings,
+    request_forms,
+    sequence_parallel_refusal,
+)
+from tests.encoding_cases import CASES_BY_ENCODING, head_parallel_serves
 
 #: encoding -> True when its published attention is plain causal SDPA (context parallelism serves it)
 PLAIN_SDPA: dict[str, bool] = {
@@ -84,10 +92,12 @@ def test_context_parallel_serves_exactly_the_plain_sdpa_encodings(name, params):
 
 
 @pytest.mark.parametrize(("name", "params"), CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
-def test_ulysses_refuses_every_patched_encoding_and_serves_native(name, params):
-    refusal = engine_refusal("sequence_parallel", request_forms(name, params))
-    assert refusal is not None and f"{name!r}" in refusal and "\n" not in refusal
-    assert engine_refusal("sequence_parallel", {}) is None  # a native model
+def test_ulysses_serves_exactly_the_encodings_split_by_heads(name, params):
+    refusal = sequence_parallel_refusal(probe_encodings(name, params))
+    assert (refusal is None) == head_parallel_serves(name, params), refusal
+    if refusal:
+        assert f"{name!r}" in refusal and "allowed:" in refusal and "\n" not in refusal
+    assert sequence_parallel_refusal([]) is None  # a native model
 
 
 @pytest.mark.parametrize(
@@ -222,7 +232,8 @@ def _heads(workspace: Path) -> int:
         ),
         (["--context-parallel", "2", "--encoding", "rope", "--packing"], ["--packing", "across documents"]),
         (["--context-parallel", "2", "--encoding", "rope", "--loss", "chunked"], ["--loss chunked", "full"]),
-        (["--sequence-parallel", "2", "--encoding", "rope"], ["'rope'", "native model"]),
+        (["--sequence-parallel", "2", "--encoding", "sba"], ["'sba'", "explicitly"]),
+        (["--sequence-parallel", "2", "--encoding", "alibi"], ["--sequence-parallel 2", "not wired"]),
         (["--sequence-parallel", "2", "--seq-len", "31"], ["--seq-len 31", "multiple of 2"]),
         (["--context-parallel", "2", "--sequence-parallel", "2"], ["one of them"]),
         (["--context-parallel", "0"], ["--context-parallel 0", ">= 1"]),
@@ -245,13 +256,14 @@ def test_heads_not_divisible_by_the_ulysses_degree_are_named(workspace, tmp_path
 
 def test_a_served_setting_names_what_this_machine_lacks(workspace, tmp_path, capsys):
     """rope with --context-parallel 2 passes the encoding checks and stops at the machine: no CUDA
-    here (on a GPU machine, not launched with FSDP2); native Ulysses stops at deepspeed or CUDA."""
+    here (on a GPU machine, not launched with FSDP2); Ulysses stops at the loop, which does not
+    shard batches over the ranks yet."""
     assert _run(workspace, tmp_path, "--context-parallel", "2", "--encoding", "rope") == 2
     line = _one_error(capsys)
     assert ("needs CUDA" in line) if not torch.cuda.is_available() else ("FSDP2" in line), line
     assert _run(workspace, tmp_path, "--sequence-parallel", "2") == 2
     line = _one_error(capsys)
-    assert "DeepSpeed" in line or "needs CUDA" in line, line
+    assert "not wired" in line, line
 
 
 def test_a_flag_contradicting_the_launch_config_is_named(workspace, tmp_path, capsys, monkeypatch):
@@ -277,3 +289,38 @@ def test_the_loaded_model_is_asked_again():
     hf_posenc.patch_model(dynamic, "rope", scaling={"type": "dynamic", "factor": 2.0})
     assert engine_refusal("context_parallel", parallelism.model_forms(dynamic)) is not None
     assert parallelism.model_forms(tiny_model("llama")) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding", ["alibi", "fox"])
+def test_deepspeed_ulysses_on_two_cpu_processes_equals_one_process(tmp_path, encoding):
+    """DeepSpeed's own engine (accelerate's ParallelismConfig, its sequence-parallel groups, data
+    adapter and gradient all-reduce) with head-parallel attention over its group: the loss and every
+    gradient of a 2-rank step equal the one-process step. Needs DeepSpeed (not a project dependency:
+    CI and this machine's environment lack it; run it where ``DS_BUILD_OPS=0 pip install
+    --no-build-isolation deepspeed`` installed it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_DEEPSPEED": "true"}
+    out = tmp_path / "out.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*command, str(root / "recipes/train/ulysses_check.py"), encoding, str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    parallel, single = report["loss"]
+    assert abs(parallel - single) <= 1e-5 * abs(single)
+    assert report["errors"] and all(
+        error is not None and error <= 1e-5 for error in report["errors"].values()
+    )

@@ -213,8 +213,8 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULTS.sequence_parallel,
         metavar="N",
-        help="DeepSpeed Ulysses over N GPUs through accelerate (needs deepspeed); native (unpatched) models "
-        "only; launch with a DeepSpeed accelerate config",
+        help="DeepSpeed Ulysses over N GPUs through accelerate: refused for now (the loop does not shard "
+        "batches over the ranks yet; see hf_posenc.enable_head_parallel and recipes/train/ulysses_check.py)",
     )
 
 

@@ -21,7 +21,13 @@ from ...core.shifted_sparse import enable_s2_attn
 from ...errors import InvalidParameterError
 from .config import TrainConfig
 from .lora import apply_lora
-from .parallelism import engine_refusal, launch_degrees, model_forms
+from .parallelism import (
+    engine_refusal,
+    launch_degrees,
+    model_encodings,
+    model_forms,
+    sequence_parallel_refusal,
+)
 from .sampling import check_encoding_reads_positions
 
 if TYPE_CHECKING:
@@ -93,8 +99,10 @@ def trainable_model(config: TrainConfig, model: nn.Module | None) -> nn.Module:
     check_encoding_reads_positions(config.position_sampling, getattr(model, "posenc", None))
     cp, sp = launch_degrees(config.context_parallel, config.sequence_parallel)
     if cp > 1 or sp > 1:  # the loaded model's own encodings (a checkpoint's native scaling included)
-        engine = "context_parallel" if cp > 1 else "sequence_parallel"
-        refusal = engine_refusal(engine, model_forms(model))
+        if cp > 1:
+            refusal = engine_refusal("context_parallel", model_forms(model))
+        else:
+            refusal = sequence_parallel_refusal(model_encodings(model))
         if refusal:
             raise InvalidParameterError(refusal)
     if config.gradient_checkpointing:

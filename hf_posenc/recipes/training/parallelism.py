@@ -12,12 +12,17 @@ Two engines split one long sequence over several GPUs, both through accelerate's
   ``is_causal=True`` (``hf_posenc.attention.core``), which torch replaces.
 * **DeepSpeed Ulysses** (``sp_size``, ``sp_backend="deepspeed"``): every rank attends a slice of
   the heads over the whole sequence. DeepSpeed installs it as a transformers attention function
-  (``ALL_ATTENTION_FUNCTIONS``) that the model's attention calls after its projections; a patched
-  model's attention never calls that registry (hf_posenc's own core attends), so the all-to-all
-  would never run and every rank would attend its own slice of tokens only. It also has no hook
-  giving per-head parameters (ALiBi slopes, T5/KERPLE/FIRE heads, forget gates: indexed by the
-  global head, ``0..H-1``) the rank's head offset. So Ulysses is refused for every patched model
-  and serves native (unpatched) models only.
+  (``ALL_ATTENTION_FUNCTIONS``) that a native model's attention calls after its projections; a
+  patched model's attention never calls that registry, so hf_posenc does the same exchange in its
+  own attention (:mod:`hf_posenc.attention.head_parallel`, ``enable_head_parallel`` over DeepSpeed's
+  sequence-parallel group), with every per-head encoding quantity taken at the rank's head offset.
+  It serves the encodings :func:`~hf_posenc.attention.head_parallel.head_parallel_refusal` accepts
+  (SDPA and score-bias forms). ``hf-posenc train`` refuses ``--sequence-parallel`` for every model
+  for now: its loop gives each process its own batches and passes no DataLoader through
+  ``accelerator.prepare``, so DeepSpeed's adapter never shards a batch over the Ulysses ranks and
+  each rank would attend its own sequences as one (``recipes/train/ulysses_check.py`` shows the
+  wiring a loop needs: DeepSpeed's data adapter, head-parallel attention over its group, each
+  rank's loss over the whole batch's target count).
 
 The attention an encoding needs is asked from the encoding itself (its active stages and class
 flags, :class:`~hf_posenc.encodings.base.Encoding`), never from its name.
@@ -26,9 +31,8 @@ flags, :class:`~hf_posenc.encodings.base.Encoding`), never from its name.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,7 +48,6 @@ CONTEXTUAL = "state along the sequence"  # stateful, token mixing before attenti
 #: which forms each engine serves exactly
 ENGINE_FORMS: dict[str, frozenset[str]] = {
     "context_parallel": frozenset({SDPA}),
-    "sequence_parallel": frozenset(),  # patched models: none (see the module docstring)
 }
 
 
@@ -104,33 +107,45 @@ def request_forms(encoding: Any, params: Mapping[str, Any] | None = None) -> dic
 
 def model_forms(model: Any) -> dict[str, str]:
     """Per encoding of a patched model: its attention form ({} for a native model)."""
-    from ...encodings.base import Encoding
-
-    posenc = getattr(model, "posenc", None)
-    if posenc is None:
-        return {}
-    return {m.name: attention_form(m) for m in posenc.modules() if isinstance(m, Encoding)}
+    return {m.name: attention_form(m) for m in model_encodings(model)}
 
 
 def engine_refusal(engine: str, forms: Mapping[str, str]) -> str | None:
-    """Why ``engine`` cannot serve encodings of these forms (one line), or None when it can."""
+    """Why context parallelism cannot serve encodings of these forms (one line), or None when it can.
+    (Ulysses is asked of the encodings themselves: :func:`sequence_parallel_refusal`.)"""
     allowed = ENGINE_FORMS[engine]
     bad = {name: form for name, form in forms.items() if form not in allowed}
     if not bad:
         return None
     name, form = next(iter(sorted(bad.items())))
-    if engine == "context_parallel":
-        return (
-            f"--context-parallel cannot serve encoding {name!r}: it attends with {form}, which torch's ring "
-            "attention cannot split exactly; allowed: encodings attending with plain causal SDPA "
-            "(rotary, absolute-embedding, ExPE-style and position-free encodings, and hybrids of them)"
-        )
     return (
-        f"--sequence-parallel (DeepSpeed Ulysses) cannot serve encoding {name!r}: hf_posenc's attention "
-        "does not go through the transformers attention function that Ulysses replaces, and per-head "
-        "parameters get no head offset; allowed: a native model (no --encoding), or --context-parallel "
-        "for plain causal SDPA encodings"
+        f"--context-parallel cannot serve encoding {name!r}: it attends with {form}, which torch's ring "
+        "attention cannot split exactly; allowed: encodings attending with plain causal SDPA "
+        "(rotary, absolute-embedding, ExPE-style and position-free encodings, and hybrids of them)"
     )
+
+
+def sequence_parallel_refusal(encodings: Iterable[Any]) -> str | None:
+    """Why Ulysses (head-parallel attention) cannot serve these encoding instances (one line), or None."""
+    from ...attention.head_parallel import head_parallel_refusal
+
+    for encoding in sorted(encodings, key=lambda e: e.name):
+        reason = head_parallel_refusal(encoding)
+        if reason:
+            return (
+                f"--sequence-parallel (DeepSpeed Ulysses) cannot serve encoding {encoding.name!r}: {reason}; "
+                "allowed: encodings attending with SDPA, with or without a score bias (and hybrids of them), "
+                "or --context-parallel for plain causal SDPA encodings"
+            )
+    return None
+
+
+def model_encodings(model: Any) -> list[Any]:
+    """The encoding instances of a patched model ([] for a native model)."""
+    from ...encodings.base import Encoding
+
+    posenc = getattr(model, "posenc", None)
+    return [] if posenc is None else [m for m in posenc.modules() if isinstance(m, Encoding)]
 
 
 def _launched_with_fsdp2() -> bool:
@@ -191,8 +206,10 @@ def check_parallelism(
         return
     engine = "context_parallel" if context_parallel > 1 else "sequence_parallel"
     degree = max(context_parallel, sequence_parallel)
-    forms = request_forms(encoding, params) if encoding else {}
-    refusal = engine_refusal(engine, forms)
+    if engine == "context_parallel":
+        refusal = engine_refusal(engine, request_forms(encoding, params) if encoding else {})
+    else:
+        refusal = sequence_parallel_refusal(probe_encodings(encoding, params) if encoding else [])
     if refusal:
         raise InvalidParameterError(refusal)
     if engine == "context_parallel" and packing:
@@ -229,11 +246,13 @@ def check_parallelism(
                     f"--sequence-parallel {degree} is not allowed: the model has {key}={count}; allowed: a "
                     f"degree dividing {count} (Ulysses gives each rank whole heads)"
                 )
-        if importlib.util.find_spec("deepspeed") is None:
-            raise InvalidParameterError(
-                f"--sequence-parallel {degree} needs DeepSpeed, which is not installed; allowed: "
-                "pip install deepspeed, or --context-parallel"
-            )
+        # (once the loop shards batches: refuse here when DeepSpeed is not installed, before CUDA)
+        raise InvalidParameterError(
+            f"--sequence-parallel {degree} is not wired into hf-posenc train yet: its loop does not shard each "
+            "batch over the Ulysses ranks (each rank would attend its own sequences as one); allowed: "
+            "--context-parallel for plain causal SDPA encodings, or hf_posenc.enable_head_parallel in your own "
+            "accelerate + DeepSpeed loop (recipes/train/ulysses_check.py)"
+        )
     if not torch.cuda.is_available():
         flag = "--context-parallel" if engine == "context_parallel" else "--sequence-parallel"
         raise InvalidParameterError(
