@@ -2,7 +2,7 @@
 time (the compile) against a warm call, and bucketed == exact-shape values and gradients.
 
     python3 scripts/gpu_flex_buckets.py [--encodings alibi t5 fire fox] [--lengths 8000 8192 7900 9000]
-        [--dtype bfloat16] [--check-length 300] [--device cuda]
+        [--dtype bfloat16] [--check-length 300] [--device cuda] [--mode buckets|dynamic]
 
 Part 1, per encoding (a random 2-layer Llama, hidden 256, 4 heads: head_dim 64, batch 1,
 ``--dtype``, ``backend="flex"``): forward+backward at each length in turn; prints the wall
@@ -13,6 +13,9 @@ Part 2, per encoding in fp32 at ``--check-length`` (not a bucket length; batch 2
 left-padded): logits and every
 gradient with buckets against ``FLEX_BUCKETS_PER_OCTAVE = 0`` (each length compiled at its own
 shape): the largest absolute differences (expected <= 1e-5).
+``--mode dynamic``: the same with ``FLEX_DYNAMIC`` (``torch.compile(dynamic=True)``, no padding,
+one graph for every length): compare its warm-call times with the buckets' run (on CPU its
+padding-mask kernel does not build, so part 2 falls back to chunked there).
 ``--device cpu`` is a dry run (forward only: FlexAttention has no CPU backward; compiled through
 ``COMPILE_OFF_CUDA``; slow, use small lengths such as ``--lengths 200 250 --check-length 150``).
 """
@@ -20,14 +23,17 @@ shape): the largest absolute differences (expected <= 1e-5).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_posenc
-import hf_posenc.attention.flex as flex
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hf_posenc
+import hf_posenc  # noqa: E402
+import hf_posenc.attention.flex as flex  # noqa: E402
 
 
 def model(name: str, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
@@ -91,6 +97,14 @@ def compile_counts(args: argparse.Namespace, train: bool) -> None:
             )
 
 
+MODES = {"buckets": (4, False), "dynamic": (4, True), "exact": (0, False)}
+
+
+def configure(mode: str) -> None:
+    """FlexAttention compiled at length buckets, with dynamic shapes, or at each exact shape."""
+    flex.FLEX_BUCKETS_PER_OCTAVE, flex.FLEX_DYNAMIC = MODES[mode]
+
+
 def exactness(args: argparse.Namespace, train: bool) -> None:
     length = args.check_length
     ids = torch.randint(3, 256, (2, length), device=args.device)
@@ -98,21 +112,21 @@ def exactness(args: argparse.Namespace, train: bool) -> None:
     mask[1, :5] = 0  # row 1 left-padded: the padding-mask block mask
     for name in args.encodings:
         results = {}
-        for per_octave in (flex.FLEX_BUCKETS_PER_OCTAVE, 0):
-            flex.FLEX_BUCKETS_PER_OCTAVE = per_octave
+        for mode in (args.mode, "exact"):
+            configure(mode)
             net = model(name, torch.float32, args.device, length + 1)
             logits = step(net, ids, train, mask)
             grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
-            results[per_octave] = (logits, grads)
-        (bucketed, bucketed_grads), (exact, exact_grads) = results.values()
-        flex.FLEX_BUCKETS_PER_OCTAVE = args.per_octave
+            results[mode] = (logits, grads)
+        configure(args.mode)
+        (tried, tried_grads), (exact, exact_grads) = results.values()
         grad_diff = max(
-            ((bucketed_grads[n] - g).abs().max().item() for n, g in exact_grads.items()), default=0.0
+            ((tried_grads[n] - g).abs().max().item() for n, g in exact_grads.items()), default=0.0
         )
         print(
-            f"{name:8s} fp32 T={length} bucket={flex.bucket_length(length)}: logits max |diff| "
-            f"{(bucketed - exact).abs().max().item():.2e}, gradients ({len(exact_grads)}) max |diff| "
-            f"{grad_diff:.2e}",
+            f"{name:8s} fp32 T={length} {args.mode} (bucket {flex.bucket_length(length)}) against exact "
+            f"shapes: logits max |diff| {(tried - exact).abs().max().item():.2e}, gradients "
+            f"({len(exact_grads)}) max |diff| {grad_diff:.2e}",
             flush=True,
         )
 
@@ -124,13 +138,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--check-length", type=int, default=300)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--mode",
+        default="buckets",
+        choices=["buckets", "dynamic"],
+        help="dynamic: FLEX_DYNAMIC (dynamic=True)",
+    )
     args = parser.parse_args()
-    args.per_octave = flex.FLEX_BUCKETS_PER_OCTAVE
+    configure(args.mode)
     train = args.device.startswith("cuda")
     if not train:
         flex.COMPILE_OFF_CUDA = True  # the compiled path on CPU (forward only)
         flex.FLEX_MIN_QUERIES = 16
-    print(f"torch {torch.__version__}, device {args.device}, buckets per octave {args.per_octave}")
+    print(f"torch {torch.__version__}, device {args.device}, FlexAttention compiled with {args.mode}")
     compile_counts(args, train)
     exactness(args, train)
 

@@ -19,7 +19,14 @@ dtype, with or without backward) instead of per length: a bucket is a multiple o
 ``step = max(128, 2^(ceil(log2 n) - 1) / FLEX_BUCKETS_PER_OCTAVE)`` (``FLEX_BUCKETS_PER_OCTAVE``
 buckets between each power of two and the next), so it pads a length n by less than
 ``max(128, n / FLEX_BUCKETS_PER_OCTAVE)`` positions (< 25 % past 1024 with 4 per octave; 8000 and
-8192 share the bucket 8192).
+8192 share the bucket 8192). Within a bucket the work is that of the call's own lengths up to
+one partial 128-block: whole padded blocks are empty in the block mask and skipped.
+
+``FLEX_DYNAMIC = True`` (experimental, off) compiles with dynamic shapes instead
+(``torch.compile(dynamic=True)``, no padding): one graph for every length, exact on CPU for
+causal calls; with a padding mask torch 2.13's CPU template does not build ("CppCompileError:
+'cur_qSplitSize7' was not declared") and that kind of call goes to chunked; its GPU kernels are
+not measured (``scripts/gpu_flex_buckets.py --mode dynamic``), so buckets are the default.
 
 Compiled FlexAttention never serves a call of fewer than :data:`FLEX_MIN_QUERIES` queries
 (decoding steps, short prompts): each such call would be a new shape to compile, and the
@@ -58,6 +65,9 @@ FLEX_RECOMPILE_LIMIT = 256
 #: length buckets of compiled calls between each power of two and the next (padding < n / this);
 #: 0: no buckets, every length compiled at its own shape
 FLEX_BUCKETS_PER_OCTAVE = 4
+#: compile with dynamic shapes (one graph for every length, no buckets) instead of length buckets;
+#: experimental: padding masks do not build on CPU (see the module's docstring)
+FLEX_DYNAMIC = False
 #: the smallest bucket step: FlexAttention's mask block (a bucket never splits a block)
 FLEX_BUCKET_STEP = 128
 
@@ -74,12 +84,12 @@ def flex_available() -> bool:
 
 
 @functools.cache
-def _flex_function(compiled: bool) -> Callable:
+def _flex_function(compiled: bool, dynamic: bool = False) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     if compiled:
         raise_recompile_limit(FLEX_RECOMPILE_LIMIT)
-        return torch.compile(flex_attention, dynamic=False)
+        return torch.compile(flex_attention, dynamic=dynamic)
     return flex_attention
 
 
@@ -87,7 +97,7 @@ def bucket_length(n: int) -> int:
     """The length a compiled call of ``n`` queries (or keys) runs at: ``n`` rounded up to a multiple
     of ``max(FLEX_BUCKET_STEP, 2^(ceil(log2 n) - 1) / FLEX_BUCKETS_PER_OCTAVE)``, so
     ``n <= bucket_length(n) < n + max(FLEX_BUCKET_STEP, n / FLEX_BUCKETS_PER_OCTAVE)``."""
-    if FLEX_BUCKETS_PER_OCTAVE <= 0:
+    if FLEX_BUCKETS_PER_OCTAVE <= 0 or FLEX_DYNAMIC:
         return n
     below = 1 << max(n - 1, 1).bit_length() - 1  # the largest power of two < n (n > 1)
     step = max(FLEX_BUCKET_STEP, below // FLEX_BUCKETS_PER_OCTAVE)
@@ -227,7 +237,9 @@ def attend_flex(
     q = _pad_length(q, layout.q_size)  # (B, Hq, Tq', D)
     k, v = _pad_length(k, layout.k_size), _pad_length(v, layout.k_size)  # (B, Hkv, Tk', D)
     gqa = q.shape[1] != k.shape[1]
-    function = _flex_function(compiled)
+    function = (
+        _flex_function(compiled, dynamic=True) if compiled and FLEX_DYNAMIC else _flex_function(compiled)
+    )
 
     def attempt(q, k, v, kernel_options: dict[str, object] | None = None) -> torch.Tensor:
         return function(

@@ -249,6 +249,27 @@ def test_padding_masks_and_cached_key_offsets_inside_a_bucket_compile_once(compi
 
 
 @pytest.mark.slow
+def test_dynamic_shapes_compile_once_for_every_length(monkeypatch, compiled_on_cpu):
+    """``FLEX_DYNAMIC``: torch.compile(flex_attention, dynamic=True) at each call's own lengths (no
+    buckets): T5's table-reading score_mod at 20, 32 and 60 tokens (three shapes) equals eager
+    (fp32, 1e-5) from one compiled graph."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(flex, "FLEX_DYNAMIC", True)
+    params = {"shared_across_layers": False, "num_buckets": 8, "max_distance": 12}
+    models = {b: patch(make_model("llama"), "t5", params, backend=b) for b in ("eager", "flex")}
+    models["flex"].posenc.load_state_dict(models["eager"].posenc.state_dict())
+    counters.clear()
+    for length in (20, 32, 60):
+        ids = token_ids(1, length, seed=length)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                models["flex"](ids).logits, models["eager"](ids).logits, atol=1e-5, rtol=0
+            )
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.slow
 def test_generate_compiles_flex_for_the_prompt_not_for_every_token(compiled_on_cpu):
     """A generate() of 8 tokens after a 32-token prompt: the compiled FlexAttention function is
     built for the prompt's shape only (torch's compile counter), and the tokens equal eager's."""
