@@ -122,21 +122,27 @@ class _Layout:
         return None if self.offset is None else ScoreGrid(self.q_size, self.k_size, self.offset)
 
 
-@functools.lru_cache(maxsize=64)
-def _layout(q_len: int, k_len: int, device: torch.device, bucketed: bool) -> _Layout:
+def _layout(q_len: int, k_len: int, device: torch.device, bucketed: bool, cached: bool = True) -> _Layout:
+    """The call's layout; compiled (``bucketed``) at its length buckets."""
     if not bucketed:
         return _Layout(q_len, k_len, False, q_len, k_len)
-    # filled on the device (no host-to-device copy per call), once per (Tq, Tk, device)
+    sizes = (q_len, k_len, bucket_length(q_len), bucket_length(k_len))  # buckets: as set now
+    return (_bucketed_layout if cached else _bucketed_layout.__wrapped__)(*sizes, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucketed_layout(q_len: int, k_len: int, q_size: int, k_size: int, device: torch.device) -> _Layout:
+    # filled on the device (no host-to-device copy per call), once per (Tq, Tk, Tq', Tk', device)
     offset = torch.full((), k_len - q_len, dtype=torch.int32, device=device)
     keys = torch.full((), k_len, dtype=torch.int32, device=device)
-    return _Layout(q_len, k_len, True, bucket_length(q_len), bucket_length(k_len), offset, keys)
+    return _Layout(q_len, k_len, True, q_size, k_size, offset, keys)
 
 
 def _causal_block_mask(layout: _Layout, device: torch.device):
     """The causal block mask of one (Tq, Tk, device), padded queries and keys masked (cached)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (layout.q_len, layout.k_len, layout.bucketed, str(device))
+    key = (layout.q_len, layout.k_len, layout.q_size, layout.k_size, layout.bucketed, str(device))
     cached = None if torch.compiler.is_compiling() else _BLOCK_MASKS.get(key)
     if cached is None:
         if len(_BLOCK_MASKS) >= _BLOCK_MASK_LIMIT:
@@ -222,7 +228,7 @@ def attend_flex(
     batch, _, q_len, _ = q.shape
     k_len = k.shape[-2]
     tracing = torch.compiler.is_compiling()  # inside a compiled model: nothing traced is cached
-    layout = (_layout.__wrapped__ if tracing else _layout)(q_len, k_len, q.device, compiled)
+    layout = _layout(q_len, k_len, q.device, compiled, cached=not tracing)
     score_mod = _score_mod(bias, layout.grid())
     if score_mod is None:
         return None
@@ -233,7 +239,9 @@ def attend_flex(
         if memo is None or tracing:  # id() cannot be traced; no memo there
             block_mask = build()
         else:
-            block_mask = memo.get(("flex_block_mask", id(mask), q_len, k_len), build)
+            block_mask = memo.get(
+                ("flex_block_mask", id(mask), q_len, k_len, layout.q_size, layout.k_size), build
+            )
     q = _pad_length(q, layout.q_size)  # (B, Hq, Tq', D)
     k, v = _pad_length(k, layout.k_size), _pad_length(v, layout.k_size)  # (B, Hkv, Tk', D)
     gqa = q.shape[1] != k.shape[1]
