@@ -49,6 +49,9 @@ class PiecewiseDistanceBias(BlockBias):
     floor: torch.Tensor  # () fp32
     #: how many leading queries are ``below`` in every batch row (0 when unknown, e.g. compiling)
     table_rows: int = 0
+    #: f as the one-input ReLU network it is, when known (FIRE's MLP): ``(w1 (K,), b1 (K,),
+    #: w2 (Hq, K), b2 (Hq,))`` fp32 with f_h(x) = w2[h] @ relu(w1 x + b1) + b2[h]
+    network: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def x(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         """The normalised distance of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``:
@@ -140,6 +143,10 @@ class PiecewiseDistanceBias(BlockBias):
         scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
+        if self.network is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
+            block = network_block(x, self.network, allowed, scratch)
+            if block is not None:
+                return block.to(dtype)
         count = self.points.shape[0]
         masked = count + 1  # pieces K+1 .. 2K+1: keys that may not be attended
         future = None
@@ -158,6 +165,77 @@ class PiecewiseDistanceBias(BlockBias):
         return PiecewiseBlock.apply(x, segment, ends, slopes, intercepts, out).to(
             dtype
         )  # (B', Hq, rows, keys)
+
+
+#: values of a block per matrix product in :func:`network_block` (its features stay in cache)
+NETWORK_CHUNK = 32768
+#: :func:`network_block` serves a block whose network has K' switching units when K' + 2 <= this * Hq
+NETWORK_COLUMNS_PER_HEAD = 3
+
+
+def network_block(
+    x: torch.Tensor,
+    network: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    allowed: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """A folded block (:meth:`PiecewiseDistanceBias.folded`, without gradients) from f's ReLU
+    network itself, as matrix products over the block's scores: f_h(x) = w2[h] @ relu(w1 x + b1)
+    + b2[h], the eager formula. x (B|1, rows, keys) -> (B', Hq, rows, keys) fp32, the masked
+    keys (``allowed`` (B|1, 1, rows, keys) False, or None: the future of each row, bottom-right
+    aligned) at the dtype's minimum; None when the linear pieces are cheaper.
+
+    Over the block's range of x, [min x, max x], a unit whose pre-activation has one sign at
+    both ends is linear there (on: folded into the constant and x columns) or zero (off); only
+    the units that switch inside the range are features, relu(w1_k x + b1_k), so the block is
+    ``(b2 + w2 b1_on) + (w2 w1_on) x + w2[:, switching] relu(...)``: a product with 2 + K'
+    inner columns per score for all heads at once, in chunks that keep the features in cache.
+    On CPU this costs about 0.8 ns per feature and score against 2.3 ns per head and score for
+    the linear pieces' two gathers and multiply-add (one thread, 256 x 4096 blocks), and it runs
+    on every thread where the gathers run on one: it serves blocks with K' + 2 <= 3 Hq.
+    """
+    w1, b1, w2, b2 = network
+    heads = w2.shape[0]
+    low, high = torch.aminmax(x)
+    at_low, at_high = w1 * low + b1, w1 * high + b1  # (K,) the pre-activations at the range's ends
+    on = (at_low >= 0) & (at_high >= 0)
+    switching = ((at_low > 0) | (at_high > 0)) & ~on
+    active = switching.nonzero()[:, 0]  # (K',)
+    if active.numel() + 2 > NETWORK_COLUMNS_PER_HEAD * heads:
+        return None
+    constant = b2 + w2 @ torch.where(on, b1, 0.0)  # (Hq,)
+    linear = w2 @ torch.where(on, w1, 0.0)  # (Hq,)
+    weights = torch.cat((constant[:, None], linear[:, None], w2[:, active]), dim=1)  # (Hq, 2 + K')
+    slope, offset = w1[active][:, None], b1[active][:, None]  # (K', 1)
+    batch = x.shape[0] if allowed is None else max(x.shape[0], allowed.shape[0])
+    _, rows, keys = x.shape
+    shape = (batch, heads, rows, keys)
+    size = batch * heads * rows * keys
+    if scratch is not None and scratch.dtype == x.dtype and scratch.numel() >= size:
+        out = scratch[:size].view(shape)
+    else:
+        out = x.new_empty(shape)
+    slab = max(1, NETWORK_CHUNK // keys)  # rows per product
+    features = x.new_empty(2 + active.numel(), slab * keys)  # (2 + K', slab * keys): 1, x, relu(...)
+    features[0] = 1.0  # (a product, not addmm: addmm first copies its broadcast input into the output)
+    for b in range(x.shape[0]):
+        for first in range(0, rows, slab):
+            last = min(rows, first + slab)
+            values = x[b, first:last].reshape(1, -1)  # (1, n)
+            chunk = features[:, : values.shape[1]]
+            chunk[1:2].copy_(values)
+            torch.addcmul(offset, slope, values, out=chunk[2:]).clamp_(min=0)
+            torch.mm(weights, chunk, out=out[b, :, first:last].view(heads, -1))  # (Hq, n)
+    if x.shape[0] < batch:  # rows of their own only in the mask
+        out[1:].copy_(out[:1].expand(batch - 1, -1, -1, -1))
+    minimum = torch.finfo(out.dtype).min
+    if allowed is not None:
+        out.masked_fill_(~allowed, minimum)
+    else:  # the last ``rows`` keys: query a may not attend key a' > a among them
+        span = min(rows, keys)
+        future = torch.ones(rows, span, dtype=torch.bool, device=x.device).triu_(1 + span - rows)
+        out[..., keys - span :].masked_fill_(future, minimum)
+    return out
 
 
 def monotone_segments(

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.core.interpolation import interpolate
+from hf_posenc.encodings import piecewise_bias
 from hf_posenc.encodings.fire import FIREFunction
 from hf_posenc.encodings.piecewise_bias import monotone_segments
 
@@ -140,8 +142,15 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
     reference = expected[:, :, start:, k_start:k_end]
     # a reused buffer (the chunked backend's scratch) holding another block's values: overwritten
     size = positions.shape[0] * 3 * (q_len - start) * (k_end - k_start) + 7
-    for given_mask, scratch in itertools.product((allowed, None), (None, torch.full((size,), math.nan))):
-        with torch.no_grad():  # None: the causal keys
+    # without gradients a block comes from the linear pieces or (CPU, few switching units) from
+    # the network's matrix products, in slabs of rows: both ways, whatever the count of units
+    ways = itertools.product((allowed, None), (None, torch.full((size,), math.nan)), (0, 100), (5, 32768))
+    for given_mask, scratch, columns, chunk in ways:
+        with (
+            torch.no_grad(),
+            mock.patch.object(piecewise_bias, "NETWORK_COLUMNS_PER_HEAD", columns),
+            mock.patch.object(piecewise_bias, "NETWORK_CHUNK", chunk),
+        ):  # None: the causal keys
             block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32, scratch)
         if scratch is not None:
             assert block.data_ptr() == scratch.data_ptr()
