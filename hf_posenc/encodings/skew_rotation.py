@@ -27,6 +27,7 @@ test would be a data-dependent branch).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 #: eigenvalues of one block closer than this (relative to the block's largest, at least 1) mean
 #: "not separable": eigh's gradient grows like 1 / gap, and a null eigenvalue has no pair
@@ -172,6 +173,7 @@ class _RotateQK(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable  # uses W^T W = I: a double backward would differentiate that
     def backward(ctx, grad_q, grad_k):
         first, second, dense, angles = ctx.saved_tensors
         kv_heads = dense.shape[0]
