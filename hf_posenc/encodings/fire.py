@@ -151,14 +151,21 @@ class FIREFunction(nn.Module):
         if not torch.compiler.is_compiling():  # the leading queries below L in every row (one host sync)
             table_rows = int(below.all(dim=0).int().cumprod(dim=0).sum())
         points, slopes, intercepts = self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
-        network = (
-            self.hidden.weight.float()[:, 0],
-            self.hidden.bias.float(),
-            self.out.weight.float(),
-            self.out.bias.float(),
-        )
         return PiecewiseDistanceBias(
-            q_len, k_len, feature, normalizer, points, slopes, intercepts, below, floor, table_rows, network
+            q_len,
+            k_len,
+            feature,
+            normalizer,
+            points,
+            slopes,
+            intercepts,
+            below,
+            floor,
+            table_rows,
+            unit_weight=self.hidden.weight.float()[:, 0],
+            unit_bias=self.hidden.bias.float(),
+            out_weight=self.out.weight.float(),
+            out_bias=self.out.bias.float(),
         )
 
     def forward(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

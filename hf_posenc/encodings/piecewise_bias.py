@@ -49,9 +49,20 @@ class PiecewiseDistanceBias(BlockBias):
     floor: torch.Tensor  # () fp32
     #: how many leading queries are ``below`` in every batch row (0 when unknown, e.g. compiling)
     table_rows: int = 0
-    #: f as the one-input ReLU network it is, when known (FIRE's MLP): ``(w1 (K,), b1 (K,),
-    #: w2 (Hq, K), b2 (Hq,))`` fp32 with f_h(x) = w2[h] @ relu(w1 x + b1) + b2[h]
-    network: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    #: f as the one-input ReLU network it is, when known (FIRE's MLP), fp32:
+    #: f_h(x) = out_weight[h] @ relu(unit_weight * x + unit_bias) + out_bias[h]
+    unit_weight: torch.Tensor | None = None  # (K,) w1
+    unit_bias: torch.Tensor | None = None  # (K,) b1
+    out_weight: torch.Tensor | None = None  # (Hq, K) w2
+    out_bias: torch.Tensor | None = None  # (Hq,) b2
+
+    @property
+    def network(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(w1, b1, w2, b2) when f's network is known."""
+        parts = (self.unit_weight, self.unit_bias, self.out_weight, self.out_bias)
+        if parts[0] is None or parts[1] is None or parts[2] is None or parts[3] is None:
+            return None
+        return parts[0], parts[1], parts[2], parts[3]
 
     def x(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         """The normalised distance of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``:
@@ -95,6 +106,11 @@ class PiecewiseDistanceBias(BlockBias):
             "slopes": self.slopes,
             "intercepts": self.intercepts,
             "floor": self.floor,
+            **{
+                name: value
+                for name in ("unit_weight", "unit_bias", "out_weight", "out_bias")
+                if (value := getattr(self, name)) is not None
+            },
         }
 
     @property
@@ -143,8 +159,9 @@ class PiecewiseDistanceBias(BlockBias):
         scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
-        if self.network is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
-            block = network_block(x, self.network, allowed, scratch)
+        network = self.network
+        if network is not None and x.device.type == "cpu":
+            block = network_block(x, network, allowed, scratch)
             if block is not None:
                 return block.to(dtype)
         count = self.points.shape[0]
@@ -198,7 +215,7 @@ def network_block(
     """
     w1, b1, w2, b2 = network
     heads = w2.shape[0]
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(x.detach())
     at_low, at_high = w1 * low + b1, w1 * high + b1  # (K,) the pre-activations at the range's ends
     on = (at_low >= 0) & (at_high >= 0)
     switching = ((at_low > 0) | (at_high > 0)) & ~on
@@ -211,13 +228,32 @@ def network_block(
     slope, offset = w1[active][:, None], b1[active][:, None]  # (K', 1)
     batch = x.shape[0] if allowed is None else max(x.shape[0], allowed.shape[0])
     _, rows, keys = x.shape
+    slab = max(1, NETWORK_CHUNK // keys)  # rows per product
+    minimum = torch.finfo(x.dtype).min
+    if torch.is_grad_enabled():  # the same products through autograd (rebuilt blocks in backward)
+        lines = []
+        for b in range(x.shape[0]):
+            slabs = []
+            for first in range(0, rows, slab):
+                values = x[b, first : first + slab].reshape(1, -1)  # (1, n)
+                units = torch.addcmul(offset, slope, values).clamp(min=0)  # (K', n)
+                slabs.append(weights @ torch.cat((torch.ones_like(values), values, units)))  # (Hq, n)
+            lines.append(torch.cat(slabs, dim=1).view(heads, rows, keys))
+        block = torch.stack(lines).expand(batch, -1, -1, -1)  # (B', Hq, rows, keys)
+        if allowed is not None:
+            return block.masked_fill(~allowed, minimum)
+        span = min(rows, keys)
+        future = torch.zeros(rows, keys, dtype=torch.bool, device=x.device)
+        future[:, keys - span :] = torch.ones(rows, span, dtype=torch.bool, device=x.device).triu_(
+            1 + span - rows
+        )
+        return block.masked_fill(future, minimum)
     shape = (batch, heads, rows, keys)
     size = batch * heads * rows * keys
     if scratch is not None and scratch.dtype == x.dtype and scratch.numel() >= size:
         out = scratch[:size].view(shape)
     else:
         out = x.new_empty(shape)
-    slab = max(1, NETWORK_CHUNK // keys)  # rows per product
     features = x.new_empty(2 + active.numel(), slab * keys)  # (2 + K', slab * keys): 1, x, relu(...)
     features[0] = 1.0  # (a product, not addmm: addmm first copies its broadcast input into the output)
     for b in range(x.shape[0]):
@@ -230,7 +266,6 @@ def network_block(
             torch.mm(weights, chunk, out=out[b, :, first:last].view(heads, -1))  # (Hq, n)
     if x.shape[0] < batch:  # rows of their own only in the mask
         out[1:].copy_(out[:1].expand(batch - 1, -1, -1, -1))
-    minimum = torch.finfo(out.dtype).min
     if allowed is not None:
         out.masked_fill_(~allowed, minimum)
     else:  # the last ``rows`` keys: query a may not attend key a' > a among them

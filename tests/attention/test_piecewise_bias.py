@@ -207,17 +207,25 @@ def test_folded_block_gradients_equal_the_formula_views(
         )
         attendable = allowed
     results = []
-    for folded in (True, False):
+    # folded from the linear pieces (columns 0), from the network's products (CPU, columns 100, in
+    # slabs of one row and of all), and the formula's view
+    for columns, chunk in ((0, 1), (100, 1), (100, 32768), (None, None)):
         function.zero_grad()
         bias = function.bias(positions, q_len, k_len)
-        if folded:  # the loss reads every entry, masked ones included
-            (bias.folded(start, q_len, k_start, k_len, allowed, torch.float32) * weights).sum().backward()
+        if columns is not None:  # the loss reads every entry, masked ones included
+            with (
+                mock.patch.object(piecewise_bias, "NETWORK_COLUMNS_PER_HEAD", columns),
+                mock.patch.object(piecewise_bias, "NETWORK_CHUNK", chunk),
+            ):
+                block = bias.folded(start, q_len, k_start, k_len, allowed, torch.float32)
+            (block * weights).sum().backward()
         else:
             span = bias.span(start, q_len, k_start, k_len).expand_as(weights)
             (torch.where(attendable, span, 0.0) * weights).sum().backward()
         results.append({n: p.grad.clone() for n, p in function.named_parameters()})
-    for name in results[1]:
-        torch.testing.assert_close(results[0][name], results[1][name], atol=1e-4, rtol=1e-4, msg=name)
+    for result in results[:-1]:
+        for name in results[-1]:
+            torch.testing.assert_close(result[name], results[-1][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 @settings(max_examples=60, deadline=None)
