@@ -87,6 +87,27 @@ def probe_layer_call(
 ConfigT = TypeVar("ConfigT", bound=EncodingConfig)
 
 
+def fit_single_values(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load-state-dict pre-hook of every encoding: a stored tensor of one value loads into a
+    parameter of one value whatever the two shapes (a 0-dim tensor into a (1,) parameter).
+
+    Learned scalars are (1,) parameters since FSDP2's ``fully_shard`` refuses 0-dim ones and
+    DeepSpeed's broadcast views each parameter as bytes; checkpoints saved before (FIRE's ``c`` and
+    ``L_multiplier`` were 0-dim) keep loading, here rather than in one loader, so that
+    ``hf_posenc.from_pretrained`` and any ``load_state_dict`` (a Trainer resume's too) take them.
+    Any other shape mismatch is left to torch's own error."""
+    for name, param in module.named_parameters():
+        key = prefix + name
+        stored = state_dict.get(key)
+        if (
+            isinstance(stored, torch.Tensor)
+            and stored.shape != param.shape
+            and stored.numel() == 1
+            and param.numel() == 1
+        ):
+            state_dict[key] = stored.reshape(param.shape)
+
+
 class Encoding(nn.Module, Generic[ConfigT]):
     """Base class, generic in its config class. Subclasses set the class attributes and override
     the stages they use."""
@@ -129,6 +150,7 @@ class Encoding(nn.Module, Generic[ConfigT]):
         # A plain transformers load of a saved patched model reports this key as unexpected,
         # so dropping the patch is never silent, even for encodings without parameters.
         self.register_buffer(MARKER_BUFFER, torch.tensor(FORMAT_VERSION), persistent=True)
+        self.register_load_state_dict_pre_hook(fit_single_values)
 
     def initialise_from_model(self, model: nn.Module, adapter) -> None:
         """Run once when patching a model (not when reloading one): e.g. copy a native table."""

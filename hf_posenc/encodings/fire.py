@@ -12,7 +12,7 @@ and ``i - j`` the distance in tokens, exactly as the paper's reference code and 
 ``normalizer = max(positions, threshold)``). Since i - j <= i, the argument of f lies in
 [0, 1]; while i <= L the bias depends on i - j only, past L it is interpolated by the
 query's position (not Toeplitz). As in the reference, the denominator gets eps = 1e-6,
-c and L are learned and enter through |.| (so L stays positive), and L is learned as a
+c and L are learned ((1,) parameters) and enter through |.| (so L stays positive), and L is learned as a
 multiplier of ``init_L`` so that one learning rate suits both c and L. Future keys (masked
 anyway) are treated as distance 0.
 
@@ -69,17 +69,24 @@ class FIREFunction(nn.Module):
         self.out = nn.Linear(width, heads)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
-        self.c = nn.Parameter(torch.tensor(float(init_c)))
-        self.L_multiplier = nn.Parameter(torch.tensor(1.0))
+        # shape (1,), not 0-dim: FSDP2's fully_shard refuses scalar parameters and DeepSpeed's
+        # broadcast views each parameter as bytes (checkpoints with the older 0-dim tensors still
+        # load: Encoding's load hook, hf_posenc.encodings.base)
+        self.c = nn.Parameter(torch.tensor([float(init_c)]))  # (1,)
+        self.L_multiplier = nn.Parameter(torch.tensor([1.0]))  # (1,)
+
+    def scale(self) -> torch.Tensor:
+        """|c|, a 0-dim fp32 tensor."""
+        return self.c.float().abs()[0]
 
     def threshold(self) -> torch.Tensor:
         """L = |L_multiplier| * init_L, a 0-dim fp32 tensor."""
-        return (self.L_multiplier.float() * self.init_L).abs()
+        return (self.L_multiplier.float()[0] * self.init_L).abs()
 
     def normalized_distance(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """distance i - j (Tq, Tk), positions i (B, Tq), int or (interpolated) float -> psi(i-j) / psi(max(L, i)),
         (B, Tq, Tk) fp32."""
-        c = self.c.float().abs()
+        c = self.scale()  # ()
         numerator = torch.log1p(c * distance.clamp(min=0).float())  # (Tq, Tk)
         normalizer = torch.log1p(c * torch.maximum(positions.float(), self.threshold())) + EPS  # (B, Tq)
         return numerator[None] / normalizer[:, :, None]  # (B, Tq, Tk)
@@ -138,7 +145,7 @@ class FIREFunction(nn.Module):
         from a (Tk,) table of psi and a normaliser per query, f as :meth:`linear_pieces`. Queries
         with i <= L share the normaliser psi(L) + eps (below the threshold the bias is a table
         over distances)."""
-        c = self.c.float().abs()
+        c = self.scale()  # ()
         device = positions.device
         distances = interpolate(torch.arange(k_len, device=device), factor).float()  # (Tk,) d / factor
         feature = torch.log1p(c * distances)  # (Tk,) psi(d / factor)
@@ -199,9 +206,7 @@ class FIRE(Encoding[FIREConfig]):
         """psi(x) = log(c x + 1) of distances x = (i - j) / f in float32: x and c x must stay
         finite (inf / inf in the normalisation is NaN), for the largest |c| of the layers."""
         with torch.no_grad():
-            largest_c = max(
-                float(self.function(i).c.detach().float().abs()) for i in range(len(self.functions))
-            )
+            largest_c = max(float(self.function(i).scale().detach()) for i in range(len(self.functions)))
         return positional_range(
             self.config.factor,
             self.geometry.max_position_embeddings,
