@@ -95,9 +95,12 @@ class PiecewiseDistanceBias(BlockBias):
         return (self.table_rows, self.table) if self.table_rows > 0 else None
 
     def heads(self, start: int, stop: int) -> BlockBias:
-        return dataclasses.replace(
-            self, slopes=self.slopes[start:stop], intercepts=self.intercepts[start:stop]
-        )
+        """Heads ``start .. stop-1``: every per-head field cut (the pieces and, when known, the
+        network's output layer)."""
+        per_head = {"slopes": self.slopes, "intercepts": self.intercepts}
+        if self.out_weight is not None and self.out_bias is not None:
+            per_head |= {"out_weight": self.out_weight, "out_bias": self.out_bias}
+        return dataclasses.replace(self, **{name: value[start:stop] for name, value in per_head.items()})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {

@@ -107,6 +107,17 @@ def test_a_bias_restricted_to_heads_is_those_heads_of_the_full_bias(case, heads,
         torch.testing.assert_close(
             part.span(0, q_len, k_start, q_len), full[:, start:stop, :, k_start:], rtol=0, atol=0
         )
+        # the chunked backend's block (mask folded in) and leading distance table
+        # (B|1, Hq, Tq, Tk); cloned: a block may live in a scratch buffer the next block reuses
+        folded = form.folded(0, q_len, 0, q_len, None, torch.float32).clone()
+        torch.testing.assert_close(
+            part.folded(0, q_len, 0, q_len, None, torch.float32), folded[:, start:stop], rtol=0, atol=0
+        )
+        table = form.distance_table()
+        if table is not None:
+            part_table = part.distance_table()
+            assert part_table is not None and part_table[0] == table[0]
+            torch.testing.assert_close(part_table[1], table[1][start:stop], rtol=0, atol=0)
         score = part.elementwise()
         if score is not None:
             b, h, i, j = (

@@ -292,7 +292,7 @@ def test_the_loaded_model_is_asked_again():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("encoding", ["alibi", "fox"])
+@pytest.mark.parametrize("encoding", ["alibi", "fox", "fire"])
 def test_deepspeed_ulysses_on_two_cpu_processes_equals_one_process(tmp_path, encoding):
     """DeepSpeed's own engine (accelerate's ParallelismConfig, its sequence-parallel groups, data
     adapter and gradient all-reduce) with head-parallel attention over its group: the loss and every
