@@ -97,10 +97,14 @@ class PiecewiseDistanceBias(BlockBias):
     def heads(self, start: int, stop: int) -> BlockBias:
         """Heads ``start .. stop-1``: every per-head field cut (the pieces and, when known, the
         network's output layer)."""
-        per_head = {"slopes": self.slopes, "intercepts": self.intercepts}
-        if self.out_weight is not None and self.out_bias is not None:
-            per_head |= {"out_weight": self.out_weight, "out_bias": self.out_bias}
-        return dataclasses.replace(self, **{name: value[start:stop] for name, value in per_head.items()})
+        out_weight, out_bias = self.out_weight, self.out_bias
+        return dataclasses.replace(
+            self,
+            slopes=self.slopes[start:stop],
+            intercepts=self.intercepts[start:stop],
+            out_weight=None if out_weight is None else out_weight[start:stop],
+            out_bias=None if out_bias is None else out_bias[start:stop],
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
