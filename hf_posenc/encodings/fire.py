@@ -204,9 +204,16 @@ class FIRE(Encoding[FIREConfig]):
 
     def scaled_range(self) -> ScaledRange | None:
         """psi(x) = log(c x + 1) of distances x = (i - j) / f in float32: x and c x must stay
-        finite (inf / inf in the normalisation is NaN), for the largest |c| of the layers."""
+        finite (inf / inf in the normalisation is NaN), for the largest |c| of the layers (``init_c``
+        for a c on the meta device: built inside ``torch.device("meta")``, as transformers'
+        ``from_pretrained`` builds models, it holds no value yet and gets ``init_c`` at init)."""
+        if self.config.factor == 1.0:
+            return None  # unscaled: nothing to bound, and c need not be read
         with torch.no_grad():
-            largest_c = max(float(self.function(i).scale().detach()) for i in range(len(self.functions)))
+            largest_c = max(
+                self.config.init_c if f.c.is_meta else float(f.scale().detach())
+                for f in (self.function(i) for i in range(len(self.functions)))
+            )
         return positional_range(
             self.config.factor,
             self.geometry.max_position_embeddings,

@@ -124,12 +124,16 @@ class FoPE(Encoding[FoPEConfig]):
         self.sin_coef = nn.Parameter(eye + torch.randn(shape, generator=generator) * std)
 
     def scaled_range(self) -> ScaledRange | None:
-        """Angles p / f * frequency in float32, for the largest frequency of the grid."""
+        """Angles p / f * frequency in float32, for the largest frequency of the grid (1 =
+        theta^0, the grid's first, when the buffer is on the meta device and holds no value)."""
+        if self.config.factor == 1.0:
+            return None  # unscaled: nothing to bound, and the buffer need not be read
+        largest = 1.0 if self.frequencies.is_meta else float(self.frequencies.abs().max())
         return positional_range(
             self.config.factor,
             self.geometry.max_position_embeddings,
             "Fourier angles p * frequency / f",
-            float(self.frequencies.abs().max()),
+            largest,
         )
 
     def cos_sin(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo):

@@ -102,14 +102,16 @@ def pair_permutation(dim: int) -> torch.Tensor:
 
 
 def rope_generators(dim: int, block_size: int, theta: float) -> torch.Tensor:
-    """(dim/block_size, b, b) strictly upper-triangular U with U - U^T = RoPE's generator, pair layout."""
-    omega = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
-    upper = torch.zeros(dim // block_size, block_size, block_size, dtype=torch.float64)
+    """(dim/block_size, b, b) strictly upper-triangular U with U - U^T = RoPE's generator, pair layout.
+    Built on the CPU (the loop reads omega's values, which a tensor on the meta device does not
+    hold), then moved to the device tensors are being created on (meta inside ``torch.device("meta")``)."""
+    omega = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)  # (dim/2,)
+    upper = torch.zeros(dim // block_size, block_size, block_size, dtype=torch.float64, device="cpu")
     pairs = block_size // 2
     for i, w in enumerate(omega.tolist()):
         a = 2 * (i % pairs)
         upper[i // pairs, a, a + 1] = -w  # rotation [[cos, -sin], [sin, cos]] on (x_i, x_{i+dim/2})
-    return upper.float()
+    return upper.float().to(torch.empty(0).device)
 
 
 #: |p A| (spectral norm) up to which float32 matrix_exp followed by the two polar steps stays

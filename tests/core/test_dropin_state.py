@@ -249,6 +249,30 @@ def test_meta_device_build_then_init_weights_gives_the_designed_init(name):
     assert bool(logits(model, token_ids(1, 8)).isfinite().all())
 
 
+ALL_ENCODINGS = tuple(info.name for info in hf_posenc.list_encodings())
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [(name, {}) for name in ALL_ENCODINGS]
+    + [(name, {"scaling": {"type": "linear", "factor": 2.0}}) for name in ("fire", "fope")],
+)
+def test_patching_inside_the_meta_device_context_then_init_weights_runs(name, params):
+    """Patching inside ``torch.device("meta")`` (where the encoding's own tensors are created on the
+    meta device too, as when transformers' ``from_pretrained`` builds the model) reads no tensor
+    value, and ``to_empty()`` + ``init_weights()`` then give a model with finite logits. (Found by
+    transformers' own tests patched at construction: FIRE's scaling check read its c, LieRE's init
+    read RoPE's frequencies.)"""
+    family = "gpt2" if name == "learned" else "llama"
+    with torch.device("meta"):
+        model = make_model(family)
+        hf_posenc.patch_model(model, name, **params)
+    assert all(t.is_meta for t in model.posenc.parameters())  # built where the model is
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert bool(logits(model, token_ids(1, 8)).isfinite().all())
+
+
 def test_init_weights_keeps_tensors_loaded_from_a_checkpoint():
     """transformers marks tensors it loaded (``_is_hf_initialized``) and initialises the rest; the
     encoding's loaded tensors keep their values, the others get the designed init."""
