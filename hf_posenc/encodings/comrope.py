@@ -145,7 +145,9 @@ class ComRoPE(Encoding[ComRoPEConfig]):
     def scaled_range(self) -> ScaledRange | None:
         """exp(x / f B) in ``matrix_exp_dtype``: finite while |x B / f| (spectral norm) is below
         :data:`~hf_posenc.core.interpolation.MATRIX_EXP_FINITE`, for the generators as they are now."""
-        if self.config.factor == 1.0:
+        if self.config.factor == 1.0 or self.generator.is_meta:
+            # on the meta device (transformers' from_pretrained builds there) the generators hold
+            # no values yet: nothing to bound; the check runs when patched or reconfigured on values
             return None
         dtype = self.config.matrix_exp_dtype
         with torch.no_grad():

@@ -148,7 +148,9 @@ class LieRE(Encoding[LieREConfig]):
     def scaled_range(self) -> ScaledRange | None:
         """exp(p / f A) in float32: matrix_exp and the polar steps stay finite while |p A / f|
         (spectral norm) is below LIERE_LIMIT, for the generators as they are now."""
-        if self.config.factor == 1.0:
+        if self.config.factor == 1.0 or self.generators.is_meta:
+            # on the meta device (transformers' from_pretrained builds there) the generators hold
+            # no values yet: nothing to bound; the check runs when patched or reconfigured on values
             return None
         with torch.no_grad():
             layers = 1 if self.config.shared_across_layers else self.geometry.num_layers

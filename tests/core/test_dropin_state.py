@@ -255,7 +255,10 @@ ALL_ENCODINGS = tuple(info.name for info in hf_posenc.list_encodings())
 @pytest.mark.parametrize(
     ("name", "params"),
     [(name, {}) for name in ALL_ENCODINGS]
-    + [(name, {"scaling": {"type": "linear", "factor": 2.0}}) for name in ("fire", "fope")],
+    + [
+        (name, {"scaling": {"type": "linear", "factor": 2.0}})
+        for name in ("fire", "fope", "liere", "comrope")
+    ],
 )
 def test_patching_inside_the_meta_device_context_then_init_weights_runs(name, params):
     """Patching inside ``torch.device("meta")`` (where the encoding's own tensors are created on the
