@@ -163,8 +163,11 @@ class PiecewiseDistanceBias(BlockBias):
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
         network = self.network
         # with gradients (training's rebuilt blocks) the linear pieces: autograd through the
-        # network's products measured slower (training T=2048, one thread: 2.87x -> 3.57x native)
-        if network is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
+        # network's products measured slower (training T=2048, one thread: 2.87x -> 3.57x native);
+        # under torch.compile too: which units switch in a block is data-dependent (fullgraph
+        # compiled decoding cannot guard on it)
+        compiling = torch.compiler.is_compiling()
+        if network is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and not compiling:
             block = network_block(x, network, allowed, scratch)
             if block is not None:
                 return block.to(dtype)
