@@ -162,3 +162,25 @@ def no_grad_logits(model, ids, **kwargs) -> torch.Tensor:
 def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def run_two_processes(script, *args: str, **env: str):
+    """``python -m torch.distributed.run --standalone --nproc_per_node 2 script *args`` from the
+    repository root (one torch thread per process, ``env`` added), asserting it exits 0; returns
+    the finished process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*command, str(script), *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result

@@ -41,6 +41,13 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
 
 
+def _score_indices(batch: int, heads: int, queries: int, keys: int) -> tuple[torch.Tensor, ...]:
+    """(b, h, q_idx, kv_idx) index tensors of every score, each (batch, heads, queries, keys), as
+    FlexAttention hands a score_mod."""
+    ranges = (torch.arange(batch), torch.arange(heads), torch.arange(queries), torch.arange(keys))
+    return torch.meshgrid(*ranges, indexing="ij")
+
+
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=case_ids(BLOCK_CASES))
 def test_every_view_of_a_score_bias_is_its_full_matrix_on_attendable_entries(case):
     """What the backends read of one score bias agree: any block of ``rows`` (chunked) and the
@@ -69,29 +76,15 @@ def test_every_view_of_a_score_bias_is_its_full_matrix_on_attendable_entries(cas
         assert (
             elementwise is not None
         )  # every encoding's bias can be said per score (FlexAttention serves it)
-        b, h, i, j = torch.meshgrid(
-            torch.arange(full.shape[0]),
-            torch.arange(full.shape[1]),
-            torch.arange(q_len),
-            torch.arange(k_len),
-            indexing="ij",
-        )
         with torch.no_grad():
-            scores = elementwise(b, h, i, j)
+            scores = elementwise(*_score_indices(full.shape[0], full.shape[1], q_len, k_len))
         torch.testing.assert_close(scores[..., causal], full[..., causal], atol=1e-6, rtol=0)
         # on a length bucket's padded ranges (compiled FlexAttention): every padded score reads
         # in range (eager indexing raises otherwise) and the call's own scores are unchanged
         q_size, k_size = q_len + 5, k_len + 7
         grid = ScoreGrid(q_size, k_size, torch.tensor(k_len - q_len, dtype=torch.int32))
-        b, h, i, j = torch.meshgrid(
-            torch.arange(full.shape[0]),
-            torch.arange(full.shape[1]),
-            torch.arange(q_size),
-            torch.arange(k_size),
-            indexing="ij",
-        )
         with torch.no_grad():
-            padded = bias.elementwise(grid)(b, h, i, j)  # (B|1, Hq, Tq', Tk')
+            padded = bias.elementwise(grid)(*_score_indices(full.shape[0], full.shape[1], q_size, k_size))
         assert padded.shape[-2:] == (q_size, k_size) and padded.isfinite().all()
         own = padded[..., :q_len, :k_len]
         torch.testing.assert_close(own[..., causal], full[..., causal], atol=1e-6, rtol=0)

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_two_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +33,6 @@ from hf_posenc.models.base import ModelGeometry
 from hf_posenc.recipes.tiny import tiny_model
 from tests.encoding_cases import BLOCK_CASES, CASES_BY_ENCODING, HEAD_PARALLEL_SERVED, head_parallel_serves
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("head_parallel_worker.py")
 
 CASES = [case for cases in CASES_BY_ENCODING.values() for case in cases]
@@ -154,17 +151,7 @@ def test_a_two_rank_step_equals_the_one_process_step(tmp_path):
         for f, e, p, h, kv in TWO_RANK_CASES
     ]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = subprocess.run(
-        [*command, str(WORKER), str(tmp_path / "out.json"), str(tmp_path / "cases.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_two_processes(WORKER, str(tmp_path / "out.json"), str(tmp_path / "cases.json"))
     results = json.loads((tmp_path / "out.json").read_text())
     assert [r["case"] for r in results] == cases
     for r in results:

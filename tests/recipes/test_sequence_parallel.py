@@ -300,24 +300,15 @@ def test_deepspeed_ulysses_on_two_cpu_processes_equals_one_process(tmp_path, enc
     CI and this machine's environment lack it; run it where ``DS_BUILD_OPS=0 pip install
     --no-build-isolation deepspeed`` installed it)."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from conftest import run_two_processes
 
     pytest.importorskip("deepspeed")
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_DEEPSPEED": "true"}
     out = tmp_path / "out.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = subprocess.run(
-        [*command, str(root / "recipes/train/ulysses_check.py"), encoding, str(out)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_two_processes(
+        root / "recipes/train/ulysses_check.py", encoding, str(out), ACCELERATE_USE_DEEPSPEED="true"
     )
-    assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     parallel, single = report["loss"]
     assert abs(parallel - single) <= 1e-5 * abs(single)
