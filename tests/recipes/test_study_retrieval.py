@@ -265,3 +265,73 @@ def test_the_retrieval_flag_of_before_changes_nothing_and_says_so(tmp_path, monk
     (tmp_path / "study.yaml").write_text("study:\n  retrieval_documents: 0\n  retrieval_instruction: true\n")
     assert main(["study", "--output-dir", out, "--retrieval", "--config", str(tmp_path / "study.yaml")]) == 0
     assert (seen[-1].retrieval_documents, seen[-1].retrieval_instruction) == (0, True)
+
+
+def _shortest_passkey_prompt(config: StudyConfig) -> str:
+    """The passkey prompt the study's documents start from, with no haystack (the first draw)."""
+    from hf_posenc.recipes.longeval.words import sample_rng
+    from hf_posenc.recipes.study.retrieval import study_task
+
+    task = study_task(config)
+    return task.instance(sample_rng(config.seed, task.name, 0), config.train_length, 0.5).render(0, 0)
+
+
+def test_a_training_length_too_short_for_passkey_documents_stops_before_any_work(tmp_path, capsys):
+    """``--train-length`` below what any byte-level BPE tokenizer needs for the passkey prompt is
+    refused in one line naming the value, before a tokenizer is trained or a file is written
+    (before, the refusal came after the tokenizer's training, with study_config.json written)."""
+    from hf_posenc.recipes.cli import main
+
+    out = tmp_path / "study"
+    assert main(["study", "--output-dir", str(out), "--train-length", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--train-length 16" in err[0] and "allowed: at least" in err[0]
+    assert not out.exists() or not any(out.iterdir())
+    # the experiment switched off, the same length is not refused for it
+    assert (
+        main(
+            [
+                "study",
+                "--output-dir",
+                str(out),
+                "--train-length",
+                "16",
+                "--retrieval-documents",
+                "0",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+
+
+def test_the_early_bound_never_refuses_a_length_some_tokenizer_fits():
+    """The early refusal is a lower bound: a byte-level BPE tokenizer trained on the prompt itself
+    (every merge it could use) writes the prompt in as many tokens as GPT-2's pre-tokenizer
+    gives pieces, and the exact check with that tokenizer accepts the smallest length the early
+    check lets through; one token less is refused by both."""
+    from tokenizers import pre_tokenizers
+
+    from hf_posenc.recipes.study.retrieval import check_training_length, check_training_length_early
+    from hf_posenc.recipes.tokenizer import train_bpe_tokenizer
+
+    config = StudyConfig(train_length=256)
+    prompt = _shortest_passkey_prompt(config)
+    pieces = len(pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(prompt))
+    best = train_bpe_tokenizer([prompt * 50], vocab_size=2048, min_frequency=1)
+    assert len(best(prompt, add_special_tokens=False)["input_ids"]) == pieces
+    lengths = sorted({pieces + 6, pieces + 9, pieces + 12})
+    for length in lengths:
+        short = StudyConfig(train_length=length)
+        assert _shortest_passkey_prompt(short) == prompt  # the prompt with no haystack is length-free
+        try:
+            check_training_length_early(short)
+            early = True
+        except InvalidParameterError:
+            early = False
+        try:
+            check_training_length(short, best)
+            exact = True
+        except InvalidParameterError:
+            exact = False
+        assert early == exact, (length, early, exact)

@@ -63,13 +63,60 @@ def evaluation_samples(task: Any, tokenizer: Any, length: int, samples: int, see
     raise failure
 
 
+#: tokens a training document keeps beyond the shortest passkey prompt (room for its answer)
+ANSWER_MARGIN = 8
+
+
+def check_training_length(config: Any, tokenizer: Any) -> int:
+    """Refuse a ``train_length`` whose blocks cannot hold one passkey prompt and its answer for
+    ``tokenizer``; return the length (in the tokenizer's own counting) the documents aim at."""
+    from ...errors import InvalidParameterError
+    from ..longeval.tasks import minimum_length
+
+    # the training pipeline adds only the end-of-text token; the length fitting counts what the
+    # tokenizer adds by default (a BOS), so aim at one block of text tokens plus those
+    added = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    length = config.train_length - (1 if tokenizer.eos_token_id is not None else 0) + added
+    shortest = minimum_length(study_task(config), tokenizer, length, 1, config.seed) + ANSWER_MARGIN
+    if length < shortest:
+        raise InvalidParameterError(
+            f"study: retrieval documents need a training length of at least {shortest} tokens for this tokenizer "
+            f"(the passkey prompt and its answer); --train-length is {config.train_length}; "
+            "--retrieval-documents 0 leaves the retrieval experiment out"
+        )
+    return length
+
+
+def check_training_length_early(config: Any) -> None:
+    """Before any tokenizer is trained: refuse a ``train_length`` no byte-level BPE tokenizer can fit
+    the passkey prompt into. Such a tokenizer never merges across the pieces its pre-tokenizer
+    (GPT-2's split on words, numbers, punctuation and spaces) cuts the text into, so the prompt
+    has at least as many tokens as pieces; a document also keeps its end-of-text token and
+    :data:`ANSWER_MARGIN` tokens. Passing here does not promise the exact check after training
+    (:func:`check_training_length`) passes: the trained tokenizer may need more."""
+    from tokenizers import pre_tokenizers
+
+    from ...errors import InvalidParameterError
+    from ..longeval.words import sample_rng
+
+    task = study_task(config)
+    prompt = task.instance(sample_rng(config.seed, task.name, 0), config.train_length, 0.5).render(0, 0)
+    pieces = len(pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(prompt))
+    shortest = pieces + ANSWER_MARGIN + 1
+    if config.train_length < shortest:
+        raise InvalidParameterError(
+            f"study: --train-length {config.train_length} is too short for the retrieval documents; allowed: at "
+            f"least {shortest} tokens (the passkey prompt is {pieces} words and symbols, each at least one "
+            "token, plus its answer and the end-of-text token; the tokenizer trained may need more); "
+            "--retrieval-documents 0 leaves the retrieval experiment out"
+        )
+
+
 def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
     """Write the passkey training documents for ``tokenizer`` (if the experiment is on and they are
     not there yet); each is ``train_length - 1`` tokens, one block with its end-of-text token."""
     if not getattr(config, "retrieval_documents", 0):
         return None
-    from ...errors import InvalidParameterError
-    from ..longeval.tasks import minimum_length
     from ..longeval.training_data import training_documents
 
     path = Path(config.output_dir) / FILE
@@ -77,17 +124,7 @@ def write_training_documents(config: Any, tokenizer: Any) -> Path | None:
         verify_documents(path, _settings(config))
         return path
     task = study_task(config)
-    # the training pipeline adds only the end-of-text token; the length fitting counts what the
-    # tokenizer adds by default (a BOS), so aim at one block of text tokens plus those
-    added = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
-    length = config.train_length - (1 if tokenizer.eos_token_id is not None else 0) + added
-    shortest = minimum_length(task, tokenizer, length, 1, config.seed) + 8
-    if length < shortest:
-        raise InvalidParameterError(
-            f"study: retrieval documents need a training length of at least {shortest} tokens for this tokenizer "
-            f"(the passkey prompt and its answer); --train-length is {config.train_length}; "
-            "--retrieval-documents 0 leaves the retrieval experiment out"
-        )
+    length = check_training_length(config, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
     with partial.open("w", encoding="utf-8") as handle:

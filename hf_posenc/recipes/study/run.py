@@ -82,7 +82,24 @@ def check_study(config: StudyConfig) -> Path:
     check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings))
     check_sources(config.data)
     check_sources(config.eval_data or config.data)
+    _check_retrieval_length(config)
     return out
+
+
+def _check_retrieval_length(config: StudyConfig) -> None:
+    """A training length too short for the passkey documents is refused here, before any tokenizer is
+    trained or file written: exactly with a given base model's tokenizer, else by a bound every
+    byte-level BPE tokenizer obeys (the exact check runs again once the study's tokenizer exists)."""
+    if not config.retrieval_documents:
+        return
+    from .retrieval import check_training_length, check_training_length_early
+
+    if config.base_model:
+        from transformers import AutoTokenizer
+
+        check_training_length(config, AutoTokenizer.from_pretrained(config.base_model))
+    else:
+        check_training_length_early(config)
 
 
 def _pretrain_base(config: StudyConfig, settings, status: str):
