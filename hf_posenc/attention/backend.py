@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..core.recompute import recomputed
 from ..encodings.base import Encoding
 from ..encodings.block_bias import BlockBias
 from ..encodings.call import ScoreCall
@@ -158,13 +159,25 @@ def dispatch_with_stream(
     (the added products are exact zeros) and the kernel, which wants equal widths, stays fused
     (values wider than q/k would send SDPA to its O(T^2) math path). Otherwise, two calls with
     the same queries and keys (their weights are the same function of them).
+
+    With gradients (no dropout, no weights asked for) the fused call keeps only q, k, v and the
+    stream for backward and runs again in backward (:func:`~hf_posenc.core.recompute.recomputed`):
+    kept as is, the kernel would hold its padded q and k, the widened values and its output, all
+    (Dv + S) wide, twice what plain attention keeps per token. The price is one more forward of
+    the attention per training step.
     """
     v = call.v
     stream = stream.to(v.dtype)
     if call.bias is None and not call.explicit:
         extra = v.shape[-1] + stream.shape[-1] - call.q.shape[-1]  # q/k width -> value width
-        score = dataclasses.replace(call.score, q=F.pad(call.q, (0, extra)), k=F.pad(call.k, (0, extra)))
-        return dispatch(dataclasses.replace(call, score=score, v=torch.cat((v, stream), dim=-1)))
+
+        def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: torch.Tensor):
+            score = dataclasses.replace(call.score, q=F.pad(q, (0, extra)), k=F.pad(k, (0, extra)))
+            return dispatch(dataclasses.replace(call, score=score, v=torch.cat((v, stream), dim=-1)))
+
+        if call.dropout_p == 0.0 and not call.want_weights:  # (B, Tq, Hq, Dv + S), no weights
+            return recomputed(lambda *inputs: fused(*inputs)[0], call.q, call.k, v, stream), None
+        return fused(call.q, call.k, v, stream)
     out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
     attended, _ = dispatch(dataclasses.replace(call, v=stream, want_weights=False))  # (B, Tq, Hq, S)
     return torch.cat((out, attended), dim=-1), weights

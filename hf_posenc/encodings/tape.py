@@ -49,6 +49,7 @@ interpolated positions, C^0_t = cos(p_t / f w), S^0_t = sin(p_t / f w); (2)-(4) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -59,6 +60,7 @@ from ..core.config import EncodingConfig, check_number, resolved
 from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
 from ..core.layout import expand_kv_heads
 from ..core.memo import ForwardMemo
+from ..core.recompute import recomputed
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError, UnsupportedModelError
 from .base import Encoding
@@ -103,10 +105,21 @@ def initial_stream(positions: torch.Tensor, theta: float, dim: int, heads: int, 
     return stream[:, None].expand(-1, heads, -1, -1).to(dtype)
 
 
-def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    """(2): x (B,H,T,D), stream (B,H,T,D) = (C, S) -> x * (C,C) + rotate_half(x) * (S,S)."""
-    c, s = stream.chunk(2, dim=-1)  # (B, H, T, D/2)
+def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """(2): x (B,H,T,D), stream (B,H/groups,T,D) = (C, S) -> x * (C,C) + rotate_half(x) * (S,S),
+    KV head g's stream serving query heads g*groups .. (g+1)*groups-1."""
+    c, s = expand_kv_heads(stream, groups).chunk(2, dim=-1)  # (B, H, T, D/2)
     return x * torch.cat((c, c), dim=-1) + rotate_half(x) * torch.cat((s, s), dim=-1)
+
+
+def pe_layer(
+    half: torch.Tensor, gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """(4): half (B,G,T,D) = E^{l+1/2}, gate (B,T,P) = silu(W_x x), W_up (P,G), W_down (G,P) ->
+    E^{l+1} = half + W_down (gate * (W_up half)), (B,G,T,D)."""
+    mixed = torch.einsum("bgtd,pg->bptd", half, w_up.to(half.dtype))  # (B, P, T, D)
+    mixed = mixed * gate.transpose(1, 2)[..., None].to(half.dtype)
+    return half + torch.einsum("bptd,gp->bgtd", mixed, w_down.to(half.dtype))
 
 
 @register_encoding
@@ -165,9 +178,8 @@ class TAPE(Encoding[TAPEConfig]):
         step = layer_idx - 1
         w_x, w_up, w_down = (getattr(self, n)[step] / self.fan_in[n] for n in ("x_proj", "up", "down"))
         gate = F.silu(hidden @ w_x.to(hidden.dtype).T)  # (B, T, P)
-        mixed = torch.einsum("bgtd,pg->bptd", half, w_up.to(half.dtype))  # (B, P, T, D)
-        mixed = mixed * gate.transpose(1, 2)[..., None].to(half.dtype)
-        return half + torch.einsum("bptd,gp->bgtd", mixed, w_down.to(half.dtype))  # (4)
+        # (4) keeps half and gate for backward, not its two (B, P, T, D) products (recomputed)
+        return recomputed(pe_layer, half, gate, w_up, w_down)
 
     def adjust_qkv(
         self, call: LayerCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -175,8 +187,9 @@ class TAPE(Encoding[TAPEConfig]):
         layer_idx, memo = call.layer_idx, call.memo
         stream = self._stream(layer_idx, call.hidden, call.positions, memo, q.dtype)  # (B, Hkv, T, D)
         memo.carry[("tape-in", layer_idx)] = stream
-        stream_q = expand_kv_heads(stream, self.groups)  # (B, Hq, T, D)
-        return rotate_with_stream(q, stream_q), rotate_with_stream(k, stream), v
+        # (2) keeps q, k and the stream for backward, not the rotation's (B, H, T, D) pieces
+        rotate_q = functools.partial(rotate_with_stream, groups=self.groups)
+        return recomputed(rotate_q, q, stream), recomputed(rotate_with_stream, k, stream), v
 
     def attended_stream(self, call: LayerCall, k_len: int) -> torch.Tensor:
         """E^l of the ``k_len`` keys attended: the cached keys' (decoding state) and the new ones'."""

@@ -155,7 +155,10 @@ class XPos(Encoding[XPosConfig]):
             )
 
     def _scaled_cos_sin(self, call: LayerCall, dtype: torch.dtype):
-        """(cos, sin) * zeta^(n/gamma) and (cos, sin) / zeta^(n/gamma), each (B, 1, T, d_rot) fp64."""
+        """(cos, sin) * zeta^(n/gamma) and (cos, sin) / zeta^(n/gamma), each (B, 1, T, d_rot),
+        computed in fp64 and stored in the rotation's working dtype (fp32 at least): once per
+        forward for every layer, so a training step keeps one copy of the four tables (4 d_rot
+        values per token in all), not a converted copy per layer."""
 
         def build():
             self._check_range(call.positions, dtype)
@@ -171,13 +174,14 @@ class XPos(Encoding[XPosConfig]):
             scale = torch.cat((scale, scale), dim=-1)  # pairs (i, i + d_rot/2) share zeta_i
             inverse = torch.exp(-exponent * log_zeta)[:, None]
             inverse = torch.cat((inverse, inverse), dim=-1)
-            return cos * scale, sin * scale, cos * inverse, sin * inverse
+            work = torch.promote_types(dtype, torch.float32)  # scale in fp32 at least (fp64 for fp64 models)
+            return tuple(t.to(work) for t in (cos * scale, sin * scale, cos * inverse, sin * inverse))
 
         return call.memo.get(("xpos", dtype), build)
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q_cos, q_sin, k_cos, k_sin = self._scaled_cos_sin(call, q.dtype)  # (B, 1, T, d_rot) fp64 each
-        work = torch.promote_types(q.dtype, torch.float32)  # scale in fp32 at least (fp64 for fp64 models)
-        q_out = apply_rotary(q.to(work), q_cos.to(work), q_sin.to(work)).to(q.dtype)
-        k_out = apply_rotary(k.to(work), k_cos.to(work), k_sin.to(work)).to(k.dtype)
+        q_cos, q_sin, k_cos, k_sin = self._scaled_cos_sin(call, q.dtype)  # (B, 1, T, d_rot) each
+        work = q_cos.dtype
+        q_out = apply_rotary(q.to(work), q_cos, q_sin).to(q.dtype)
+        k_out = apply_rotary(k.to(work), k_cos, k_sin).to(k.dtype)
         return q_out, k_out

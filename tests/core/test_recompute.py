@@ -1,0 +1,78 @@
+"""Property: ``recomputed(f, *inputs)`` is ``f(*inputs)`` in value and gradient (the backward
+re-runs f on the same values: the same bits), keeps only its inputs for backward, and is a
+plain call without gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_posenc.core.recompute import recomputed
+
+
+def _shift_norm(x: torch.Tensor, alpha: torch.Tensor, gain: torch.Tensor, eps: float):
+    """Two outputs from a chain of elementwise steps (each would keep a (B, T, D) intermediate)."""
+    shifted = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), dim=1)
+    mixed = alpha * shifted + (1 - alpha) * x
+    normed = mixed * torch.rsqrt(mixed.square().mean(-1, keepdim=True) + eps) * gain
+    return normed, mixed.sigmoid()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    length=st.integers(1, 9),
+    width=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    wanted=st.sampled_from([(True, True, True), (True, False, True), (False, True, False)]),
+    use_second=st.booleans(),
+)
+def test_recomputed_equals_the_plain_call_in_value_and_gradient(length, width, seed, wanted, use_second):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(2, length, width), (2, length, 1), (width,)]
+    plain = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    function = functools.partial(_shift_norm, eps=1e-5)
+
+    def run(call):
+        inputs = [t.clone().requires_grad_(w) for t, w in zip(plain, wanted, strict=True)]
+        first, second = call(function, *inputs)
+        loss = (first * torch.arange(first.numel(), dtype=first.dtype).view_as(first)).sum()
+        if use_second:
+            loss = loss + second.sum()
+        loss.backward()
+        return first.detach(), [t.grad for t in inputs]
+
+    want_out, want_grads = run(lambda f, *xs: f(*xs))
+    got_out, got_grads = run(recomputed)
+    assert torch.equal(got_out, want_out)
+    for got, want, w in zip(got_grads, want_grads, wanted, strict=True):
+        assert (got is None) == (not w)
+        if w:
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_recomputed_keeps_only_its_inputs():
+    """Autograd keeps the three inputs of the recomputed chain, none of its intermediates."""
+    x = torch.randn(2, 16, 8, requires_grad=True)
+    alpha = torch.rand(2, 16, 1, requires_grad=True)
+    gain = torch.randn(8, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        first, _ = recomputed(functools.partial(_shift_norm, eps=1e-5), x, alpha, gain)
+    first.sum().backward()
+    assert sum(kept.values()) == (x.numel() + alpha.numel() + gain.numel()) * 4
+
+
+def test_without_gradients_it_is_a_plain_call():
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.no_grad():
+        out = recomputed(torch.sin, x)
+    assert out.grad_fn is None and torch.equal(out, torch.sin(x.detach()))

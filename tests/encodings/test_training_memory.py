@@ -1,0 +1,102 @@
+"""Issue 22.2: what a training step keeps for backward per token beyond the same model with RoPE,
+bounded by what each encoding's formula needs (counted from its shapes), and the gradients of
+the leaner graph equal those of plain autograd on the eager backend (fp32, 1e-5).
+
+Measured as the growth of the distinct storages autograd saves from T to 2T tokens, so
+per-layer constants cancel; RoPE's own graph is the baseline (what native attention keeps)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_model, patch, token_ids
+
+import hf_posenc.attention.backend as backend_module
+import hf_posenc.encodings.tape as tape_module
+
+SHORT, LONG = 32, 64
+FP32 = 4
+
+
+def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward over one training forward."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()  # the kept tensors serve a real backward
+    return sum(storages.values())
+
+
+def _growth_beyond_rope(model: torch.nn.Module, name: str) -> float:
+    """Saved bytes per token of ``name`` minus RoPE's, from the growth between SHORT and LONG."""
+    patched = patch(copy.deepcopy(model), name).train()
+    rope = patch(copy.deepcopy(model), "rope", randomize=False).train()
+    short, long = token_ids(1, SHORT), token_ids(1, LONG)
+    grown = _saved_bytes(patched, long) - _saved_bytes(patched, short)
+    baseline = _saved_bytes(rope, long) - _saved_bytes(rope, short)
+    return (grown - baseline) / (LONG - SHORT)
+
+
+def _geometry(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return config.num_hidden_layers, heads, kv_heads, config.hidden_size // heads
+
+
+def test_xpos_keeps_its_scaled_tables_once_per_forward():
+    """xPos rotates q and k by RoPE's cos/sin times zeta^(+-n/gamma): four (T, d_rot) tables
+    where RoPE has two. Per token that is 2 d_rot fp32 values beyond RoPE for the whole forward
+    (the tables are shared by every layer), not a converted copy of the four per layer."""
+    model = make_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3
+    )
+    _, _, _, d = _geometry(model)
+    assert _growth_beyond_rope(model, "xpos") <= 2 * d * FP32
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_tape_keeps_what_its_formula_needs(kv_heads):
+    """TAPE per token and layer beyond RoPE: the unrotated q and k (the rotation's gradient by
+    the stream needs them), the stream E^l, E^{l+1/2} and the attended stream
+    (sum_j a_tj E_j, for gamma's gradient), Hkv*D each, the PE layer's gate input and output (P
+    each), and the output projection's input (Hq*D, a copy: the attention's output also holds
+    the attended stream). Not the padded q, k, values and output of the fused attention (2D
+    wide), nor the rotation's or the PE layer's (B, P, T, D) intermediates."""
+    model = make_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
+    )
+    layers, heads, kv, d = _geometry(model)
+    size = 4 * kv  # P, TAPE's default position_size
+    per_layer = heads * d + kv * d + 3 * kv * d + 2 * size + heads * d
+    assert _growth_beyond_rope(model, "tape") <= layers * per_layer * FP32
+
+
+def _gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_tape_gradients_equal_plain_autograd_on_eager(kv_heads, monkeypatch):
+    """The recomputed rotation, PE layer and fused stream attention give the gradients that
+    plain autograd through the eager backend gives (nothing recomputed), and the same loss."""
+    model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads).train()
+    ids = token_ids(2, 24)
+    lean = patch(copy.deepcopy(model), "tape")
+    got = _gradients(lean, ids)
+    plain = patch(copy.deepcopy(model), "tape", backend="eager")
+    for module in (tape_module, backend_module):
+        monkeypatch.setattr(module, "recomputed", lambda function, *inputs: function(*inputs))
+    want = _gradients(plain, ids)
+    assert got.keys() == want.keys()
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, atol=1e-5, rtol=1e-5, msg=n)
