@@ -10,7 +10,7 @@ frequencies) or state carried along the sequence (forget gates, TAPE's stream) a
 Ulysses goes through hf_posenc's head-parallel attention, which serves the encodings split by heads
 (``tests/encoding_cases.HEAD_PARALLEL_SERVED``; its 2-process runs are in
 tests/attention/test_head_parallel.py, and with DeepSpeed's engine below where DeepSpeed is
-installed); ``hf-posenc train`` still refuses it (its loop does not shard batches over the ranks).
+installed); ``hf-posenc train --sequence-parallel`` is tested in test_ulysses_training.py.
 Context parallelism needs CUDA GPUs, which this machine lacks; the 2-process CPU runs of DDP/FSDP
 are in test_training.py.
 """
@@ -233,7 +233,7 @@ def _heads(workspace: Path) -> int:
         (["--context-parallel", "2", "--encoding", "rope", "--packing"], ["--packing", "across documents"]),
         (["--context-parallel", "2", "--encoding", "rope", "--loss", "chunked"], ["--loss chunked", "full"]),
         (["--sequence-parallel", "2", "--encoding", "sba"], ["'sba'", "explicitly"]),
-        (["--sequence-parallel", "2", "--encoding", "alibi"], ["--sequence-parallel 2", "not wired"]),
+        (["--sequence-parallel", "2", "--encoding", "alibi"], ["--sequence-parallel 2", "DeepSpeed"]),
         (["--sequence-parallel", "2", "--seq-len", "31"], ["--seq-len 31", "multiple of 2"]),
         (["--context-parallel", "2", "--sequence-parallel", "2"], ["one of them"]),
         (["--context-parallel", "0"], ["--context-parallel 0", ">= 1"]),
@@ -256,14 +256,14 @@ def test_heads_not_divisible_by_the_ulysses_degree_are_named(workspace, tmp_path
 
 def test_a_served_setting_names_what_this_machine_lacks(workspace, tmp_path, capsys):
     """rope with --context-parallel 2 passes the encoding checks and stops at the machine: no CUDA
-    here (on a GPU machine, not launched with FSDP2); Ulysses stops at the loop, which does not
-    shard batches over the ranks yet."""
+    here (on a GPU machine, not launched with FSDP2); Ulysses stops at DeepSpeed (not installed, or
+    not a DeepSpeed launch)."""
     assert _run(workspace, tmp_path, "--context-parallel", "2", "--encoding", "rope") == 2
     line = _one_error(capsys)
     assert ("needs CUDA" in line) if not torch.cuda.is_available() else ("FSDP2" in line), line
     assert _run(workspace, tmp_path, "--sequence-parallel", "2") == 2
     line = _one_error(capsys)
-    assert "not wired" in line, line
+    assert "--sequence-parallel 2 needs" in line and "DeepSpeed" in line, line
 
 
 def test_a_flag_contradicting_the_launch_config_is_named(workspace, tmp_path, capsys, monkeypatch):

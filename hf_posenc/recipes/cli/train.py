@@ -213,8 +213,9 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULTS.sequence_parallel,
         metavar="N",
-        help="DeepSpeed Ulysses over N GPUs through accelerate: refused for now (the loop does not shard "
-        "batches over the ranks yet; see hf_posenc.enable_head_parallel and recipes/train/ulysses_check.py)",
+        help="DeepSpeed Ulysses through accelerate: every N consecutive processes split each sequence (each "
+        "its seq_len/N tokens, head-parallel attention); --batch-size is per group; launch with "
+        "recipes/accelerate/ulysses.yaml; needs deepspeed",
     )
 
 

@@ -29,6 +29,7 @@ import torch
 
 from .batches import BatchOrder
 from .sampling import document_mask, sample_positions
+from .ulysses import sequence_shard
 
 IGNORE = -100  # transformers' ignore_index
 
@@ -60,9 +61,11 @@ class Feed:
         sampling: str = "none",
         target_length: int | None = None,
         seed: int = 0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         self.blocks, self.order, self.packing, self.grad_accum = blocks, order, packing, grad_accum
         self.sampling, self.target_length, self.seed = sampling, target_length, seed
+        self.shard = shard  # (rank, size) in a Ulysses group: this rank's tokens only (ulysses.py)
         self._labels: tuple[int, int] | None = None  # (step, labels of the whole step)
 
     def step_labels(self, step: int) -> int:
@@ -82,6 +85,8 @@ class Feed:
             }
         if not self.packing:
             batch = self.order.micro_batch(micro_step).to(device)
+            if self.shard is not None:  # packing and position sampling are refused with it
+                return sequence_shard({"input_ids": batch, "labels": batch}, *self.shard)
             return {"input_ids": batch, "labels": batch}
         inputs: dict[str, Any] = {
             k: v.to(device) for k, v in packed_inputs(self.blocks, self.order.indices(micro_step)).items()

@@ -2,7 +2,9 @@
 
 Works on one CPU, and under ``accelerate launch`` on N processes (DDP, FSDP): each process
 takes its slice of the same global batch (see :mod:`.batches`), so a 2-process run with
-half the per-process batch follows the same trajectory as one process.
+half the per-process batch follows the same trajectory as one process. Under DeepSpeed Ulysses
+(``--sequence-parallel N``) each group of N processes takes one slice and splits its sequences
+(:mod:`.ulysses`).
 
 This module holds the steps (micro-batches, optimizer step, loss record, checkpoints, the final
 model); the model, optimizer and schedule are set up in :mod:`.model_setup`, the accelerator,
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...core.patch import patch_info
 from .. import run_lock
 from ..threads import use_threads
 from .batches import BatchOrder
@@ -33,7 +36,8 @@ from .lora import merge_lora
 from .loss import LossFunction, loss_function
 from .model_setup import prepare_for_accelerate, trainable_model
 from .outputs import write_final
-from .parallelism import context_parallel_shards
+from .parallelism import context_parallel_shards, launch_degrees
+from .ulysses import check_zero_stage, configure_deepspeed, enable_sequence_parallel, ulysses_layout
 from .world import open_accelerator, restore_state, resume_point
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -69,6 +73,7 @@ class _Run:
     losses: list[tuple[int, float]]
     loss: LossFunction
     bar: Any = None
+    sequence_parallel: int = 1  # Ulysses degree: each rank's loss is a part of its group's
 
 
 def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: Path):
@@ -109,7 +114,10 @@ def _optimizer_step(run: _Run, step: int) -> float:
             run.optimizer.zero_grad()
         step_loss += loss.detach() / config.grad_accum
     run.scheduler.step()
-    return accelerator.gather(step_loss[None]).mean().item()
+    losses = accelerator.gather(step_loss[None])  # (processes,)
+    if run.sequence_parallel > 1:  # the ranks of a group hold parts of one loss: sum them (ulysses.py)
+        return (losses.sum() / (losses.numel() // run.sequence_parallel)).item()
+    return losses.mean().item()
 
 
 def _record_step(run: _Run, step: int, mean_loss: float) -> dict[str, float]:
@@ -225,15 +233,27 @@ def _train_held(
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
+    sequence_parallel = launch_degrees(config.context_parallel, config.sequence_parallel)[1]
+    if sequence_parallel > 1:
+        check_zero_stage(accelerator, sequence_parallel)
     checkpoint = resume_point(config, accelerator, output_dir) if resume else None
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     blocks = _load_blocks(config, tokenizer, accelerator, output_dir)
-    order = BatchOrder(
-        blocks, config.batch_size, accelerator.num_processes, accelerator.process_index, config.seed
+    # under Ulysses the batch order is the data-parallel group's: its ranks share each batch
+    groups, group, shard = (
+        ulysses_layout(accelerator.process_index, accelerator.num_processes, sequence_parallel)
+        if sequence_parallel > 1
+        else (accelerator.num_processes, accelerator.process_index, 0)
     )
+    order = BatchOrder(blocks, config.batch_size, groups, group, config.seed)
     set_seed(config.seed)
-    model, optimizer, scheduler = prepare_for_accelerate(config, trainable_model(config, model), accelerator)
+    model = trainable_model(config, model)
+    if sequence_parallel > 1:
+        configure_deepspeed(accelerator, config, model, patched=patch_info(model) is not None)
+    model, optimizer, scheduler = prepare_for_accelerate(config, model, accelerator)
+    if sequence_parallel > 1:
+        enable_sequence_parallel(accelerator, model, sequence_parallel)
     use_threads(config.threads, model)
     start, losses = restore_state(accelerator, checkpoint) if checkpoint is not None else (0, [])
     if accelerator.is_main_process:
@@ -248,9 +268,11 @@ def _train_held(
         sampling=config.position_sampling,
         target_length=config.target_length,
         seed=config.seed,
+        shard=(shard, sequence_parallel) if sequence_parallel > 1 else None,
     )
     loss = loss_function(config.loss, accelerator.unwrap_model(model))
     run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, feed, losses, loss)
+    run.sequence_parallel = sequence_parallel
     run.bar = tqdm(
         total=config.max_steps,
         initial=start,

@@ -116,9 +116,14 @@ def loss_function(kind: str, model: nn.Module) -> LossFunction:
     def chunked(wrapped: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         inputs = dict(inputs)
         labels, items = inputs.pop("labels"), inputs.pop("num_items_in_batch", None)
+        shifted = inputs.pop("shift_labels", None)  # a sequence shard's targets, shifted before sharding
         with _head_as_identity(head):
-            hidden = wrapped(**inputs).logits[:, :-1]  # (B, T-1, H): positions that predict a next token
-        targets = labels[:, 1:].reshape(-1)  # (B*(T-1),)
+            hidden = wrapped(**inputs).logits  # (B, T, H)
+        if shifted is None:
+            hidden, targets = hidden[:, :-1], labels[:, 1:]  # positions that predict a next token
+        else:
+            targets = shifted  # (B, T): target t of token t, -100 where none
+        targets = targets.reshape(-1)  # (B*T',)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         total = _fused_cuda_sum(hidden, head.weight, head.bias, targets)
         if total is None:

@@ -17,12 +17,8 @@ Two engines split one long sequence over several GPUs, both through accelerate's
   own attention (:mod:`hf_posenc.attention.head_parallel`, ``enable_head_parallel`` over DeepSpeed's
   sequence-parallel group), with every per-head encoding quantity taken at the rank's head offset.
   It serves the encodings :func:`~hf_posenc.attention.head_parallel.head_parallel_refusal` accepts
-  (SDPA and score-bias forms). ``hf-posenc train`` refuses ``--sequence-parallel`` for every model
-  for now: its loop gives each process its own batches and passes no DataLoader through
-  ``accelerator.prepare``, so DeepSpeed's adapter never shards a batch over the Ulysses ranks and
-  each rank would attend its own sequences as one (``recipes/train/ulysses_check.py`` shows the
-  wiring a loop needs: DeepSpeed's data adapter, head-parallel attention over its group, each
-  rank's loss over the whole batch's target count).
+  (SDPA and score-bias forms). The loop's side (every rank of a group on the same batch, each on
+  its tokens, the loss over the whole batch's targets) is :mod:`.ulysses`.
 
 The attention an encoding needs is asked from the encoding itself (its active stages and class
 flags, :class:`~hf_posenc.encodings.base.Encoding`), never from its name.
@@ -189,6 +185,7 @@ def check_parallelism(
     loss: str = "full",
     packing: bool = False,
     position_sampling: str = "none",
+    eval_every: int = 0,
 ) -> None:
     """Refuse, in one line naming the value, a setting neither engine can run. Loads no model.
 
@@ -246,27 +243,71 @@ def check_parallelism(
                     f"--sequence-parallel {degree} is not allowed: the model has {key}={count}; allowed: a "
                     f"degree dividing {count} (Ulysses gives each rank whole heads)"
                 )
-        # (once the loop shards batches: refuse here when DeepSpeed is not installed, before CUDA)
-        raise InvalidParameterError(
-            f"--sequence-parallel {degree} is not wired into hf-posenc train yet: its loop does not shard each "
-            "batch over the Ulysses ranks (each rank would attend its own sequences as one); allowed: "
-            "--context-parallel for plain causal SDPA encodings, or hf_posenc.enable_head_parallel in your own "
-            "accelerate + DeepSpeed loop (recipes/train/ulysses_check.py)"
+        _check_ulysses_run(
+            degree, packing=packing, position_sampling=position_sampling, eval_every=eval_every
         )
+        return
     if not torch.cuda.is_available():
-        flag = "--context-parallel" if engine == "context_parallel" else "--sequence-parallel"
         raise InvalidParameterError(
-            f"{flag} {degree} needs CUDA GPUs and none is visible; allowed: 1 on this machine "
-            "(DDP/FSDP over processes work on CPU)"
+            f"--context-parallel {degree} needs CUDA GPUs and none is visible; allowed: 1 on this machine "
+            "(DDP/FSDP over processes, and --sequence-parallel, work on CPU)"
         )
-    if engine == "context_parallel" and not _launched_with_fsdp2():
+    if not _launched_with_fsdp2():
         raise InvalidParameterError(
             f"--context-parallel {degree} needs an FSDP2 launch; allowed: accelerate launch --config_file "
             "recipes/accelerate/cp_fsdp2.yaml"
         )
 
 
-def parallelism_config(context_parallel: int, sequence_parallel: int, num_processes: int) -> Any:
+def _deepspeed_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _check_ulysses_run(degree: int, *, packing: bool, position_sampling: str, eval_every: int) -> None:
+    """What ``hf-posenc train`` cannot run under DeepSpeed Ulysses, and what the launch lacks."""
+    flag = f"--sequence-parallel {degree}"
+    if packing:
+        raise InvalidParameterError(
+            f"--packing with {flag} is not allowed: head-parallel attention needs positions running through "
+            "the whole sequence (packed documents restart them); allowed: --packing without --sequence-parallel"
+        )
+    if position_sampling != "none":
+        raise InvalidParameterError(
+            f"--position-sampling {position_sampling} with {flag} is not allowed: head-parallel attention needs "
+            "positions 0, 1, 2, ... through the sequence; allowed: --position-sampling none"
+        )
+    if eval_every:
+        raise InvalidParameterError(
+            f"--eval-every {eval_every} with {flag} is not allowed: validation would attend whole sequences "
+            "on every rank with head-parallel attention on; allowed: --eval-every 0 (evaluate final/ with "
+            "hf-posenc perplexity)"
+        )
+    if not _deepspeed_installed():
+        raise InvalidParameterError(
+            f"{flag} needs DeepSpeed, which is not installed; allowed: pip install deepspeed (on CPU: "
+            "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed), or --context-parallel"
+        )
+    from .ulysses import deepspeed_launched
+
+    if not deepspeed_launched():
+        raise InvalidParameterError(
+            f"{flag} needs a DeepSpeed launch; allowed: accelerate launch --config_file "
+            "recipes/accelerate/ulysses.yaml --num_processes M -m hf_posenc train ... (M a multiple of "
+            f"{degree})"
+        )
+    processes = os.environ.get("WORLD_SIZE", "1")
+    if not processes.isdigit() or int(processes) < degree or int(processes) % degree:
+        raise InvalidParameterError(
+            f"{flag} is not allowed with {processes} launched processes; allowed: a number of processes that "
+            f"is a multiple of {degree} (each group of {degree} splits one sequence)"
+        )
+
+
+def parallelism_config(
+    context_parallel: int, sequence_parallel: int, num_processes: int, seq_len: int | None = None
+) -> Any:
     """accelerate's ParallelismConfig for the run, or None when neither engine is asked for.
 
     The processes left over after the sequence engine shard the weights (FSDP2) for context
@@ -282,7 +323,13 @@ def parallelism_config(context_parallel: int, sequence_parallel: int, num_proces
                 f"allowed: a degree dividing the number of processes"
             )
         return ParallelismConfig(cp_size=context_parallel, dp_shard_size=num_processes // context_parallel)
-    return ParallelismConfig(sp_size=sequence_parallel, sp_backend="deepspeed")
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+    # the attention implementation is set once the model is loaded (ulysses.configure_deepspeed)
+    handler = DeepSpeedSequenceParallelConfig(
+        sp_seq_length=seq_len, sp_seq_length_is_variable=seq_len is None, sp_attn_implementation="sdpa"
+    )
+    return ParallelismConfig(sp_size=sequence_parallel, sp_backend="deepspeed", sp_handler=handler)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from .parallelism import launch_degrees
 def make_accelerator(config: TrainConfig, output_dir: Path):
     from datetime import timedelta
 
+    import torch
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -28,15 +29,19 @@ def make_accelerator(config: TrainConfig, output_dir: Path):
 
     # the world size from the launcher's environment: asking accelerate's state would start the
     # process group before the Accelerator below, without its timeout
-    sequence_engine = parallelism_config(
-        *launch_degrees(config.context_parallel, config.sequence_parallel),
-        int(os.environ.get("WORLD_SIZE", "1")),
-    )
+    degrees = launch_degrees(config.context_parallel, config.sequence_parallel)
+    sequence_engine = parallelism_config(*degrees, int(os.environ.get("WORLD_SIZE", "1")), config.seq_len)
+    group = InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))
+    if degrees[1] > 1 and not torch.cuda.is_available():
+        # accelerate starts DeepSpeed's process group with the backend of a found accelerator; on CPU
+        # processes it finds none and would run each process alone: name the device and gloo
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+        group = InitProcessGroupKwargs(backend="gloo", timeout=group.timeout)
     return Accelerator(
         parallelism_config=sequence_engine,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=config.ddp_timeout))],
+        kwargs_handlers=[group],
         log_with=list(config.report_to) or None,
         project_dir=str(output_dir),
     )
@@ -44,7 +49,9 @@ def make_accelerator(config: TrainConfig, output_dir: Path):
 
 def open_accelerator(config: TrainConfig, output_dir: Path, *, resume: bool, overwrite: bool):
     """The accelerator of one world of processes, after the output directory is checked."""
-    on_cpu = use_cpu_for_a_gpu_launch()
+    # DeepSpeed Ulysses runs its engine on CPU processes too (gloo); accelerate's CPU switch would drop it
+    ulysses = launch_degrees(config.context_parallel, config.sequence_parallel)[1] > 1
+    on_cpu = False if ulysses else use_cpu_for_a_gpu_launch()
     accelerator = make_accelerator(config, output_dir)
     check_world(accelerator)
     if accelerator.is_main_process:
