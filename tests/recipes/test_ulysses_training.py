@@ -230,28 +230,46 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "final" / "model.safetensors"))
 
 
+#: (encoding or None for the native model, ZeRO stage, TrainConfig settings beyond the common ones)
+EQUIVALENCE_CASES = [
+    ("alibi", 0, {}),
+    ("t5", 1, {"grad_accum": 2}),
+    ("fox", 2, {}),
+    ("rope", 2, {"loss": "chunked", "grad_accum": 2}),
+    (None, 2, {"gradient_checkpointing": True}),  # DeepSpeed's own Ulysses attention
+    ("alibi", 2, {"lora": True}),
+]
+
+
+def _flags(settings: dict) -> list[str]:
+    """The hf-posenc train flags of TrainConfig settings."""
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("encoding", "zero_stage", "loss", "accumulation"),
-    [("alibi", 0, "full", 1), ("t5", 1, "full", 2), ("fox", 2, "full", 1), ("rope", 2, "chunked", 2)],
+    ("encoding", "zero_stage", "settings"),
+    EQUIVALENCE_CASES,
+    ids=[f"{e or 'native'}-zero{z}-{'-'.join(s) or 'plain'}" for e, z, s in EQUIVALENCE_CASES],
 )
-def test_two_processes_of_one_ulysses_group_train_like_one_process(
-    workspace, encoding, zero_stage, loss, accumulation
-):
+def test_two_processes_of_one_ulysses_group_train_like_one_process(workspace, encoding, zero_stage, settings):
     """`accelerate launch --config_file recipes/accelerate/ulysses.yaml --num_processes 2 ...
     --sequence-parallel 2`: both ranks train on the same batch, each on half of every sequence with
-    head-parallel attention; the per-step losses and the final weights are the one-process run's
-    (fp32). ZeRO stages 0, 1 and 2, with and without gradient accumulation and the chunked loss."""
+    head-parallel attention (a native model: DeepSpeed's Ulysses attention); the per-step losses and
+    the final weights are the one-process run's (fp32). ZeRO stages 0, 1 and 2, with and without
+    gradient accumulation, the chunked loss, activation checkpointing and LoRA."""
     pytest.importorskip("deepspeed")
-    settings = dict(
-        encoding=encoding, seq_len=32, batch_size=2, max_steps=3, loss=loss, grad_accum=accumulation
-    )
+    name = f"{encoding or 'native'}-{zero_stage}-{'-'.join(settings)}"
+    common = dict(encoding=encoding, seq_len=32, batch_size=2, max_steps=3, **settings)
     data = [str(workspace / "data.jsonl")]
-    one = train(run_config(workspace, f"one-{encoding}", data=data, **settings), progress=False)
-    name = f"two-{encoding}"
-    extra = ["--encoding", encoding, "--max-steps", "3", "--loss", loss, "--grad-accum", str(accumulation)]
+    one = train(run_config(workspace, f"one-{name}", data=data, **common), progress=False)
+    extra = [*(["--encoding", encoding] if encoding else []), "--max-steps", "3", *_flags(settings)]
     done = subprocess.run(
-        _launch(workspace, name, *extra, zero_stage=zero_stage),
+        _launch(workspace, f"two-{name}", *extra, zero_stage=zero_stage),
         env=_environment(),
         capture_output=True,
         text=True,
@@ -259,11 +277,11 @@ def test_two_processes_of_one_ulysses_group_train_like_one_process(
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("final model:") == 1  # written by the main process only
-    losses = json.loads((workspace / name / "final" / "losses.json").read_text())
+    losses = json.loads((workspace / f"two-{name}" / "final" / "losses.json").read_text())
     assert [s for s, _ in losses] == [s for s, _ in one.losses] == [1, 2, 3]
     for (_, a), (_, b) in zip(one.losses, losses, strict=True):
         assert abs(a - b) <= 1e-5, (one.losses, losses)
-    expected, got = _weights(workspace / f"one-{encoding}"), _weights(workspace / name)
+    expected, got = _weights(workspace / f"one-{name}"), _weights(workspace / f"two-{name}")
     assert expected.keys() == got.keys()
     for key in expected:
         if expected[key].is_floating_point():
