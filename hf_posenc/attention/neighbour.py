@@ -13,17 +13,33 @@ each part as softmax statistics (its normalised output and log-sum-exp), merged 
 
     out = sum_p exp(lse_p - lse) out_p,   lse = log sum_p exp(lse_p)
 
-as LongLM's and ReRoPE's flash variants do. The largest tensor is one block's scores over its
-keys, (B, Hq, block, Tk); with gradients each block is recomputed in backward. The band and the
-far range cover every key a query may attend when positions count tokens (index distance =
-position distance for attended pairs: transformers' positions, padding-aware positions, packed
-sequences with restarting ``position_ids``); which part a key belongs to is decided by positions.
+as LongLM's and ReRoPE's flash variants do. The band and the far range cover every key a query
+may attend when positions count tokens (index distance = position distance for attended pairs:
+transformers' positions, padding-aware positions, packed sequences with restarting
+``position_ids``); which part a key belongs to is decided by positions.
+
+Each part runs through :mod:`.softmax_parts`: on CPU torch's fused flash-attention kernel (the one
+behind ``F.scaled_dot_product_attention``) with the part's boolean mask (allowed and near, or
+allowed and far) as an additive mask, elsewhere the same formulas with explicit scores. Training
+goes through one autograd function that keeps only what a fused attention keeps — the queries and
+keys of both maps, the values, the merged output and its log-sum-exp (all O(T)) — and in backward
+runs each block's parts' backward with the merged statistics (FlashAttention-2's backward), so no
+(rows x keys) tensor is kept between forward and backward and nothing is recomputed twice.
+(Before: each block's explicit fp32 scores, checkpointed, whose (B, Hq, block, Tk) tensors existed
+per block in backward.) Queries, keys and values are promoted to at least fp32, as the eager
+path's logits are; a row with no allowed key at all (a padding query) gets output 0 (the eager
+core gives the mean of every value there; neither is read: padding rows are never attended).
+Dropout (``attention_dropout > 0`` in training) keeps the earlier path: explicit scores per block,
+checkpointed.
 
 Registered as backend ``neighbour``: under ``backend="auto"`` (the default), ``"chunked"`` and
 ``"flex"``; ``"eager"``/``"sdpa"`` run the encoding's explicit ``logits`` instead.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +48,171 @@ from torch.utils.checkpoint import checkpoint
 from ..core.layout import causal_keys, causal_mask, expand_kv_heads
 from ..encodings.base import splits_neighbours
 from ..encodings.call import NeighbourSplit
-from . import chunked
+from . import chunked, softmax_parts
 from .backend import AUTO, AttentionCall, Backend, register_backend
+from .softmax_parts import additive_mask, finite, stack_groups, unstack_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One call's blocks and masks: what both forward and backward need besides the tensors."""
+
+    split: NeighbourSplit  # its window, positions and is_near (:func:`_positions_only`: no tensors kept)
+    mask: torch.Tensor | None  # (B|1, 1, Tq, Tk) bool, or None (causal)
+    scale: float
+    block: int
+    groups: int  # query heads per key head
+    fused: bool  # whether to use torch's fused CPU kernel where it runs
+
+    def spans(self, q_len: int) -> list[tuple[int, int]]:
+        return [(start, min(q_len, start + self.block)) for start in range(0, q_len, self.block)]
+
+    def parts(self, q_len: int, k_len: int, start: int, stop: int) -> list[tuple[bool, slice, torch.Tensor]]:
+        """Block [start, stop)'s parts: (far?, key range, allowed (B|1, 1, rows, keys) bool)."""
+        window, offset = self.split.window, k_len - q_len  # query a sits at key index offset + a
+        k_end, rows = causal_keys(q_len, k_len, stop), slice(start, stop)
+        if self.mask is None:
+            allowed = causal_mask(stop - start, k_end, self.split.q_positions.device)
+        else:
+            allowed = self.mask[..., rows, :k_end]
+        band = slice(max(0, offset + start - window + 1), k_end)
+        parts = [(False, band, allowed[..., band] & self.split.is_near(rows, band))]
+        far_end = max(0, offset + stop - window)
+        if far_end > 0:
+            keys = slice(0, far_end)
+            parts.append((True, keys, allowed[..., keys] & ~self.split.is_near(rows, keys)))
+        return parts
+
+    def bias(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B|1, 1, rows, keys) bool -> (B|1, 1, G*rows, keys) additive mask for stacked query heads."""
+        return additive_mask(allowed, dtype).repeat(1, 1, self.groups, 1)
+
+    def forward(
+        self,
+        near_q: torch.Tensor,
+        far_q: torch.Tensor,
+        near_k: torch.Tensor,
+        far_k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q's (B,Hq,Tq,D), k's/v (B,Hkv,Tk,D) -> (out (B,Hq,Tq,D), lse (B,Hq,Tq), finite: 0 where no key)."""
+        forward, _ = softmax_parts.kernels(near_q, v, self.fused)
+        q_len, k_len = near_q.shape[-2], near_k.shape[-2]
+        out = near_q.new_empty(*near_q.shape[:-1], v.shape[-1])
+        lse = near_q.new_empty(near_q.shape[:-1])
+        for start, stop in self.spans(q_len):
+            outs, lses = [], []
+            for is_far, keys, allowed in self.parts(q_len, k_len, start, stop):
+                q, k = (far_q, far_k) if is_far else (near_q, near_k)
+                part_out, part_lse = forward(
+                    stack_groups(q[:, :, start:stop], self.groups),
+                    k[:, :, keys],
+                    v[:, :, keys],
+                    self.bias(allowed, q.dtype),
+                    self.scale,
+                )
+                any_key = allowed.any(dim=-1).repeat(1, 1, self.groups)  # (B|1, 1, G*rows)
+                outs.append(unstack_groups(part_out, self.groups))
+                lses.append(unstack_groups(part_lse.masked_fill(~any_key, float("-inf")), self.groups))
+            block_lse = finite(torch.stack(lses).logsumexp(dim=0))  # (B, Hq, rows); 0 where no key at all
+            block_out = torch.zeros_like(outs[0])
+            for part_out, part_lse in zip(outs, lses, strict=True):
+                block_out += (
+                    torch.exp(part_lse - block_lse)[..., None] * part_out
+                )  # exp(-inf) = 0: empty part
+            out[:, :, start:stop] = block_out
+            lse[:, :, start:stop] = block_lse
+        return out, lse
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        near_q: torch.Tensor,
+        far_q: torch.Tensor,
+        near_k: torch.Tensor,
+        far_k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Gradients for (near_q, far_q, near_k, far_k, v), block by block, part by part."""
+        _, backward = softmax_parts.kernels(near_q, v, self.fused)
+        q_len, k_len, g = near_q.shape[-2], near_k.shape[-2], self.groups
+        grads = {
+            name: torch.zeros_like(t)
+            for name, t in (("nq", near_q), ("fq", far_q), ("nk", near_k), ("fk", far_k), ("v", v))
+        }
+        grad_out = grad_out.to(out.dtype)
+        for start, stop in self.spans(q_len):
+            rows = slice(start, stop)
+            d_out, b_out = stack_groups(grad_out[:, :, rows], g), stack_groups(out[:, :, rows], g)
+            b_lse = stack_groups(lse[:, :, rows, None], g)[..., 0]
+            for is_far, keys, allowed in self.parts(q_len, k_len, start, stop):
+                q, k = (far_q, far_k) if is_far else (near_q, near_k)
+                dq, dk, dv = backward(
+                    d_out,
+                    stack_groups(q[:, :, rows], g),
+                    k[:, :, keys],
+                    v[:, :, keys],
+                    b_out,
+                    b_lse,
+                    self.bias(allowed, q.dtype),
+                    self.scale,
+                )
+                grads["fq" if is_far else "nq"][:, :, rows] += unstack_groups(dq, g)
+                grads["fk" if is_far else "nk"][:, :, keys] += dk
+                grads["v"][:, :, keys] += dv
+        return grads["nq"], grads["fq"], grads["nk"], grads["fk"], grads["v"]
+
+
+class _NeighbourAttention(torch.autograd.Function):
+    """The merged attention with the O(T) saved state of a fused kernel (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> torch.Tensor:
+        out, lse = plan.forward(*tensors)
+        ctx.plan = plan
+        ctx.save_for_backward(*tensors, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.plan.backward(grad_out, *ctx.saved_tensors))
+
+
+def attend_neighbour(
+    split: NeighbourSplit,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+    block: int | None = None,
+    fused: bool = True,
+) -> torch.Tensor:
+    """``split`` of one call, v (B,Hkv,Tk,D), mask (B|1,1,Tq,Tk) bool or None (causal) -> (B,Tq,Hq,D).
+
+    ``fused=False`` computes every part with explicit scores (the kernel used off CPU) instead of
+    torch's fused CPU kernel."""
+    if dropout_p > 0:
+        return _attend_explicit(
+            split, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, block=block
+        )
+    dtype = torch.promote_types(split.near_q.dtype, torch.float32)
+    groups = split.near_q.shape[1] // split.near_k.shape[1]
+    plan = _Plan(_positions_only(split), mask, softmax_scale, block or chunked.QUERY_BLOCK, groups, fused)
+    tensors = tuple(t.to(dtype) for t in (split.near_q, split.far_q, split.near_k, split.far_k, v))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out = _NeighbourAttention.apply(plan, *tensors)
+    else:
+        out, _ = plan.forward(*tensors)
+    return out.transpose(1, 2).to(v.dtype)  # (B, Tq, Hq, D)
+
+
+def _positions_only(split: NeighbourSplit) -> NeighbourSplit:
+    """``split`` without its queries and keys (what a plan keeps until backward: window, positions)."""
+    empty = split.near_q.new_empty(0)
+    return dataclasses.replace(split, near_q=empty, near_k=empty, far_q=empty, far_k=empty)
 
 
 def _part(
@@ -65,38 +244,31 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return out
 
 
-def attend_neighbour(
+def _attend_explicit(
     split: NeighbourSplit,
     v: torch.Tensor,
     *,
     mask: torch.Tensor | None,
     softmax_scale: float,
-    dropout_p: float = 0.0,
-    block: int | None = None,
+    dropout_p: float,
+    block: int | None,
 ) -> torch.Tensor:
-    """``split`` of one call, v (B,Hkv,Tk,D), mask (B|1,1,Tq,Tk) bool or None (causal) -> (B,Tq,Hq,D)."""
-    block = block or chunked.QUERY_BLOCK
+    """The path with dropout: each block's explicit fp32 scores per part (dropout on each part's
+    weights), each block recomputed in backward; (B,Tq,Hq,D)."""
     dtype = torch.promote_types(split.near_q.dtype, torch.float32)
     groups = split.near_q.shape[1] // split.near_k.shape[1]
     near_k, far_k, values = (expand_kv_heads(t.to(dtype), groups) for t in (split.near_k, split.far_k, v))
-    q_len, k_len, window = split.near_q.shape[-2], near_k.shape[-2], split.window
-    offset = k_len - q_len  # query a sits at key index offset + a
+    plan = _Plan(split, mask, softmax_scale, block or chunked.QUERY_BLOCK, 1, False)
+    q_len, k_len = split.near_q.shape[-2], near_k.shape[-2]
 
     def one_block(near_q: torch.Tensor, far_q: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        k_end, rows = causal_keys(q_len, k_len, stop), slice(start, stop)
-        allowed = causal_mask(stop - start, k_end, near_q.device) if mask is None else mask[..., rows, :k_end]
         parts = []
-        band = slice(max(0, offset + start - window + 1), k_end)
-        near = allowed[..., band] & split.is_near(rows, band)
-        parts.append(_part(near_q, near_k[:, :, band], values[:, :, band], near, softmax_scale, dropout_p))
-        far_end = max(0, offset + stop - window)
-        if far_end > 0:
-            keys = slice(0, far_end)
-            far = allowed[..., keys] & ~split.is_near(rows, keys)
-            parts.append(_part(far_q, far_k[:, :, keys], values[:, :, keys], far, softmax_scale, dropout_p))
+        for is_far, keys, allowed in plan.parts(q_len, k_len, start, stop):
+            q, k = (far_q, far_k) if is_far else (near_q, near_k)
+            parts.append(_part(q, k[:, :, keys], values[:, :, keys], allowed, softmax_scale, dropout_p))
         return _merge(parts)
 
-    spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
+    spans = plan.spans(q_len)
     recompute = torch.is_grad_enabled() and len(spans) > 1
     outputs = []
     for start, stop in spans:
