@@ -188,12 +188,6 @@ def test_what_ulysses_cannot_train_exactly_is_one_line(workspace, tmp_path, caps
     assert all(part in line for part in expected), line
 
 
-def test_eval_every_is_refused_with_sequence_parallel(workspace, tmp_path, capsys):
-    extra = ["--encoding", "alibi", "--eval-every", "1", "--eval-data", str(workspace / "data.jsonl")]
-    line = _refused(workspace, tmp_path, capsys, *extra)
-    assert "--eval-every 1" in line, line
-
-
 def test_the_launch_is_checked_before_anything_loads(workspace, tmp_path, capsys, monkeypatch):
     """No DeepSpeed installed; installed but not a DeepSpeed launch; a launch whose process count the
     degree does not divide: each one line naming what to do."""
@@ -233,10 +227,10 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 #: (encoding or None for the native model, ZeRO stage, TrainConfig settings beyond the common ones)
 EQUIVALENCE_CASES = [
     ("alibi", 0, {}),
-    ("t5", 1, {"grad_accum": 2}),
+    ("t5", 1, {"grad_accum": 2, "eval_every": 2}),
     ("fox", 2, {}),
     ("rope", 2, {"loss": "chunked", "grad_accum": 2}),
-    (None, 2, {"gradient_checkpointing": True}),  # DeepSpeed's own Ulysses attention
+    (None, 2, {"gradient_checkpointing": True, "eval_every": 2}),  # DeepSpeed's own Ulysses attention
     ("alibi", 2, {"lora": True}),
 ]
 
@@ -246,7 +240,7 @@ def _flags(settings: dict) -> list[str]:
     flags = []
     for key, value in settings.items():
         flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
+        flags += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
     return flags
 
 
@@ -259,13 +253,16 @@ def _flags(settings: dict) -> list[str]:
 def test_two_processes_of_one_ulysses_group_train_like_one_process(workspace, encoding, zero_stage, settings):
     """`accelerate launch --config_file recipes/accelerate/ulysses.yaml --num_processes 2 ...
     --sequence-parallel 2`: both ranks train on the same batch, each on half of every sequence with
-    head-parallel attention (a native model: DeepSpeed's Ulysses attention); the per-step losses and
-    the final weights are the one-process run's (fp32). ZeRO stages 0, 1 and 2, with and without
-    gradient accumulation, the chunked loss, activation checkpointing and LoRA."""
+    head-parallel attention (a native model: DeepSpeed's Ulysses attention); the per-step losses, the
+    held-out losses (--eval-every: whole sequences on every rank) and the final weights are the
+    one-process run's (fp32). ZeRO stages 0, 1 and 2, with and without gradient accumulation, the
+    chunked loss, activation checkpointing and LoRA."""
     pytest.importorskip("deepspeed")
     name = f"{encoding or 'native'}-{zero_stage}-{'-'.join(settings)}"
-    common = dict(encoding=encoding, seq_len=32, batch_size=2, max_steps=3, **settings)
     data = [str(workspace / "data.jsonl")]
+    if settings.get("eval_every"):  # held-out loss: every rank evaluates whole sequences
+        settings = {**settings, "eval_data": data}
+    common = dict(encoding=encoding, seq_len=32, batch_size=2, max_steps=3, **settings)
     one = train(run_config(workspace, f"one-{name}", data=data, **common), progress=False)
     extra = [*(["--encoding", encoding] if encoding else []), "--max-steps", "3", *_flags(settings)]
     done = subprocess.run(
@@ -281,6 +278,12 @@ def test_two_processes_of_one_ulysses_group_train_like_one_process(workspace, en
     assert [s for s, _ in losses] == [s for s, _ in one.losses] == [1, 2, 3]
     for (_, a), (_, b) in zip(one.losses, losses, strict=True):
         assert abs(a - b) <= 1e-5, (one.losses, losses)
+    if settings.get("eval_every"):
+        read = lambda run: json.loads((workspace / run / "eval_losses.json").read_text())  # noqa: E731
+        evaluations = read(f"one-{name}")
+        assert [e["step"] for e in evaluations] == [e["step"] for e in read(f"two-{name}")] == [2, 3]
+        for a, b in zip(evaluations, read(f"two-{name}"), strict=True):
+            assert abs(a["eval_loss_nats"] - b["eval_loss_nats"]) <= 1e-5, (a, b)
     expected, got = _weights(workspace / f"one-{name}"), _weights(workspace / f"two-{name}")
     assert expected.keys() == got.keys()
     for key in expected:

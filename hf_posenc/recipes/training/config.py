@@ -198,7 +198,6 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
         loss=config.loss,
         packing=config.packing,
         position_sampling=config.position_sampling,
-        eval_every=config.eval_every,
     )
     if config.s2_attn:
         from .s2 import check_s2_request

@@ -74,6 +74,7 @@ class _Run:
     loss: LossFunction
     bar: Any = None
     sequence_parallel: int = 1  # Ulysses degree: each rank's loss is a part of its group's
+    head_parallel_group: Any = None  # DeepSpeed's sequence-parallel group a patched model attends over
 
 
 def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: Path):
@@ -252,8 +253,9 @@ def _train_held(
     if sequence_parallel > 1:
         configure_deepspeed(accelerator, config, model, patched=patch_info(model) is not None)
     model, optimizer, scheduler = prepare_for_accelerate(config, model, accelerator)
-    if sequence_parallel > 1:
-        enable_sequence_parallel(accelerator, model, sequence_parallel)
+    head_parallel_group = (
+        enable_sequence_parallel(accelerator, model, sequence_parallel) if sequence_parallel > 1 else None
+    )
     use_threads(config.threads, model)
     start, losses = restore_state(accelerator, checkpoint) if checkpoint is not None else (0, [])
     if accelerator.is_main_process:
@@ -272,7 +274,7 @@ def _train_held(
     )
     loss = loss_function(config.loss, accelerator.unwrap_model(model))
     run = _Run(config, output_dir, accelerator, model, optimizer, scheduler, feed, losses, loss)
-    run.sequence_parallel = sequence_parallel
+    run.sequence_parallel, run.head_parallel_group = sequence_parallel, head_parallel_group
     run.bar = tqdm(
         total=config.max_steps,
         initial=start,

@@ -185,7 +185,6 @@ def check_parallelism(
     loss: str = "full",
     packing: bool = False,
     position_sampling: str = "none",
-    eval_every: int = 0,
 ) -> None:
     """Refuse, in one line naming the value, a setting neither engine can run. Loads no model.
 
@@ -243,9 +242,7 @@ def check_parallelism(
                     f"--sequence-parallel {degree} is not allowed: the model has {key}={count}; allowed: a "
                     f"degree dividing {count} (Ulysses gives each rank whole heads)"
                 )
-        _check_ulysses_run(
-            degree, packing=packing, position_sampling=position_sampling, eval_every=eval_every
-        )
+        _check_ulysses_run(degree, packing=packing, position_sampling=position_sampling)
         return
     if not torch.cuda.is_available():
         raise InvalidParameterError(
@@ -265,7 +262,7 @@ def _deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def _check_ulysses_run(degree: int, *, packing: bool, position_sampling: str, eval_every: int) -> None:
+def _check_ulysses_run(degree: int, *, packing: bool, position_sampling: str) -> None:
     """What ``hf-posenc train`` cannot run under DeepSpeed Ulysses, and what the launch lacks."""
     flag = f"--sequence-parallel {degree}"
     if packing:
@@ -277,12 +274,6 @@ def _check_ulysses_run(degree: int, *, packing: bool, position_sampling: str, ev
         raise InvalidParameterError(
             f"--position-sampling {position_sampling} with {flag} is not allowed: head-parallel attention needs "
             "positions 0, 1, 2, ... through the sequence; allowed: --position-sampling none"
-        )
-    if eval_every:
-        raise InvalidParameterError(
-            f"--eval-every {eval_every} with {flag} is not allowed: validation would attend whole sequences "
-            "on every rank with head-parallel attention on; allowed: --eval-every 0 (evaluate final/ with "
-            "hf-posenc perplexity)"
         )
     if not _deepspeed_installed():
         raise InvalidParameterError(

@@ -30,7 +30,9 @@ Every rank of a group trains on the *same* sequences, each on its ``T/N`` consec
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -139,9 +141,10 @@ def check_zero_stage(accelerator: Any, degree: int) -> None:
         )
 
 
-def enable_sequence_parallel(accelerator: Any, model: Any, degree: int) -> None:
+def enable_sequence_parallel(accelerator: Any, model: Any, degree: int) -> Any:
     """After ``accelerator.prepare``: check that DeepSpeed's sequence-parallel group is the one
-    :func:`ulysses_layout` assumed, and switch a patched model's head-parallel attention on over it."""
+    :func:`ulysses_layout` assumed, and switch a patched model's head-parallel attention on over it.
+    Returns that group (None for a native model, which DeepSpeed's own attention serves)."""
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
@@ -159,7 +162,28 @@ def enable_sequence_parallel(accelerator: Any, model: Any, degree: int) -> None:
             f"{expected} of {degree} (consecutive processes per group)"
         )
     inner = accelerator.unwrap_model(model)
-    if patch_info(inner) is not None:
+    if patch_info(inner) is None:
+        return None
+    enable_head_parallel(inner, group)
+    return group
+
+
+@contextlib.contextmanager
+def whole_sequences(accelerator: Any, model: Any, group: Any) -> Iterator[None]:
+    """Inside: a patched model attends every head over the tokens each rank passes (validation
+    gives every rank whole held-out sequences); head-parallel over ``group`` again after. A native
+    model needs nothing: accelerate registers DeepSpeed's Ulysses attention with
+    ``disable_in_eval``, so it attends whole sequences in eval mode. ``group`` None: nothing changes."""
+    if group is None:
+        yield
+        return
+    from ...core.head_parallel import disable_head_parallel, enable_head_parallel
+
+    inner = accelerator.unwrap_model(model)
+    disable_head_parallel(inner)
+    try:
+        yield
+    finally:
         enable_head_parallel(inner, group)
 
 

@@ -55,6 +55,8 @@ def validation_callback(run: Any, tokenizer: Any) -> Callable[[int, dict[str, fl
     """A step callback of :func:`hf_posenc.recipes.training.train` that evaluates every ``eval_every`` steps."""
     import torch
 
+    from .ulysses import whole_sequences
+
     config: TrainConfig = run.config
     blocks = eval_blocks(config, tokenizer)
     history: list[dict[str, Any]] = []
@@ -70,7 +72,7 @@ def validation_callback(run: Any, tokenizer: Any) -> Callable[[int, dict[str, fl
         model.eval()
         total = 0.0
         try:
-            with torch.no_grad():
+            with torch.no_grad(), whole_sequences(run.accelerator, model, run.head_parallel_group):
                 device = run.accelerator.device
                 for start in range(0, blocks.shape[0], config.batch_size):
                     batch = blocks[start : start + config.batch_size].to(device)  # (B, seq_len)
