@@ -24,7 +24,9 @@ The views, each exact (the same fp32 operations on the same x):
   (2K+2,) vectors and one multiply-add. The mask is folded into the piece index (pieces past K
   have slope 0 and the dtype's minimum as intercept), so no other pass over the block is
   needed (a causal mask costs one more scattered value per row); its backward sums the
-  gradient per piece (:class:`PiecewiseBlock`).
+  gradient per piece (:class:`PiecewiseBlock`). On CPU, when f's network is known and few of
+  its units switch inside the block, the block (with gradients too) comes from the network's
+  matrix products instead (:mod:`.network_block`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
+from .network_block import network_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +110,22 @@ class PiecewiseDistanceBias(BlockBias):
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
+        tensors = {
             "feature": self.feature,
             "normalizer": self.normalizer,
             "slopes": self.slopes,
             "intercepts": self.intercepts,
             "floor": self.floor,
         }
+        network = {
+            "unit_weight": self.unit_weight,
+            "unit_bias": self.unit_bias,
+            "out_weight": self.out_weight,
+            "out_bias": self.out_bias,
+        }
+        # the network too, when known: a block rebuilt from its products sends its gradient there
+        tensors.update({name: value for name, value in network.items() if value is not None})
+        return tensors
 
     @property
     def table(self) -> torch.Tensor:
@@ -162,12 +174,11 @@ class PiecewiseDistanceBias(BlockBias):
     ) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
         network = self.network
-        # with gradients (training's rebuilt blocks) the linear pieces: autograd through the
-        # network's products measured slower (training T=2048, one thread: 2.87x -> 3.57x native);
-        # under torch.compile too: which units switch in a block is data-dependent (fullgraph
-        # compiled decoding cannot guard on it)
+        # on CPU from the network's matrix products (forward and backward: :mod:`.network_block`);
+        # elsewhere, and under torch.compile, the linear pieces: which units switch in a block is
+        # data-dependent (fullgraph compiled decoding cannot guard on it)
         compiling = torch.compiler.is_compiling()
-        if network is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and not compiling:
+        if network is not None and x.device.type == "cpu" and not compiling:
             block = network_block(x, network, allowed, scratch)
             if block is not None:
                 return block.to(dtype)
@@ -189,97 +200,6 @@ class PiecewiseDistanceBias(BlockBias):
         return PiecewiseBlock.apply(x, segment, ends, slopes, intercepts, out).to(
             dtype
         )  # (B', Hq, rows, keys)
-
-
-#: scores of a block per matrix product in :func:`network_block`: its features stay in cache, and
-#: each op is one parallel region of the intra-op threads (on one thread 32768 measured 4% faster
-#: than this, but each block then takes 4x as many regions, each a synchronisation of the threads)
-NETWORK_CHUNK = 131072
-#: :func:`network_block` serves a block whose network has K' switching units when K' + 2 <= this * Hq
-NETWORK_COLUMNS_PER_HEAD = 3
-
-
-def network_block(
-    x: torch.Tensor,
-    network: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    allowed: torch.Tensor | None,
-    scratch: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """A folded block (:meth:`PiecewiseDistanceBias.folded`, without gradients) from f's ReLU
-    network itself, as matrix products over the block's scores: f_h(x) = w2[h] @ relu(w1 x + b1)
-    + b2[h], the eager formula. x (B|1, rows, keys) -> (B', Hq, rows, keys) fp32, the masked
-    keys (``allowed`` (B|1, 1, rows, keys) False, or None: the future of each row, bottom-right
-    aligned) at the dtype's minimum; None when the linear pieces are cheaper.
-
-    Over the block's range of x, [min x, max x], a unit whose pre-activation has one sign at
-    both ends is linear there (on: folded into the constant and x columns) or zero (off); only
-    the units that switch inside the range are features, relu(w1_k x + b1_k), so the block is
-    ``(b2 + w2 b1_on) + (w2 w1_on) x + w2[:, switching] relu(...)``: a product with 2 + K'
-    inner columns per score for all heads at once, in chunks that keep the features in cache.
-    On CPU this costs about 0.8 ns per feature and score against 2.3 ns per head and score for
-    the linear pieces' two gathers and multiply-add (one thread, 256 x 4096 blocks), and it runs
-    on every thread where the gathers run on one: it serves blocks with K' + 2 <= 3 Hq.
-    """
-    w1, b1, w2, b2 = network
-    heads = w2.shape[0]
-    low, high = torch.aminmax(x.detach())
-    at_low, at_high = w1 * low + b1, w1 * high + b1  # (K,) the pre-activations at the range's ends
-    on = (at_low >= 0) & (at_high >= 0)
-    switching = ((at_low > 0) | (at_high > 0)) & ~on
-    active = switching.nonzero()[:, 0]  # (K',)
-    if active.numel() + 2 > NETWORK_COLUMNS_PER_HEAD * heads:
-        return None
-    constant = b2 + w2 @ torch.where(on, b1, 0.0)  # (Hq,)
-    linear = w2 @ torch.where(on, w1, 0.0)  # (Hq,)
-    weights = torch.cat((constant[:, None], linear[:, None], w2[:, active]), dim=1)  # (Hq, 2 + K')
-    slope, offset = w1[active][:, None], b1[active][:, None]  # (K', 1)
-    batch = x.shape[0] if allowed is None else max(x.shape[0], allowed.shape[0])
-    _, rows, keys = x.shape
-    slab = max(1, NETWORK_CHUNK // keys)  # rows per product
-    minimum = torch.finfo(x.dtype).min
-    if torch.is_grad_enabled():  # the same products through autograd (rebuilt blocks in backward)
-        lines = []
-        for b in range(x.shape[0]):
-            slabs = []
-            for first in range(0, rows, slab):
-                values = x[b, first : first + slab].reshape(1, -1)  # (1, n)
-                units = torch.addcmul(offset, slope, values).clamp(min=0)  # (K', n)
-                slabs.append(weights @ torch.cat((torch.ones_like(values), values, units)))  # (Hq, n)
-            lines.append(torch.cat(slabs, dim=1).view(heads, rows, keys))
-        block = torch.stack(lines).expand(batch, -1, -1, -1)  # (B', Hq, rows, keys)
-        if allowed is not None:
-            return block.masked_fill(~allowed, minimum)
-        span = min(rows, keys)
-        future = torch.zeros(rows, keys, dtype=torch.bool, device=x.device)
-        future[:, keys - span :] = torch.ones(rows, span, dtype=torch.bool, device=x.device).triu_(
-            1 + span - rows
-        )
-        return block.masked_fill(future, minimum)
-    shape = (batch, heads, rows, keys)
-    size = batch * heads * rows * keys
-    if scratch is not None and scratch.dtype == x.dtype and scratch.numel() >= size:
-        out = scratch[:size].view(shape)
-    else:
-        out = x.new_empty(shape)
-    features = x.new_empty(2 + active.numel(), slab * keys)  # (2 + K', slab * keys): 1, x, relu(...)
-    features[0] = 1.0  # (a product, not addmm: addmm first copies its broadcast input into the output)
-    for b in range(x.shape[0]):
-        for first in range(0, rows, slab):
-            last = min(rows, first + slab)
-            values = x[b, first:last].reshape(1, -1)  # (1, n)
-            chunk = features[:, : values.shape[1]]
-            chunk[1:2].copy_(values)
-            torch.addcmul(offset, slope, values, out=chunk[2:]).clamp_(min=0)
-            torch.mm(weights, chunk, out=out[b, :, first:last].view(heads, -1))  # (Hq, n)
-    if x.shape[0] < batch:  # rows of their own only in the mask
-        out[1:].copy_(out[:1].expand(batch - 1, -1, -1, -1))
-    if allowed is not None:
-        out.masked_fill_(~allowed, minimum)
-    else:  # the last ``rows`` keys: query a may not attend key a' > a among them
-        span = min(rows, keys)
-        future = torch.ones(rows, span, dtype=torch.bool, device=x.device).triu_(1 + span - rows)
-        out[..., keys - span :].masked_fill_(future, minimum)
-    return out
 
 
 def monotone_segments(

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.core.interpolation import interpolate
-from hf_posenc.encodings import piecewise_bias
+from hf_posenc.encodings import network_block
 from hf_posenc.encodings.fire import FIREFunction
 from hf_posenc.encodings.piecewise_bias import monotone_segments
 
@@ -148,8 +148,8 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
     for given_mask, scratch, columns, chunk in ways:
         with (
             torch.no_grad(),
-            mock.patch.object(piecewise_bias, "NETWORK_COLUMNS_PER_HEAD", columns),
-            mock.patch.object(piecewise_bias, "NETWORK_CHUNK", chunk),
+            mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
+            mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
         ):  # None: the causal keys
             block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32, scratch)
         if scratch is not None:
@@ -214,8 +214,8 @@ def test_folded_block_gradients_equal_the_formula_views(
         bias = function.bias(positions, q_len, k_len)
         if columns is not None:  # the loss reads every entry, masked ones included
             with (
-                mock.patch.object(piecewise_bias, "NETWORK_COLUMNS_PER_HEAD", columns),
-                mock.patch.object(piecewise_bias, "NETWORK_CHUNK", chunk),
+                mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
+                mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
             ):
                 block = bias.folded(start, q_len, k_start, k_len, allowed, torch.float32)
             (block * weights).sum().backward()

@@ -1,0 +1,169 @@
+"""One chunked block of FIRE's bias from its one-input ReLU network as matrix products (Li et
+al. 2023, "Functional Interpolation for Relative Positions Improves Long Context Transformers",
+arXiv:2310.04418, whose f_theta is such a network), forward and backward, on CPU:
+
+    bias[b, h, a, j] = f_h(x[b, a, j]),   f_h(x) = w2[h] @ relu(w1 x + b1) + b2[h]
+
+Over a block's range of x, [min x, max x], a unit whose pre-activation w1_k x + b1_k has one
+sign at both ends is linear there (on: folded into a constant and an x column) or zero (off);
+only the K' units that switch inside the range are features, so the block is
+
+    bias_h = W[h] @ F,   W = (b2 + w2 b1_on, w2 w1_on, w2[:, switching])   (Hq, 2 + K')
+                         F = (1, x, relu(u_k x + o_k) for the switching units)   (2 + K', scores)
+
+for all heads at once, one product per slab of rows (the slab's features stay in cache). The
+unit rows of F are a product too, ``relu((o, u) @ (1, x))``: a broadcast multiply-add over
+(K', scores) measured about 4x slower per value on CPU than that (K', 2) x (2, scores) product.
+
+Backward (:class:`NetworkBlock`), from the block's gradient dS (B', Hq, rows, keys), with F
+recomputed per slab: dW = dS F^T (Hq, 2 + K'); the switching units' gradient
+G = W[:, 2:]^T dS masked where the unit is off (K', scores) gives (do, du) = G (1, x)^T; and
+dx = W[:, 1]^T dS + u^T G. All products over the block's scores, no per-score loop over heads
+or units, no cumulative sums; W and (o, u) are built from the network's parameters by autograd
+(:func:`network_columns`), so their gradients reach w1, b1, w2, b2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: scores of a block per matrix product: the slab's features (2 + K' rows) stay in cache, and each
+#: product is one parallel region of the intra-op threads
+NETWORK_CHUNK = 65536
+#: a block is served from the network when its K' switching units satisfy K' + 2 <= this * Hq
+NETWORK_COLUMNS_PER_HEAD = 3
+
+Network = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def network_columns(
+    low: torch.Tensor, high: torch.Tensor, network: Network
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(W (Hq, 2 + K'), units (K', 2) = (o_k, u_k)) of the block whose x lies in [low, high]
+    (0-dim), differentiable in the network's (w1 (K,), b1 (K,), w2 (Hq, K), b2 (Hq,)); None
+    when the block has too many switching units (K' + 2 > NETWORK_COLUMNS_PER_HEAD * Hq)."""
+    w1, b1, w2, b2 = network
+    heads = w2.shape[0]
+    with torch.no_grad():
+        at_low, at_high = w1 * low + b1, w1 * high + b1  # (K,) pre-activations at the range's ends
+        on = (at_low >= 0) & (at_high >= 0)
+        switching = ((at_low > 0) | (at_high > 0)) & ~on
+        active = switching.nonzero()[:, 0]  # (K',)
+    if active.numel() + 2 > NETWORK_COLUMNS_PER_HEAD * heads:
+        return None
+    constant = b2 + w2 @ torch.where(on, b1, 0.0)  # (Hq,)
+    linear = w2 @ torch.where(on, w1, 0.0)  # (Hq,)
+    weights = torch.cat((constant[:, None], linear[:, None], w2[:, active]), dim=1)  # (Hq, 2 + K')
+    units = torch.stack((b1[active], w1[active]), dim=1)  # (K', 2)
+    return weights, units
+
+
+def network_block(
+    x: torch.Tensor,
+    network: Network,
+    allowed: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """x (B|1, rows, keys), non-increasing along the keys -> (B', Hq, rows, keys) fp32, the
+    masked keys (``allowed`` (B|1, 1, rows, keys) False, or None: the future of each row,
+    bottom-right aligned) at the dtype's minimum; None when the linear pieces are cheaper.
+    ``scratch``: a flat fp32 buffer the block may be written into (only without gradients)."""
+    with torch.no_grad():
+        low, high = torch.aminmax(x)
+    columns = network_columns(low, high, network)
+    if columns is None:
+        return None
+    weights, units = columns
+    batch = x.shape[0] if allowed is None else max(x.shape[0], allowed.shape[0])
+    out = None
+    if not torch.is_grad_enabled() and scratch is not None and scratch.dtype == x.dtype:
+        size = batch * weights.shape[0] * x.shape[1] * x.shape[2]
+        if scratch.numel() >= size:
+            out = scratch[:size].view(batch, weights.shape[0], *x.shape[1:])
+    return NetworkBlock.apply(x, weights, units, allowed, batch, out)
+
+
+def _future(rows: int, keys: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """The causal mask of a block bottom-right aligned: (first key of the last ``span`` keys,
+    (rows, span) bool True where query a may not attend)."""
+    span = min(rows, keys)
+    future = torch.ones(rows, span, dtype=torch.bool, device=device).triu_(1 + span - rows)
+    return keys - span, future
+
+
+def _features(features: torch.Tensor, values: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """Fill ``features`` (2 + K', >= n) with (1, x, relu(o + u x)) of ``values`` (1, n); -> the
+    (2 + K', n) view. Row 0 holds ones already."""
+    chunk = features[:, : values.shape[1]]
+    chunk[1:2].copy_(values)
+    if units.shape[0]:
+        torch.mm(units, chunk[:2], out=chunk[2:]).clamp_(min=0)
+    return chunk
+
+
+class NetworkBlock(torch.autograd.Function):
+    """(x (B|1, rows, keys), W (Hq, 2 + K'), units (K', 2), allowed, batch B', out or None) ->
+    the block W @ (1, x, relu(units @ (1, x))) (B', Hq, rows, keys) with the mask folded in;
+    masked entries pass no gradient. See the module's docstring for both directions."""
+
+    @staticmethod
+    def forward(ctx, x, weights, units, allowed, batch, out):
+        heads, (_, rows, keys) = weights.shape[0], x.shape
+        if out is None:
+            out = x.new_empty(batch, heads, rows, keys)
+        slab = max(1, NETWORK_CHUNK // keys)  # rows per product
+        features = x.new_empty(weights.shape[1], min(slab, rows) * keys)
+        features[0] = 1.0  # (a product, not addmm: addmm first copies its broadcast input into the output)
+        minimum = torch.finfo(x.dtype).min
+        tail, future = _future(rows, keys, x.device)
+        for b in range(x.shape[0]):
+            for first in range(0, rows, slab):
+                last = min(rows, first + slab)
+                chunk = _features(features, x[b, first:last].reshape(1, -1), units)
+                block = out[b, :, first:last]  # (Hq, slab, keys)
+                torch.mm(weights, chunk, out=block.view(heads, -1))
+                if allowed is None:  # the future keys, while the slab is in cache
+                    block[..., tail:].masked_fill_(future[first:last], minimum)
+        if x.shape[0] < batch:  # rows of their own only in the mask
+            out[1:].copy_(out[:1].expand(batch - 1, -1, -1, -1))
+        if allowed is not None:
+            out.masked_fill_(~allowed, minimum)
+        ctx.save_for_backward(x, weights, units, allowed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weights, units, allowed = ctx.saved_tensors
+        (_, rows, keys), heads = x.shape, weights.shape[0]
+        if allowed is not None:
+            grad = grad.float().masked_fill(~allowed, 0.0)
+        else:
+            grad = grad.float().clone()
+            tail, future = _future(rows, keys, x.device)
+            grad[..., tail:].masked_fill_(future, 0.0)
+        if grad.shape[0] > x.shape[0]:  # one x for every batch row
+            grad = grad.sum(dim=0, keepdim=True)
+        grad = grad.contiguous()  # (B|1, Hq, rows, keys)
+        grad_weights, grad_units = torch.zeros_like(weights), torch.zeros_like(units)
+        grad_x = torch.empty_like(x)
+        unit_weights = weights[:, 2:].t().contiguous()  # (K', Hq)
+        linear = weights[:, 1:2].t()  # (1, Hq)
+        slopes = units[:, 1:2].t()  # (1, K')
+        slab = max(1, NETWORK_CHUNK // keys)
+        features = x.new_empty(weights.shape[1], min(slab, rows) * keys)
+        features[0] = 1.0
+        count = units.shape[0]
+        for b in range(x.shape[0]):
+            for first in range(0, rows, slab):
+                last = min(rows, first + slab)
+                chunk = _features(features, x[b, first:last].reshape(1, -1), units)  # (2 + K', n)
+                scores = grad[b, :, first:last].reshape(heads, -1)  # (Hq, n) dS
+                grad_weights.addmm_(scores, chunk.t())
+                line = grad_x[b, first:last].view(1, -1)  # (1, n)
+                torch.mm(linear, scores, out=line)
+                if count:
+                    hidden = unit_weights @ scores  # (K', n) dL/d relu(.)
+                    hidden.masked_fill_(chunk[2:] <= 0, 0.0)  # off: no gradient
+                    grad_units.addmm_(hidden, chunk[:2].t())
+                    line.addmm_(slopes, hidden)
+        return grad_x, grad_weights, grad_units, None, None, None
