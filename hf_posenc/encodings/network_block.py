@@ -135,12 +135,9 @@ class NetworkBlock(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weights, units, allowed = ctx.saved_tensors
         (_, rows, keys), heads = x.shape, weights.shape[0]
+        grad = grad.float()
         if allowed is not None:
-            grad = grad.float().masked_fill(~allowed, 0.0)
-        else:
-            grad = grad.float().clone()
-            tail, future = _future(rows, keys, x.device)
-            grad[..., tail:].masked_fill_(future, 0.0)
+            grad = grad.masked_fill(~allowed, 0.0)
         if grad.shape[0] > x.shape[0]:  # one x for every batch row
             grad = grad.sum(dim=0, keepdim=True)
         grad = grad.contiguous()  # (B|1, Hq, rows, keys)
@@ -151,19 +148,25 @@ class NetworkBlock(torch.autograd.Function):
         slopes = units[:, 1:2].t()  # (1, K')
         slab = max(1, NETWORK_CHUNK // keys)
         features = x.new_empty(weights.shape[1], min(slab, rows) * keys)
-        features[0] = 1.0
+        tail, future = _future(rows, keys, x.device)
         count = units.shape[0]
         for b in range(x.shape[0]):
             for first in range(0, rows, slab):
                 last = min(rows, first + slab)
+                features[0] = 1.0
                 chunk = _features(features, x[b, first:last].reshape(1, -1), units)  # (2 + K', n)
+                if allowed is None:  # a future key passes no gradient: its features are zero
+                    chunk.view(-1, last - first, keys)[..., tail:].masked_fill_(future[first:last], 0.0)
                 scores = grad[b, :, first:last].reshape(heads, -1)  # (Hq, n) dS
                 grad_weights.addmm_(scores, chunk.t())
                 line = grad_x[b, first:last].view(1, -1)  # (1, n)
                 torch.mm(linear, scores, out=line)
                 if count:
                     hidden = unit_weights @ scores  # (K', n) dL/d relu(.)
-                    hidden.masked_fill_(chunk[2:] <= 0, 0.0)  # off: no gradient
+                    # relu's backward: zero where the unit is off (its feature is 0)
+                    hidden = torch.ops.aten.threshold_backward(hidden, chunk[2:], 0.0)
                     grad_units.addmm_(hidden, chunk[:2].t())
                     line.addmm_(slopes, hidden)
+                if allowed is None:
+                    line.view(last - first, keys)[:, tail:].masked_fill_(future[first:last], 0.0)
         return grad_x, grad_weights, grad_units, None, None, None
