@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..core.config import check_bool, check_number
+from ..core.recompute import recomputed
 from ..core.registry import register_encoding
 from .call import LayerCall
 from .fox import FoX
@@ -138,35 +139,85 @@ class FoXPro(FoX):
             stages.append("adjust_output")
         return stages
 
-    def _shift(self, linear, name, hidden, x, state, first) -> torch.Tensor:
-        alpha = torch.sigmoid(linear(hidden).float())  # (B, T, Hkv), in the model dtype up to the sigmoid
-        previous = None if state is None else state.get(name)  # (B, Hkv, 1, D): last raw x of the cache
-        out = token_shift(x, alpha.transpose(1, 2)[..., None], previous, first)
-        if state is not None:
-            state[name] = x[:, :, -1:]
-        return out
+    def _alpha(self, linear, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, T, 1) fp32: a_t, in the model dtype up to the sigmoid."""
+        return torch.sigmoid(linear(hidden).float()).transpose(1, 2)[..., None]
 
     def adjust_qkv(
         self, call: LayerCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shift, then norm, each recomputed in backward from the raw q, k, v (kept anyway for the
+        norm's and the shift's gradients), not kept as shifted and normalised copies."""
         layer_idx, hidden, state = call.layer_idx, call.hidden, call.state
         first = (call.positions == 0)[:, None, :, None].to(k.device)  # (B, 1, T, 1): no previous token
-        if self.k_shift is not None:
-            k = self._shift(self.k_shift[layer_idx], "fox_pro_k_previous", hidden, k, state, first)
-        if self.v_shift is not None:
-            v = self._shift(self.v_shift[layer_idx], "fox_pro_v_previous", hidden, v, state, first)
+        pieces: dict[str, dict[str, torch.Tensor | None]] = {
+            "q": {},
+            "k": {},
+            "v": {},
+        }  # per tensor: the shift's and the norm's tensors
+        for name, linear, x in (("k", self.k_shift, k), ("v", self.v_shift, v)):
+            if linear is None:
+                continue
+            key = f"fox_pro_{name}_previous"
+            previous = None if state is None else state.get(key)  # (B, Hkv, 1, D): last raw x of the cache
+            pieces[name].update(alpha=self._alpha(linear[layer_idx], hidden), first=first, previous=previous)
+            if state is not None:
+                state[key] = x[:, :, -1:]
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
-            q = rms_norm(q, self.q_norm[layer_idx][:, None], QK_NORM_EPS)  # gains (Hq, 1, D)
-            k = rms_norm(k, self.k_norm[layer_idx][:, None], QK_NORM_EPS)  # gains (Hkv, 1, D)
+            pieces["q"]["gain"] = self.q_norm[layer_idx][:, None]  # (Hq, 1, D)
+            pieces["k"]["gain"] = self.k_norm[layer_idx][:, None]  # (Hkv, 1, D)
+        q, k, v = (_shift_norm(x, **pieces[name]) for name, x in (("q", q), ("k", k), ("v", v)))
         return q, k, v
 
     def adjust_output(self, call: LayerCall, out: torch.Tensor) -> torch.Tensor:
-        layer_idx, hidden = call.layer_idx, call.hidden
-        b, t, _ = out.shape
-        o = out.float()
+        """Norm, then gate, recomputed in backward from the attention output (kept by the
+        attention anyway) and the gate's logits: not kept as normalised, sigmoid and gated copies
+        (the gated output is kept once, by the output projection)."""
+        layer_idx, heads = call.layer_idx, self.geometry.num_heads
+        tensors = {}
         if self.output_norm is not None:
-            heads = o.reshape(b, t, self.geometry.num_heads, -1)  # (B, T, Hq, D)
-            o = rms_norm(heads, self.output_norm[layer_idx], OUTPUT_NORM_EPS).reshape(b, t, -1)
+            tensors["gain"] = self.output_norm[layer_idx]  # (Hq, D)
         if self.output_gate is not None:
-            o = o * torch.sigmoid(self.output_gate[layer_idx](hidden).float())  # (B, T, Hq*D)
-        return o.to(out.dtype)
+            tensors["logits"] = self.output_gate[layer_idx](call.hidden)  # (B, T, Hq*D), model dtype
+        names = list(tensors)
+
+        def norm_gate(out: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+            given = dict(zip(names, values, strict=True))
+            b, t, _ = out.shape
+            o = out.float()
+            if "gain" in given:
+                o = rms_norm(o.reshape(b, t, heads, -1), given["gain"], OUTPUT_NORM_EPS).reshape(b, t, -1)
+            if "logits" in given:
+                o = o * torch.sigmoid(given["logits"].float())
+            return o.to(out.dtype)
+
+        return recomputed(norm_gate, out, *tensors.values())
+
+
+def _shift_norm(
+    x: torch.Tensor,
+    alpha: torch.Tensor | None = None,
+    first: torch.Tensor | None = None,
+    previous: torch.Tensor | None = None,
+    gain: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (B,H,T,D) -> token shift (with ``alpha``), then RMS norm (with ``gain``), recomputed in
+    backward from x and the given tensors (:func:`~hf_posenc.core.recompute.recomputed`)."""
+    given = {
+        n: t
+        for n, t in (("alpha", alpha), ("first", first), ("previous", previous), ("gain", gain))
+        if t is not None
+    }
+    if "alpha" not in given and "gain" not in given:
+        return x
+    names = list(given)
+
+    def steps(x: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+        got = dict(zip(names, values, strict=True))
+        if "alpha" in got:
+            x = token_shift(x, got["alpha"], got.get("previous"), got.get("first"))
+        if "gain" in got:
+            x = rms_norm(x, got["gain"], QK_NORM_EPS)
+        return x
+
+    return recomputed(steps, x, *given.values())

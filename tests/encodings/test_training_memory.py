@@ -14,6 +14,7 @@ import torch
 from conftest import make_model, patch, token_ids
 
 import hf_posenc.attention.backend as backend_module
+import hf_posenc.encodings.fox_pro as fox_pro_module
 import hf_posenc.encodings.tape as tape_module
 
 SHORT, LONG = 32, 64
@@ -79,6 +80,23 @@ def test_tape_keeps_what_its_formula_needs(kv_heads):
     assert _growth_beyond_rope(model, "tape") <= layers * per_layer * FP32
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_fox_pro_keeps_what_its_formula_needs(kv_heads):
+    """FoX (Pro) per token and layer beyond RoPE: the raw q, k and v (the QK-norm's and the
+    token shift's gradients need them; the attention keeps the shifted, normalised ones as RoPE
+    keeps its rotated ones), the output gate's logits and the gated output (the output
+    projection's input, Hq*D each), the shift weights a_t (Hkv each for k and v) and FoX's
+    forget-gate pieces (a few Hq); with grouped keys also the per-query-head copies of k and v
+    the chunked backend attends. Not the shifted, normalised, sigmoid and gated copies."""
+    model = make_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
+    )
+    layers, heads, kv, d = _geometry(model)
+    grouped = 2 * heads * d if kv < heads else 0
+    per_layer = heads * d + 2 * kv * d + 2 * heads * d + 2 * kv + 4 * heads + grouped
+    assert _growth_beyond_rope(model, "fox_pro") <= layers * per_layer * FP32
+
+
 def _gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     model.zero_grad()
     model(ids, labels=ids, use_cache=False).loss.backward()
@@ -86,15 +104,17 @@ def _gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Ten
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_tape_gradients_equal_plain_autograd_on_eager(kv_heads, monkeypatch):
-    """The recomputed rotation, PE layer and fused stream attention give the gradients that
-    plain autograd through the eager backend gives (nothing recomputed), and the same loss."""
+@pytest.mark.parametrize("name", ["tape", "fox_pro"])
+def test_gradients_equal_plain_autograd_on_eager(name, kv_heads, monkeypatch):
+    """The recomputed steps (TAPE's rotation, PE layer and fused stream attention; FoX (Pro)'s
+    token shift, QK-norm, output norm and gate) give the gradients plain autograd through the
+    eager backend gives (nothing recomputed)."""
     model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads).train()
     ids = token_ids(2, 24)
-    lean = patch(copy.deepcopy(model), "tape")
+    lean = patch(copy.deepcopy(model), name)
     got = _gradients(lean, ids)
-    plain = patch(copy.deepcopy(model), "tape", backend="eager")
-    for module in (tape_module, backend_module):
+    plain = patch(copy.deepcopy(model), name, backend="eager")
+    for module in (tape_module, fox_pro_module, backend_module):
         monkeypatch.setattr(module, "recomputed", lambda function, *inputs: function(*inputs))
     want = _gradients(plain, ids)
     assert got.keys() == want.keys()
