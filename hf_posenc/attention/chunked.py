@@ -89,21 +89,39 @@ class BiasedBlockAttention(torch.autograd.Function):
     dq = dS K s, dk = dS^T Q s, dv = P^T dO, dbias = dS summed over the batch (the Toeplitz
     view's own backward then sums it along anti-diagonals). Computed in fp32; never with
     dropout (SDPA's own path serves those calls).
+
+    ``reverse``: the block attends ``k`` and ``v`` in reverse order along the keys (the Toeplitz
+    path's key order), flipped here per block and again in backward, so that what is kept is a
+    view of the layer's own keys and values, not of reversed copies of them (two (B, H, T, D)
+    tensors per layer that training would keep beside the originals).
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.detach(), scale=scale)
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor,
+        scale: float,
+        reverse=False,
+    ):
+        keys, values = (k.flip(-2), v.flip(-2)) if reverse else (k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.detach(), scale=scale)
         ctx.save_for_backward(q, k, v, bias, out)
-        ctx.scale = scale
+        ctx.scale, ctx.reverse = scale, reverse
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, bias, out = ctx.saved_tensors
+        if ctx.reverse:
+            k, v = k.flip(-2), v.flip(-2)
         grad_q, grad_k, grad_v, grad_scores = block_gradients(q, k, v, bias, out, grad_out, ctx.scale)
+        if ctx.reverse:
+            grad_k, grad_v = grad_k.flip(-2), grad_v.flip(-2)
         grad_bias = grad_scores.sum_to_size(bias.shape).to(bias.dtype) if ctx.needs_input_grad[3] else None
-        return grad_q, grad_k, grad_v, grad_bias, None
+        return grad_q, grad_k, grad_v, grad_bias, None, None
 
 
 def block_gradients(
@@ -219,14 +237,23 @@ def attend_chunked(
         minimum = torch.finfo(q.dtype).min
         future = table.new_full((table.shape[0], q_len - 1), minimum).to(q.dtype)
         line = torch.cat((future, table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
-        k_rev, v_rev = k.flip(2), v.flip(2)  # reversed key b holds key Tk-1-b
+        reversed_kv: list[torch.Tensor] = []  # k, v reversed (key b holds key Tk-1-b), made once if needed
 
         def toeplitz_block(start: int, stop: int) -> torch.Tensor:
             first = q_len - stop  # the first reversed key a query of this block may attend
             # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
             view = ToeplitzView.apply(line, start + first, stop - start, k_len - first)
-            q_block, k_block, v_block = q[:, :, start:stop], k_rev[:, :, first:], v_rev[:, :, first:]
-            return block_attention(q_block, k_block, v_block, view, softmax_scale, dropout_p)
+            q_block = q[:, :, start:stop]
+            if view.requires_grad and dropout_p == 0.0 and torch.is_grad_enabled():
+                # the function reverses the block's keys itself: training keeps views of k and v
+                keys, values = k[:, :, : k_len - first], v[:, :, : k_len - first]
+                return BiasedBlockAttention.apply(q_block, keys, values, view, softmax_scale, True)
+            if not reversed_kv:
+                reversed_kv.extend((k.flip(2), v.flip(2)))
+            k_rev, v_rev = reversed_kv
+            return block_attention(
+                q_block, k_rev[:, :, first:], v_rev[:, :, first:], view, softmax_scale, dropout_p
+            )
 
     # one buffer for every block's bias built without gradients (the blocks of all layers of a
     # forward, through the memo): SDPA reads a block before the next is built

@@ -23,12 +23,14 @@ from hf_posenc.attention import chunked
     batch=st.integers(1, 2),
     shared_bias=st.booleans(),
     seed=st.integers(0, 2**16),
+    reverse=st.booleans(),
 )
 def test_block_attention_gradients_equal_autograd_of_the_formula(
-    rows, extra, heads, batch, shared_bias, seed
+    rows, extra, heads, batch, shared_bias, seed, reverse
 ):
     """Output and gradients of q, k, v and the bias (broadcast over the batch or not) equal
-    autograd through softmax(q k^T * s + bias) v in fp64, fp32 within 1e-5."""
+    autograd through softmax(q k^T * s + bias) v in fp64, fp32 within 1e-5; with ``reverse``
+    (the Toeplitz path's key order) the keys and values attended are k and v flipped along the keys."""
     generator = torch.Generator().manual_seed(seed)
     keys = rows + extra
     q, k, v = (torch.randn(batch, heads, n, 4, generator=generator) for n in (rows, keys, keys))
@@ -36,11 +38,12 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
     bias[..., -1] = torch.finfo(torch.float32).min  # a masked key, as the causal fold writes it
     grad = torch.randn(batch, heads, rows, 4, generator=generator)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-    out = chunked.BiasedBlockAttention.apply(*leaves, 0.7)
+    out = chunked.BiasedBlockAttention.apply(*leaves, 0.7, reverse)
     (out * grad).sum().backward()
     leaves64 = [t.double().requires_grad_() for t in (q, k, v, bias)]
     q64, k64, v64, b64 = leaves64
-    want = torch.softmax(q64 @ k64.transpose(-1, -2) * 0.7 + b64, dim=-1) @ v64
+    keys, values = (k64.flip(-2), v64.flip(-2)) if reverse else (k64, v64)
+    want = torch.softmax(q64 @ keys.transpose(-1, -2) * 0.7 + b64, dim=-1) @ values
     (want * grad.double()).sum().backward()
     torch.testing.assert_close(out.double(), want.detach(), atol=1e-5, rtol=1e-5)
     for got, ref in zip(leaves, leaves64, strict=True):

@@ -14,6 +14,7 @@ import torch
 from conftest import make_model, patch, token_ids
 
 import hf_posenc.attention.backend as backend_module
+import hf_posenc.attention.chunked as chunked
 import hf_posenc.encodings.fox_pro as fox_pro_module
 import hf_posenc.encodings.tape as tape_module
 
@@ -36,9 +37,9 @@ def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def _growth_beyond_rope(model: torch.nn.Module, name: str) -> float:
+def _growth_beyond_rope(model: torch.nn.Module, name: str, params: dict | None = None) -> float:
     """Saved bytes per token of ``name`` minus RoPE's, from the growth between SHORT and LONG."""
-    patched = patch(copy.deepcopy(model), name).train()
+    patched = patch(copy.deepcopy(model), name, params).train()
     rope = patch(copy.deepcopy(model), "rope", randomize=False).train()
     short, long = token_ids(1, SHORT), token_ids(1, LONG)
     grown = _saved_bytes(patched, long) - _saved_bytes(patched, short)
@@ -86,15 +87,30 @@ def test_fox_pro_keeps_what_its_formula_needs(kv_heads):
     token shift's gradients need them; the attention keeps the shifted, normalised ones as RoPE
     keeps its rotated ones), the output gate's logits and the gated output (the output
     projection's input, Hq*D each), the shift weights a_t (Hkv each for k and v) and FoX's
-    forget-gate pieces (a few Hq); with grouped keys also the per-query-head copies of k and v
-    the chunked backend attends. Not the shifted, normalised, sigmoid and gated copies."""
+    forget-gate pieces (a few Hq). Not the shifted, normalised, sigmoid and gated copies."""
     model = make_model(
         "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
     )
     layers, heads, kv, d = _geometry(model)
-    grouped = 2 * heads * d if kv < heads else 0
-    per_layer = heads * d + 2 * kv * d + 2 * heads * d + 2 * kv + 4 * heads + grouped
+    per_layer = heads * d + 2 * kv * d + 2 * heads * d + 2 * kv + 4 * heads
     assert _growth_beyond_rope(model, "fox_pro") <= layers * per_layer * FP32
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_fire_on_the_chunked_backend_keeps_no_reversed_keys(kv_heads, monkeypatch):
+    """FIRE on the chunked backend, queries below L in Toeplitz blocks (keys reversed) and past
+    it in rebuilt blocks, per token and layer beyond RoPE: the blocks' outputs, kept by each
+    block and again concatenated for the output projection (Hq*D), FIRE's per-token pieces (a
+    few Hq and scalars). Not reversed copies of k and v beside the originals (with grouped keys:
+    beside the per-query-head copies, which RoPE's attention keeps too)."""
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
+    model = make_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
+    )
+    layers, heads, kv, d = _geometry(model)
+    per_layer = heads * d + 8 * heads
+    growth = _growth_beyond_rope(model, "fire", {"init_L": 24.0})
+    assert growth <= layers * per_layer * FP32
 
 
 def _gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
