@@ -144,7 +144,7 @@ def test_parallelism_config_fills_the_remaining_processes():
     built = parallelism.parallelism_config(2, 1, 8)
     assert (built.cp_size, built.dp_shard_size, built.total_size) == (2, 4, 8)
     ulysses = parallelism.parallelism_config(1, 4, 8)
-    assert (ulysses.sp_size, ulysses.sp_backend) == (4, "deepspeed")
+    assert (ulysses.sp_size, ulysses.sp_backend, ulysses.data_parallel_size) == (4, "deepspeed", 2)
     assert parallelism.parallelism_config(1, 1, 8) is None
 
 

@@ -203,9 +203,9 @@ def test_the_launch_is_checked_before_anything_loads(workspace, tmp_path, capsys
 
 
 # -- DeepSpeed on two CPU processes (where DeepSpeed is installed) ---------------------------------
-def _launch(workspace: Path, name: str, *extra: str, zero_stage: int = 2) -> list[str]:
+def _launch(workspace: Path, name: str, *extra: str, zero_stage: int = 2, processes: int = 2) -> list[str]:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    command += [str(ROOT / "recipes/accelerate/ulysses.yaml"), "--num_processes", "2"]
+    command += [str(ROOT / "recipes/accelerate/ulysses.yaml"), "--num_processes", str(processes)]
     command += ["--mixed_precision", "no", "--zero_stage", str(zero_stage), "-m", "hf_posenc", "train"]
     command += ["--model", str(workspace / "base"), "--data", str(workspace / "data.jsonl")]
     command += ["--output-dir", str(workspace / name), "--seq-len", "32", "--batch-size", "2"]
@@ -289,6 +289,33 @@ def test_two_processes_of_one_ulysses_group_train_like_one_process(workspace, en
     for key in expected:
         if expected[key].is_floating_point():
             assert torch.allclose(expected[key], got[key], atol=5e-5, rtol=0), key
+
+
+@pytest.mark.slow
+def test_two_ulysses_groups_of_two_processes_train_like_one_process(workspace):
+    """4 processes, --sequence-parallel 2: two groups, each its own half of the global batch (the batch
+    order keyed by the group), each rank half of every sequence; the one-process run with the whole
+    global batch (2 x 2 blocks) gets the same losses and weights."""
+    pytest.importorskip("deepspeed")
+    data = [str(workspace / "data.jsonl")]
+    settings = dict(encoding="alibi", seq_len=32, max_steps=3, data=data)
+    one = train(run_config(workspace, "one-groups", batch_size=4, **settings), progress=False)
+    extra = ["--encoding", "alibi", "--max-steps", "3"]
+    done = subprocess.run(
+        _launch(workspace, "four-groups", *extra, processes=4),
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    losses = json.loads((workspace / "four-groups" / "final" / "losses.json").read_text())
+    assert [s for s, _ in losses] == [1, 2, 3]
+    for (_, a), (_, b) in zip(one.losses, losses, strict=True):
+        assert abs(a - b) <= 1e-5, (one.losses, losses)
+    expected, got = _weights(workspace / "one-groups"), _weights(workspace / "four-groups")
+    for key in expected:
+        assert torch.allclose(expected[key], got[key], atol=5e-5, rtol=0), key
 
 
 def _process(pid: int) -> psutil.Process | None:

@@ -302,7 +302,8 @@ def parallelism_config(
     """accelerate's ParallelismConfig for the run, or None when neither engine is asked for.
 
     The processes left over after the sequence engine shard the weights (FSDP2) for context
-    parallelism and replicate them for Ulysses (DeepSpeed keeps its own data-parallel groups)."""
+    parallelism and replicate them for Ulysses (``dp_replicate_size``: the groups; DeepSpeed keeps its
+    own data-parallel groups, accelerate sizes DeepSpeed's batch from it)."""
     if context_parallel == 1 and sequence_parallel == 1:
         return None
     from accelerate import ParallelismConfig
@@ -320,7 +321,11 @@ def parallelism_config(
     handler = DeepSpeedSequenceParallelConfig(
         sp_seq_length=seq_len, sp_seq_length_is_variable=seq_len is None, sp_attn_implementation="sdpa"
     )
-    return ParallelismConfig(sp_size=sequence_parallel, sp_backend="deepspeed", sp_handler=handler)
+    # the groups as data-parallel replicas: accelerate sizes DeepSpeed's train_batch_size from them
+    groups = max(1, num_processes // sequence_parallel)
+    return ParallelismConfig(
+        sp_size=sequence_parallel, sp_backend="deepspeed", sp_handler=handler, dp_replicate_size=groups
+    )
 
 
 @contextlib.contextmanager
