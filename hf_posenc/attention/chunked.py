@@ -229,6 +229,15 @@ def attend_chunked(
     if isinstance(bias, SeparableBias) and q.dtype in FEATURE_DTYPES and q_len > FEW_QUERIES:
         return attend_separable(q, k, v, bias, mask, softmax_scale, dropout_p, spans, firsts)
 
+    # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block without
+    # gradients needs them (training reverses each block's keys itself: nothing kept)
+    reversed_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reversed_keys() -> tuple[torch.Tensor, torch.Tensor]:
+        if not reversed_kv:
+            reversed_kv.append((k.flip(2), v.flip(2)))
+        return reversed_kv[0]
+
     # the leading queries whose bias is a table over distances (all of them for a DistanceBias)
     distance = bias.distance_table() if mask is None and q_len > FEW_QUERIES else None
     toeplitz_rows, toeplitz_block = 0, None
@@ -237,7 +246,6 @@ def attend_chunked(
         minimum = torch.finfo(q.dtype).min
         future = table.new_full((table.shape[0], q_len - 1), minimum).to(q.dtype)
         line = torch.cat((future, table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
-        reversed_kv: list[torch.Tensor] = []  # k, v reversed (key b holds key Tk-1-b), made once if needed
 
         def toeplitz_block(start: int, stop: int) -> torch.Tensor:
             first = q_len - stop  # the first reversed key a query of this block may attend
@@ -248,9 +256,7 @@ def attend_chunked(
                 # the function reverses the block's keys itself: training keeps views of k and v
                 keys, values = k[:, :, : k_len - first], v[:, :, : k_len - first]
                 return BiasedBlockAttention.apply(q_block, keys, values, view, softmax_scale, True)
-            if not reversed_kv:
-                reversed_kv.extend((k.flip(2), v.flip(2)))
-            k_rev, v_rev = reversed_kv
+            k_rev, v_rev = reversed_keys()
             return block_attention(
                 q_block, k_rev[:, :, first:], v_rev[:, :, first:], view, softmax_scale, dropout_p
             )
@@ -269,8 +275,18 @@ def attend_chunked(
             buffers.append(bias_scratch(memo, scratch_size, q.dtype, q.device))
         return buffers[0]
 
+    # causal blocks without gradients whose form builds them cheaper over the keys in reverse
+    # order (FIRE on CPU)
+    reverse = mask is None and q_len > FEW_QUERIES
+
     def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
         k_end = causal_keys(q_len, k_len, stop)
+        if reverse and not torch.is_grad_enabled():  # (with gradients reversed copies would be kept)
+            backwards = bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
+            if backwards is not None:  # (B|1, Hq, rows, k_end), keys k_end-1 .. 0
+                k_rev, v_rev = reversed_keys()
+                k_block, v_block = k_rev[:, :, k_len - k_end :], v_rev[:, :, k_len - k_end :]
+                return block_attention(q_block, k_block, v_block, backwards, softmax_scale, dropout_p)
         # (B|1, 1, rows, keys) or None: the causal keys (bottom-right aligned)
         allowed = None if mask is None else mask[..., start:stop, k_start:k_end]
         folded = bias.folded(

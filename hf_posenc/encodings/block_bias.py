@@ -111,6 +111,15 @@ class BlockBias:
         slice): a form of the same kind whose head ``h - start`` is this form's head ``h``."""
         raise NotImplementedError(f"{type(self).__name__} cannot be restricted to a range of heads")
 
+    def folded_reversed(
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The causal block (no padding mask) with its keys in reverse order (key k_end-1 first),
+        (B|1, Hq, rows, k_end) in ``dtype`` with the future at its minimum, for forms that build
+        it cheaper so (attention does not depend on the keys' order: the chunked backend then
+        attends the reversed keys); None where the form has no such way (then :meth:`folded`)."""
+        return None
+
     def folded(
         self,
         start: int,

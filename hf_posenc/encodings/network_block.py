@@ -63,13 +63,16 @@ def network_block(
     network: Network,
     allowed: torch.Tensor | None,
     scratch: torch.Tensor | None,
+    x_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    reverse: bool = False,
 ) -> torch.Tensor | None:
-    """x (B|1, rows, keys), non-increasing along the keys -> (B', Hq, rows, keys) fp32, the
-    masked keys (``allowed`` (B|1, 1, rows, keys) False, or None: the future of each row,
-    bottom-right aligned) at the dtype's minimum; None when the linear pieces are cheaper.
-    ``scratch``: a flat fp32 buffer the block may be written into (only without gradients)."""
+    """x (B|1, rows, keys) -> (B', Hq, rows, keys) fp32, the masked keys (``allowed`` (B|1, 1,
+    rows, keys) False, or None: the future of each row, bottom-right aligned; with ``reverse``
+    the keys are in reverse order, the future first) at the dtype's minimum; None when the
+    linear pieces are cheaper. ``scratch``: a flat fp32 buffer the block may be written into
+    (only without gradients); ``x_range``: (low, high) containing every x (default: its min/max)."""
     with torch.no_grad():
-        low, high = torch.aminmax(x)
+        low, high = torch.aminmax(x) if x_range is None else x_range
     columns = network_columns(low, high, network)
     if columns is None:
         return None
@@ -80,15 +83,18 @@ def network_block(
         size = batch * weights.shape[0] * x.shape[1] * x.shape[2]
         if scratch.numel() >= size:
             out = scratch[:size].view(batch, weights.shape[0], *x.shape[1:])
-    return NetworkBlock.apply(x, weights, units, allowed, batch, out)
+    return NetworkBlock.apply(x, weights, units, allowed, batch, out, reverse)
 
 
-def _future(rows: int, keys: int, device: torch.device) -> tuple[int, torch.Tensor]:
-    """The causal mask of a block bottom-right aligned: (first key of the last ``span`` keys,
-    (rows, span) bool True where query a may not attend)."""
+def _future(rows: int, keys: int, device: torch.device, reverse: bool) -> tuple[slice, torch.Tensor]:
+    """The causal mask of a block bottom-right aligned: (the last ``span`` keys, or with
+    ``reverse`` (keys in reverse order) the first, and (rows, span) bool True where query a may
+    not attend there)."""
     span = min(rows, keys)
     future = torch.ones(rows, span, dtype=torch.bool, device=device).triu_(1 + span - rows)
-    return keys - span, future
+    if reverse:
+        return slice(0, span), future.flip(-1)
+    return slice(keys - span, keys), future
 
 
 def _features(features: torch.Tensor, values: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
@@ -107,7 +113,7 @@ class NetworkBlock(torch.autograd.Function):
     masked entries pass no gradient. See the module's docstring for both directions."""
 
     @staticmethod
-    def forward(ctx, x, weights, units, allowed, batch, out):
+    def forward(ctx, x, weights, units, allowed, batch, out, reverse=False):
         heads, (_, rows, keys) = weights.shape[0], x.shape
         if out is None:
             out = x.new_empty(batch, heads, rows, keys)
@@ -115,7 +121,7 @@ class NetworkBlock(torch.autograd.Function):
         features = x.new_empty(weights.shape[1], min(slab, rows) * keys)
         features[0] = 1.0  # (a product, not addmm: addmm first copies its broadcast input into the output)
         minimum = torch.finfo(x.dtype).min
-        tail, future = _future(rows, keys, x.device)
+        tail, future = _future(rows, keys, x.device, reverse)
         for b in range(x.shape[0]):
             for first in range(0, rows, slab):
                 last = min(rows, first + slab)
@@ -123,12 +129,13 @@ class NetworkBlock(torch.autograd.Function):
                 block = out[b, :, first:last]  # (Hq, slab, keys)
                 torch.mm(weights, chunk, out=block.view(heads, -1))
                 if allowed is None:  # the future keys, while the slab is in cache
-                    block[..., tail:].masked_fill_(future[first:last], minimum)
+                    block[..., tail].masked_fill_(future[first:last], minimum)
         if x.shape[0] < batch:  # rows of their own only in the mask
             out[1:].copy_(out[:1].expand(batch - 1, -1, -1, -1))
         if allowed is not None:
             out.masked_fill_(~allowed, minimum)
         ctx.save_for_backward(x, weights, units, allowed)
+        ctx.reverse = reverse
         return out
 
     @staticmethod
@@ -148,7 +155,7 @@ class NetworkBlock(torch.autograd.Function):
         slopes = units[:, 1:2].t()  # (1, K')
         slab = max(1, NETWORK_CHUNK // keys)
         features = x.new_empty(weights.shape[1], min(slab, rows) * keys)
-        tail, future = _future(rows, keys, x.device)
+        tail, future = _future(rows, keys, x.device, ctx.reverse)
         count = units.shape[0]
         for b in range(x.shape[0]):
             for first in range(0, rows, slab):
@@ -156,7 +163,7 @@ class NetworkBlock(torch.autograd.Function):
                 features[0] = 1.0
                 chunk = _features(features, x[b, first:last].reshape(1, -1), units)  # (2 + K', n)
                 if allowed is None:  # a future key passes no gradient: its features are zero
-                    chunk.view(-1, last - first, keys)[..., tail:].masked_fill_(future[first:last], 0.0)
+                    chunk.view(-1, last - first, keys)[..., tail].masked_fill_(future[first:last], 0.0)
                 scores = grad[b, :, first:last].reshape(heads, -1)  # (Hq, n) dS
                 grad_weights.addmm_(scores, chunk.t())
                 line = grad_x[b, first:last].view(1, -1)  # (1, n)
@@ -168,5 +175,5 @@ class NetworkBlock(torch.autograd.Function):
                     grad_units.addmm_(hidden, chunk[:2].t())
                     line.addmm_(slopes, hidden)
                 if allowed is None:
-                    line.view(last - first, keys)[:, tail:].masked_fill_(future[first:last], 0.0)
-        return grad_x, grad_weights, grad_units, None, None, None
+                    line.view(last - first, keys)[:, tail].masked_fill_(future[first:last], 0.0)
+        return grad_x, grad_weights, grad_units, None, None, None, None

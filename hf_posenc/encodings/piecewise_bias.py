@@ -67,23 +67,34 @@ class PiecewiseDistanceBias(BlockBias):
             return None
         return parts[0], parts[1], parts[2], parts[3]
 
-    def x(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
+    def x(self, start: int, stop: int, k_start: int, k_end: int, reverse: bool = False) -> torch.Tensor:
         """The normalised distance of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``:
-        (B|1, rows, keys) fp32, non-increasing along the keys."""
+        (B|1, rows, keys) fp32, non-increasing along the keys (``reverse``: the keys in reverse
+        order, key k_end-1 first, non-decreasing)."""
         normalizer = self.normalizer[:, start:stop, None]  # (B|1, rows, 1)
         if torch.is_grad_enabled():  # gathered by distance (autograd's backward of a gather is cheap)
             queries, key_indices = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
-            distance = (queries[:, None] - key_indices[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
+            keys = key_indices[k_start:k_end]
+            distance = (queries[:, None] - (keys.flip(0) if reverse else keys)[None]).clamp_(min=0)
             return self.feature[distance] / normalizer
         # over the keys in reverse order the distance of (a, b) is a + b + first: a strided view
-        # (stride 1 along both) of one line of features, divided and flipped back
+        # (stride 1 along both) of one line of features, divided (and flipped back unless ``reverse``)
         rows, keys = stop - start, k_end - k_start
         first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, 0)
         positions = torch.arange(first, first + rows + keys - 1, device=self.feature.device).clamp_(min=0)
         line = self.feature[positions]  # (rows + keys - 1,)
         reversed_x = line.new_empty(normalizer.shape[0], rows, keys)  # contiguous (a view's strides are not)
         torch.div(line.as_strided((rows, keys), (1, 1)), normalizer, out=reversed_x)
-        return reversed_x.flip(-1)
+        return reversed_x if reverse else reversed_x.flip(-1)
+
+    def x_range(self, start: int, stop: int, k_start: int, k_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min, max) of :meth:`x` over the block, 0-dim fp32, from O(rows) values: along a row x
+        runs from the distance of the last key to that of the first (the same fp32 quotients)."""
+        queries, _ = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
+        normalizer = self.normalizer[:, start:stop]  # (B|1, rows)
+        nearest = self.feature[(queries - (k_end - 1)).clamp(min=0)] / normalizer  # (B|1, rows)
+        farthest = self.feature[(queries - k_start).clamp(min=0)] / normalizer
+        return nearest.min(), farthest.max()
 
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
@@ -162,6 +173,27 @@ class PiecewiseDistanceBias(BlockBias):
 
         return piecewise
 
+    def _network_blocks(self, device: torch.device) -> bool:
+        """Whether blocks may come from the network's matrix products (:mod:`.network_block`,
+        forward and backward): on CPU when the network is known; elsewhere, and under
+        torch.compile, the linear pieces (which units switch in a block is data-dependent:
+        fullgraph compiled decoding cannot guard on it)."""
+        return self.network is not None and device.type == "cpu" and not torch.compiler.is_compiling()
+
+    def folded_reversed(
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The causal block (no padding mask) of queries ``start .. stop-1`` over keys ``0 ..
+        k_end-1`` in reverse order (key k_end-1 first): (B|1, Hq, rows, k_end) in ``dtype``, the
+        future at its minimum; None where the linear pieces serve it (see :meth:`folded`). x comes from a strided view of
+        one line of features without gradients, so no flip of the block's x is written."""
+        network = self.network
+        if network is None or not self._network_blocks(self.feature.device):
+            return None
+        x = self.x(start, stop, 0, k_end, reverse=True)  # (B|1, rows, keys)
+        block = network_block(x, network, None, scratch, self.x_range(start, stop, 0, k_end), reverse=True)
+        return None if block is None else block.to(dtype)
+
     def folded(
         self,
         start: int,
@@ -174,12 +206,9 @@ class PiecewiseDistanceBias(BlockBias):
     ) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
         network = self.network
-        # on CPU from the network's matrix products (forward and backward: :mod:`.network_block`);
-        # elsewhere, and under torch.compile, the linear pieces: which units switch in a block is
-        # data-dependent (fullgraph compiled decoding cannot guard on it)
-        compiling = torch.compiler.is_compiling()
-        if network is not None and x.device.type == "cpu" and not compiling:
-            block = network_block(x, network, allowed, scratch)
+        if self._network_blocks(x.device):
+            assert network is not None
+            block = network_block(x, network, allowed, scratch, self.x_range(start, stop, k_start, k_end))
             if block is not None:
                 return block.to(dtype)
         count = self.points.shape[0]

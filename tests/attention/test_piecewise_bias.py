@@ -158,6 +158,22 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
         masked = (~allowed if given_mask is not None else ~causal[None, None]).expand_as(block)
         torch.testing.assert_close(block[compared].double(), reference[compared], atol=1e-5, rtol=1e-5)
         assert bool((block[masked] == torch.finfo(torch.float32).min).all())
+    # the causal block over keys 0 .. k_end-1 in reverse order (the chunked backend attends the
+    # reversed keys): from the network's products, flipped back it is the formula; not served
+    # when the linear pieces are cheaper
+    whole = torch.arange(k_end)[None, :] <= torch.arange(k_len - q_len + start, k_len)[:, None]
+    real_whole = _attendable(q_len, k_len, padded_rows)[:, None, start:, :k_end]  # (B, 1, rows, keys)
+    for columns in (100, 0):
+        with torch.no_grad(), mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns):
+            backwards = bias.folded_reversed(start, q_len, k_end, torch.float32)
+        assert (columns == 100) == (backwards is not None)
+        if backwards is None:
+            continue
+        block = backwards.flip(-1).expand(positions.shape[0], -1, -1, -1)  # (B, H, rows, keys)
+        compared = real_whole.expand_as(block)
+        reference = expected[:, :, start:, :k_end]
+        torch.testing.assert_close(block[compared].double(), reference[compared], atol=1e-5, rtol=1e-5)
+        assert bool((block[(~whole[None, None]).expand_as(block)] == torch.finfo(torch.float32).min).all())
     rows = bias.table_rows
     # L as the module holds it (fp32): at L itself either side gives the same normaliser
     stored = torch.tensor(abs(float(function.L_multiplier.detach())) * function.init_L, dtype=torch.float32)
