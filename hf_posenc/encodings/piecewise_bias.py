@@ -74,8 +74,8 @@ class PiecewiseDistanceBias(BlockBias):
         normalizer = self.normalizer[:, start:stop, None]  # (B|1, rows, 1)
         if torch.is_grad_enabled():  # gathered by distance (autograd's backward of a gather is cheap)
             queries, key_indices = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
-            keys = key_indices[k_start:k_end]
-            distance = (queries[:, None] - (keys.flip(0) if reverse else keys)[None]).clamp_(min=0)
+            wanted = key_indices[k_start:k_end]
+            distance = (queries[:, None] - (wanted.flip(0) if reverse else wanted)[None]).clamp_(min=0)
             return self.feature[distance] / normalizer
         # over the keys in reverse order the distance of (a, b) is a + b + first: a strided view
         # (stride 1 along both) of one line of features, divided (and flipped back unless ``reverse``)
