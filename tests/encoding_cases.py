@@ -258,12 +258,12 @@ HEAD_PARALLEL_SERVED: dict[str, bool] = {
     "fire": True,
     "fox": True,
     "fox_pro": False,  # unless none of qk_norm, k_shift, v_shift, see head_parallel_serves
-    "selfextend": False,
-    "rerope": False,
-    "leaky_rerope": False,
-    "cope": False,
-    "cape": False,
-    "sba": False,
+    "selfextend": True,  # two RoPE maps, the same for every head (LongLM eq. 3)
+    "rerope": True,  # clipped relative positions, the same for every head
+    "leaky_rerope": True,
+    "cope": True,  # gates from each head's own scores; position table shared (CoPE eq. 3-5)
+    "cape": False,  # its MLP reads every head's score of a pair (CAPE eq. 4)
+    "sba": True,  # sticks broken per head from its own scores (Tan et al. eq. 2)
     "tape": False,
 }
 

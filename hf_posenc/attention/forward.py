@@ -112,7 +112,9 @@ class PatchedAttentionForward:
             mask = None  # checked causal: the whole sequence is attended causally
 
         key_positions = None
-        if "logits" in stages and static is not None and static.order is not None:
+        if "logits" in stages and parallel is not None:
+            key_positions = attended.positions  # (B, T): every token's, gathered (no cached keys)
+        elif "logits" in stages and static is not None and static.order is not None:
             key_positions = rolled_key_positions(context.positions, k.shape[-2])  # (B, S)
         elif "logits" in stages and context.key_positions is not None:
             key_positions = context.key_positions[:, -k.shape[-2] :]  # (B, Tk)

@@ -27,8 +27,11 @@ exchange because DeepSpeed's (``UlyssesSPAttentionHF``) is bound to the transfor
 signature, has no head offset and cannot carry the encoding's per-token inputs.
 
 Served: every encoding whose attention is SDPA over per-token q/k (rotations, embeddings, layer
-inputs) or such attention plus a score bias; refused (:func:`head_parallel_refusal`): explicit
-score stages, stages that mix neighbouring tokens before the exchange, positional streams.
+inputs) or such attention plus a score bias, and explicit score stages that treat every head alike
+and apart (``Encoding.heads_independent``: SelfExtend/ReRoPE's two maps, CoPE, stick-breaking; the
+``logits`` stage reads the gathered positions of every token); refused
+(:func:`head_parallel_refusal`): explicit score stages that mix the heads (CAPE's MLP over them),
+stages that mix neighbouring tokens before the exchange, positional streams.
 The sequence must be causal over all T tokens (no padding, no packed documents), each rank passing
 its tokens' true position ids; a forward with cached keys (decoding) is refused.
 """
@@ -56,10 +59,10 @@ def head_parallel_refusal(encoding: Any) -> str | None:
     never of its name."""
     stages = set(encoding.active_stages())
     explicit = [stage for stage in _EXPLICIT if stage in stages]
-    if explicit:
+    if explicit and not encoding.heads_independent():
         return (
-            f"it computes the score matrix explicitly ({', '.join(explicit)}), which head-parallel attention "
-            "does not split by heads"
+            f"its explicit score stages ({', '.join(explicit)}) mix or parametrise the heads, which head-parallel "
+            "attention does not split"
         )
     if "adjust_qkv" in stages:
         return (

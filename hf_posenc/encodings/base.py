@@ -286,6 +286,14 @@ class Encoding(nn.Module, Generic[ConfigT]):
         at a time, each with its causal keys. Encodings that say so are tested for it."""
         return False
 
+    def heads_independent(self) -> bool:
+        """True when the explicit score stages (``logits``, ``transform_scores``, ``normalize``)
+        compute each head's scores from that head's queries and keys alone, with the same
+        parameters for every head: they may then run on any subset of the heads (a rank's heads
+        under head-parallel attention). Encodings that say so are tested for it (two ranks equal
+        one process)."""
+        return False
+
     def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
         """Scaled logits plus bias (B, Hq, Tq, Tk) fp32 -> new scores (masking comes after).
 

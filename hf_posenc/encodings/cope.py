@@ -84,6 +84,9 @@ class CoPE(Encoding[CoPEConfig]):
     def rows_independent(self) -> bool:
         return True
 
+    def heads_independent(self) -> bool:
+        return True  # gates and positions per head from its own scores; the position table is shared by the heads
+
     def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         table = self.embeddings[0 if cfg.shared_across_layers else call.layer_idx]  # (npos, D)

@@ -74,6 +74,9 @@ class StickBreaking(Encoding[SBAConfig]):
     def rows_independent(self) -> bool:
         return True
 
+    def heads_independent(self) -> bool:
+        return True  # each head's sticks from its own scores; no parameters
+
     def normalize(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
         cfg, allowed = self.config, call.allowed
         q_len, k_len, device = scores.shape[-2], scores.shape[-1], scores.device

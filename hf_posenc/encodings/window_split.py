@@ -94,6 +94,9 @@ class WindowSplitRoPE(RoPE):
     def active_stages(self) -> list[str]:
         return ["logits"]  # keys cached un-rotated: each step rotates them under both maps
 
+    def heads_independent(self) -> bool:
+        return True  # both maps rotate every head alike; the split is decided by positions
+
     def far_positions(
         self, q_positions: torch.Tensor, k_positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

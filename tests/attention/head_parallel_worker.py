@@ -21,12 +21,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_posenc
+from hf_posenc.attention import chunked
 from hf_posenc.recipes.tiny import tiny_model
+
+DEFAULT_QUERY_BLOCK = chunked.QUERY_BLOCK
 
 
 def build(family: str, encoding: str, params: dict, heads: int, kv_heads: int):
+    """``params`` may also hold ``backend`` (patch_model's) and ``query_block`` (the block backends'
+    queries per block, :data:`hf_posenc.attention.chunked.QUERY_BLOCK`, set for the whole process)."""
+    params = dict(params)
+    chunked.QUERY_BLOCK = params.pop("query_block", DEFAULT_QUERY_BLOCK)
+    backend = params.pop("backend", "auto")
     model = tiny_model(family, vocab_size=64, hidden_size=64, num_heads=heads, num_kv_heads=kv_heads, seed=0)
-    hf_posenc.patch_model(model, encoding, **params)
+    hf_posenc.patch_model(model, encoding, backend=backend, **params)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # per-head parameters made distinct (T5 tables and FoX gate weights start at 0)
         for parameter in model.posenc.parameters():

@@ -141,6 +141,14 @@ TWO_RANK_CASES = [
     ("llama", "expe", {}, 4, 2),
     ("llama", "rope+alibi", {}, 4, 2),  # a hybrid: one layer each
     ("gpt2", "t5", {}, 4, 4),
+    # explicit score stages that treat every head alike, on their block backends (rows / neighbour:
+    # query blocks of 4 so the 16 tokens make four) and on the eager path
+    ("llama", "cope", {"query_block": 4}, 4, 2),
+    ("llama", "sba", {"query_block": 4}, 4, 2),
+    ("llama", "selfextend", {"group_size": 2, "window": 4, "query_block": 4}, 4, 2),
+    ("llama", "rerope", {"window": 3, "query_block": 4}, 4, 2),
+    ("llama", "leaky_rerope", {"window": 3, "leak": 4.0}, 4, 2),
+    ("llama", "cope", {"backend": "eager"}, 4, 2),
 ]
 
 
@@ -221,8 +229,8 @@ def test_decoding_with_cached_keys_is_refused(one_rank_group):
 
 
 def test_an_encoding_not_split_by_heads_is_one_line(one_rank_group):
-    model = _patched("sba")
-    with pytest.raises(InvalidParameterError, match="'sba'") as error:
+    model = _patched("cape")  # its MLP mixes every head's scores
+    with pytest.raises(InvalidParameterError, match="'cape'") as error:
         hf_posenc.enable_head_parallel(model)
     assert "allowed:" in str(error.value) and "\n" not in str(error.value)
 

@@ -232,7 +232,7 @@ def _heads(workspace: Path) -> int:
         ),
         (["--context-parallel", "2", "--encoding", "rope", "--packing"], ["--packing", "across documents"]),
         (["--context-parallel", "2", "--encoding", "rope", "--loss", "chunked"], ["--loss chunked", "full"]),
-        (["--sequence-parallel", "2", "--encoding", "sba"], ["'sba'", "explicitly"]),
+        (["--sequence-parallel", "2", "--encoding", "cape"], ["'cape'", "mix or parametrise the heads"]),
         (["--sequence-parallel", "2", "--encoding", "alibi"], ["--sequence-parallel 2", "DeepSpeed"]),
         (["--sequence-parallel", "2", "--seq-len", "31"], ["--seq-len 31", "multiple of 2"]),
         (["--context-parallel", "2", "--sequence-parallel", "2"], ["one of them"]),
