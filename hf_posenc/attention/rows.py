@@ -10,8 +10,14 @@ skipped, not scored and masked. Each query's row then loses only keys it may not
 a row-local stage gives no weight and no position (CoPE's gates, SBA's sticks and CAPE's base
 bias see allowed keys and distances only).
 
+A block's size follows its key count (:func:`block_rows`): its (B, Hq, rows, keys) scores stay
+within :data:`SCORE_BUDGET` elements, so the score-sized intermediates of one block (a dozen or
+more fp32 tensors while CoPE's or SBA's stage is recomputed and differentiated in backward) do
+not grow with the sequence; with a fixed number of rows they would grow with every key, which
+made the memory per token of these encodings 4-5x native's.
+
 Registered as backend ``rows``: under ``backend="chunked"``, ``"flex"`` and ``"auto"``, for
-calls longer than one block (:data:`~.chunked.QUERY_BLOCK`, read at call time).
+calls longer than one block.
 """
 
 from __future__ import annotations
@@ -25,6 +31,39 @@ from ..core.layout import causal_keys
 from . import chunked
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .core import attend_explicit
+from .host_heap import trim_host_heap
+
+#: the most elements (batch x query heads x rows x keys) of one block's fp32 scores: 2^21 (8 MiB).
+#: Measured on CPU (one thread, CoPE/SBA/CAPE, 4 heads, T = 2048..8192, forward and training
+#: step): 2^20..2^22 run within a few per cent of one another and of 256-row blocks, smaller
+#: budgets pay the per-block overhead; each score-sized intermediate of a block is then 8 MiB.
+SCORE_BUDGET = 1 << 20
+#: the fewest rows of a block (and the multiple block sizes are rounded down to): a block of
+#: fewer queries is mostly per-call overhead. Beyond ``SCORE_BUDGET / (16 * batch * heads)`` keys
+#: a block holds 16 rows and its scores grow with the keys again.
+MIN_ROWS = 16
+
+
+def block_rows(batch: int, heads: int, keys: int) -> int:
+    """Queries of a block whose scores span ``keys`` keys: ``SCORE_BUDGET // (batch * heads * keys)``
+    rounded down to a multiple of :data:`MIN_ROWS`, at least ``MIN_ROWS`` and at most
+    :data:`~.chunked.QUERY_BLOCK` (read at call time, so tests that shrink it shrink these blocks)."""
+    rows = SCORE_BUDGET // max(1, batch * heads * keys)
+    return min(chunked.QUERY_BLOCK, max(MIN_ROWS, rows // MIN_ROWS * MIN_ROWS))
+
+
+def query_spans(batch: int, heads: int, q_len: int, k_len: int) -> list[tuple[int, int]]:
+    """The blocks ``[start, stop)`` of ``q_len`` queries over ``k_len`` keys (bottom-right aligned):
+    each as long as :func:`block_rows` allows for the keys its longest possible span would reach
+    (its last query's causal keys, were it ``QUERY_BLOCK`` long), so early blocks, with fewer
+    keys, are longer."""
+    spans, start = [], 0
+    while start < q_len:
+        reach = causal_keys(q_len, k_len, min(q_len, start + chunked.QUERY_BLOCK))
+        stop = min(q_len, start + block_rows(batch, heads, reach))
+        spans.append((start, stop))
+        start = stop
+    return spans
 
 
 @register_backend
@@ -34,18 +73,19 @@ class RowBlocksBackend(Backend):
     requests = frozenset({AUTO, "chunked", "flex"})
 
     def serves(self, call: AttentionCall) -> bool:
+        batch, heads = call.q.shape[:2]
         return (
             not call.want_weights
             and "logits" not in call.stages
             and bool(call.stages & {"transform_scores", "normalize"})
             and call.encoding.rows_independent()
-            and call.score.q_len > chunked.QUERY_BLOCK
+            and call.score.q_len > block_rows(batch, heads, call.score.k_len)
         )
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         q_len, k_len = call.score.q_len, call.score.k_len
-        block = chunked.QUERY_BLOCK
-        spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
+        batch, heads = call.q.shape[:2]
+        spans = query_spans(batch, heads, q_len, k_len)
         # skipping keys reads the mask on the host: not under torch.compile (see attend_chunked)
         firsts = [0] * len(spans)
         if call.mask is not None and not torch.compiler.is_compiling():
@@ -73,4 +113,7 @@ class RowBlocksBackend(Backend):
                 outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
             else:
                 outputs.append(one_block(q_block, start, stop, k_start))
-        return torch.cat(outputs, dim=1), None  # (B, Tq, Hq, D)
+        out = torch.cat(outputs, dim=1)  # (B, Tq, Hq, D)
+        if call.q.device.type == "cpu" and not torch.compiler.is_compiling():
+            trim_host_heap()  # the blocks' temporaries left heap holes (see host_heap.py)
+        return out, None
