@@ -10,7 +10,7 @@ from functools import cache
 
 import pytest
 import torch
-from conftest import VOCAB, make_model, patch, token_ids
+from conftest import make_model, patch, token_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -146,7 +146,9 @@ class LargestTensor(TorchDispatchMode):
 def _largest_in_one_call(name: str, params: dict, length: int) -> tuple[int, int]:
     """(most elements of a tensor created by one layer's rows call, forward and backward; elements
     of its query tensor), for a batch of 2 at ``length`` tokens."""
-    model = patch(make_model("llama", num_layers=1, num_heads=4, num_kv_heads=4), name, params, backend="chunked")
+    model = patch(
+        make_model("llama", num_layers=1, num_heads=4, num_kv_heads=4), name, params, backend="chunked"
+    )
     captured = []
     backend = next(b for b in hf_posenc.attention.registered_backends() if b.name == "rows")
     original = backend.attend
