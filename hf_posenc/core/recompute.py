@@ -19,6 +19,7 @@ deterministic and free of side effects (it runs twice). Without gradients, and u
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,15 +30,20 @@ Output = torch.Tensor | tuple[torch.Tensor, ...]
 
 class _Recomputed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, function: Callable[..., Output], *inputs: torch.Tensor) -> Output:
-        ctx.function = function
+    def forward(
+        ctx: Any, run: Callable[[], Output], function: Callable[..., Output], *inputs: torch.Tensor
+    ) -> Output:
+        ctx.function = function  # backward: function(*inputs), with gradients
         ctx.save_for_backward(*inputs)
+        ctx.inputs = [weakref.ref(t) for t in inputs]  # for a consumer that chains (never keeps them)
         with torch.no_grad():
-            return function(*inputs)
+            out = run()
+        ctx.single = isinstance(out, torch.Tensor)
+        return out
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[2:]
         inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs, strict=True)]
         with torch.enable_grad():
             outputs = ctx.function(*inputs)
@@ -50,13 +56,55 @@ class _Recomputed(torch.autograd.Function):
                 [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
             )
         by_input = iter(found)
-        return (None, *(next(by_input, None) if t.requires_grad else None for t in inputs))
+        return (None, None, *(next(by_input, None) if t.requires_grad else None for t in inputs))
+
+
+def _producer(tensor: torch.Tensor) -> tuple[Callable[..., Output], list[torch.Tensor]] | None:
+    """(function, inputs) when ``tensor`` is the whole output of a recomputed call whose inputs
+    are all alive: the consumer can keep those and rebuild ``tensor`` from them."""
+    node = tensor.grad_fn
+    if not isinstance(node, _Recomputed._backward_cls) or not getattr(node, "single", False):
+        return None
+    inputs = [ref() for ref in node.inputs]
+    if any(t is None for t in inputs):
+        return None
+    return node.function, inputs
 
 
 def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
-    """``function(*inputs)`` (a tensor or a tuple of tensors), keeping only ``inputs`` for backward."""
+    """``function(*inputs)`` (a tensor or a tuple of tensors), keeping only ``inputs`` for backward.
+
+    An input that is itself the single output of a recomputed call is not kept either: its
+    producer's inputs are (kept by the producer already), and backward rebuilds it from them
+    first, so a chain of recomputed steps keeps only the inputs of its first step that are not
+    made inside the chain (e.g. a rotation and the attention it feeds: the unrotated q and k,
+    not the rotated ones too). The gradient then reaches the producer's inputs through this
+    call's backward; the producer's own node receives none."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return function(*inputs)
     if not any(t.requires_grad for t in inputs):
         return function(*inputs)
-    return _Recomputed.apply(function, *inputs)
+    flat: list[torch.Tensor] = []
+    parts: list[
+        tuple[Callable[..., Any] | None, int]
+    ] = []  # per input: its producer (or None), how many values
+    for tensor in inputs:
+        producer = _producer(tensor) if tensor.requires_grad else None
+        if producer is None:
+            parts.append((None, 1))
+            flat.append(tensor)
+        else:
+            parts.append((producer[0], len(producer[1])))
+            flat.extend(producer[1])
+    rebuild = function
+    if any(made is not None for made, _ in parts):
+
+        def rebuild(*values: torch.Tensor) -> Any:
+            args, at = [], 0
+            for made, count in parts:
+                chunk = values[at : at + count]
+                args.append(chunk[0] if made is None else made(*chunk))
+                at += count
+            return function(*args)
+
+    return _Recomputed.apply(lambda: function(*inputs), rebuild, *flat)

@@ -76,3 +76,41 @@ def test_without_gradients_it_is_a_plain_call():
     with torch.no_grad():
         out = recomputed(torch.sin, x)
     assert out.grad_fn is None and torch.equal(out, torch.sin(x.detach()))
+
+
+def _rotate(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    return x * angle.cos() + x.flip(-1) * angle.sin()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def test_a_chain_keeps_the_inputs_of_its_first_step_only():
+    """attend(recomputed rotate(q), recomputed rotate(k), v), itself recomputed: the rotated q and
+    k are rebuilt in the attention's backward, not kept; values and gradients equal the plain
+    composition's (fp64, 1e-12)."""
+    generator = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, 6, 4, generator=generator, dtype=torch.float64) for _ in range(4)]
+    grad = torch.randn(2, 6, 4, generator=generator, dtype=torch.float64)
+
+    def run(call):
+        q, k, v, angle = (t.clone().requires_grad_() for t in base)
+        kept: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = call(_attend, call(_rotate, q, angle), call(_rotate, k, angle), v)
+        (out * grad).sum().backward()
+        return out.detach(), [t.grad for t in (q, k, v, angle)], sum(kept.values())
+
+    want_out, want_grads, _ = run(lambda f, *xs: f(*xs))
+    got_out, got_grads, kept = run(recomputed)
+    assert torch.equal(got_out, want_out)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert kept == 4 * base[0].numel() * 8  # q, k, v and the angles: nothing rotated

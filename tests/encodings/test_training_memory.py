@@ -66,18 +66,19 @@ def test_xpos_keeps_its_scaled_tables_once_per_forward():
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_tape_keeps_what_its_formula_needs(kv_heads):
-    """TAPE per token and layer beyond RoPE: the unrotated q and k (the rotation's gradient by
-    the stream needs them), the stream E^l, E^{l+1/2} and the attended stream
+    """TAPE per token and layer beyond RoPE: the stream E^l, E^{l+1/2} and the attended stream
     (sum_j a_tj E_j, for gamma's gradient), Hkv*D each, the PE layer's gate input and output (P
     each), and the output projection's input (Hq*D, a copy: the attention's output also holds
-    the attended stream). Not the padded q, k, values and output of the fused attention (2D
-    wide), nor the rotation's or the PE layer's (B, P, T, D) intermediates."""
+    the attended stream). Its unrotated q and k stand where RoPE keeps its rotated ones (the
+    rotation is rebuilt in the attention's backward). Not the padded q, k, values and output of
+    the fused attention (2D wide), nor the rotated q and k beside the unrotated ones, nor the
+    rotation's or the PE layer's (B, P, T, D) intermediates."""
     model = make_model(
         "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
     )
     layers, heads, kv, d = _geometry(model)
     size = 4 * kv  # P, TAPE's default position_size
-    per_layer = heads * d + kv * d + 3 * kv * d + 2 * size + heads * d
+    per_layer = 3 * kv * d + 2 * size + heads * d
     assert _growth_beyond_rope(model, "tape") <= layers * per_layer * FP32
 
 
