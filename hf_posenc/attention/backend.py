@@ -13,13 +13,14 @@ Adding a backend is one file: subclass :class:`Backend` and decorate it with
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..core.recompute import recomputed
+from ..core.recompute import chains, recomputed
 from ..encodings.base import Encoding
 from ..encodings.block_bias import BlockBias
 from ..encodings.call import ScoreCall
@@ -181,3 +182,31 @@ def dispatch_with_stream(
     out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
     attended, _ = dispatch(dataclasses.replace(call, v=stream, want_weights=False))  # (B, Tq, Hq, S)
     return torch.cat((out, attended), dim=-1), weights
+
+
+def dispatch_chained(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The call's attention recomputed in backward, when its q, k or v is the output of an
+    encoding's recomputed step (FoX (Pro)'s token shift and QK-norm): then what is kept for
+    backward is that step's input (the raw q, k, v) and the bias's tensors, not the step's
+    output beside it, nor the kernel's output and statistics. The price is one more forward of
+    the attention per training step. None (dispatch as usual) without gradients, with dropout,
+    explicit scores or weights asked for, or when no input chains.
+    """
+    if not torch.is_grad_enabled() or call.dropout_p != 0.0 or call.want_weights or call.explicit:
+        return None
+    if not any(chains(t) for t in (call.q, call.k, call.v)):
+        return None
+    bias = call.bias
+    # the bias's tensor fields are inputs, so their gradients flow; rebuilt on a copy of the form
+    fields = {} if bias is None else {n: t for n, t in vars(bias).items() if isinstance(t, torch.Tensor)}
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+        rebuilt = bias
+        if bias is not None:
+            rebuilt = copy.copy(bias)
+            for name, value in zip(fields, values, strict=True):
+                object.__setattr__(rebuilt, name, value)  # a frozen dataclass
+        score = dataclasses.replace(call.score, q=q, k=k)
+        return dispatch(dataclasses.replace(call, score=score, v=v, bias=rebuilt))[0]
+
+    return recomputed(attend, call.q, call.k, call.v, *fields.values()), None

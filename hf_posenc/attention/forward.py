@@ -23,7 +23,7 @@ from ..compat import attention_weights_requested, cache_argument
 from ..core.positions import bind_arguments, positional_names
 from ..encodings.call import LayerCall
 from ..errors import InvalidParameterError
-from .backend import AttentionCall, dispatch, dispatch_with_stream
+from .backend import AttentionCall, dispatch, dispatch_chained, dispatch_with_stream
 from .head_parallel import HeadParallel
 from .shifted import shifted_sparse_attention
 from .static_cache import StaticKeys, rolled_key_positions, static_cache_keys
@@ -138,8 +138,8 @@ class PatchedAttentionForward:
             out, weights = shifted_sparse_attention(attention, s2)  # (B, Tq, Hq, D), None
         elif encoding.attends_stream:  # (B, Tq, Hq, D + S): values and the encoding's stream, same weights
             out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))
-        else:
-            out, weights = dispatch(attention)  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None
+        else:  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None; recomputed in backward after recomputed q/k/v steps
+            out, weights = dispatch_chained(attention) or dispatch(attention)
         if parallel is not None:
             out = parallel.to_tokens(out)  # (B, T/N, Hq, D): every head of the rank's tokens
         if weights is not None and static is not None:

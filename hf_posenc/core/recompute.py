@@ -28,6 +28,10 @@ import torch
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -36,10 +40,16 @@ class _Recomputed(torch.autograd.Function):
         ctx.function = function  # backward: function(*inputs), with gradients
         ctx.save_for_backward(*inputs)
         ctx.inputs = [weakref.ref(t) for t in inputs]  # for a consumer that chains (never keeps them)
-        with torch.no_grad():
+        # with gradients on detached copies, as backward will run it: a function whose path depends
+        # on the grad mode (an attention backend's choice) takes the same path both times; what
+        # that graph saves dies with it here (plain hooks: an outer hook, a checkpoint's or a
+        # counter's, never sees it)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             out = run()
         ctx.single = isinstance(out, torch.Tensor)
-        return out
+        if isinstance(out, torch.Tensor):
+            return out.detach()
+        return tuple(o.detach() for o in out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -69,6 +79,12 @@ def _producer(tensor: torch.Tensor) -> tuple[Callable[..., Output], list[torch.T
     if any(t is None for t in inputs):
         return None
     return node.function, inputs
+
+
+def chains(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the whole output of a recomputed call that a consumer passed to
+    :func:`recomputed` would rebuild rather than keep."""
+    return tensor.requires_grad and not torch.compiler.is_compiling() and _producer(tensor) is not None
 
 
 def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
@@ -107,4 +123,7 @@ def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
                 at += count
             return function(*args)
 
-    return _Recomputed.apply(lambda: function(*inputs), rebuild, *flat)
+    def run() -> Any:
+        return function(*(t.detach().requires_grad_(t.requires_grad) for t in inputs))
+
+    return _Recomputed.apply(run, rebuild, *flat)

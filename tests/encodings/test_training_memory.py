@@ -84,16 +84,17 @@ def test_tape_keeps_what_its_formula_needs(kv_heads):
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_fox_pro_keeps_what_its_formula_needs(kv_heads):
-    """FoX (Pro) per token and layer beyond RoPE: the raw q, k and v (the QK-norm's and the
-    token shift's gradients need them; the attention keeps the shifted, normalised ones as RoPE
-    keeps its rotated ones), the output gate's logits and the gated output (the output
-    projection's input, Hq*D each), the shift weights a_t (Hkv each for k and v) and FoX's
-    forget-gate pieces (a few Hq). Not the shifted, normalised, sigmoid and gated copies."""
+    """FoX (Pro) per token and layer beyond RoPE: the output gate's logits and the gated output
+    (the output projection's input, Hq*D each), the shift weights a_t (Hkv each for k and v) and
+    FoX's forget-gate pieces (a few Hq). Its raw q, k and v (the QK-norm's and the token shift's
+    gradients need them) stand where RoPE keeps its rotated ones: the attention is recomputed
+    in backward from them. Not the shifted, normalised, sigmoid and gated copies, nor the
+    attention's q, k, v beside the raw ones."""
     model = make_model(
         "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
     )
     layers, heads, kv, d = _geometry(model)
-    per_layer = heads * d + 2 * kv * d + 2 * heads * d + 2 * kv + 4 * heads
+    per_layer = 2 * heads * d + 2 * kv + 4 * heads
     assert _growth_beyond_rope(model, "fox_pro") <= layers * per_layer * FP32
 
 
@@ -124,7 +125,7 @@ def _gradients(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Ten
 @pytest.mark.parametrize("name", ["tape", "fox_pro"])
 def test_gradients_equal_plain_autograd_on_eager(name, kv_heads, monkeypatch):
     """The recomputed steps (TAPE's rotation, PE layer and fused stream attention; FoX (Pro)'s
-    token shift, QK-norm, output norm and gate) give the gradients plain autograd through the
+    token shift, QK-norm, attention, output norm and gate) give the gradients plain autograd through the
     eager backend gives (nothing recomputed)."""
     model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads).train()
     ids = token_ids(2, 24)
