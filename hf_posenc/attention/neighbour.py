@@ -20,7 +20,10 @@ transformers' positions, padding-aware positions, packed sequences with restarti
 
 Each part runs through :mod:`.softmax_parts`: on CPU torch's fused flash-attention kernel (the one
 behind ``F.scaled_dot_product_attention``) with the part's boolean mask (allowed and near, or
-allowed and far) as an additive mask, elsewhere the same formulas with explicit scores. Training
+allowed and far) as an additive mask, elsewhere the same formulas with explicit scores. With no
+mask (plain causal), the far keys before the band whose positions are at least ``window`` below
+every query's of the block (all of them when positions count tokens) are a third part attended
+with no mask at all, so no (rows x keys) tensor is built for them. Training
 goes through one autograd function that keeps only what a fused attention keeps — the queries and
 keys of both maps, the values, the merged output and its log-sum-exp (all O(T)) — and in backward
 runs each block's parts' backward with the merged statistics (FlashAttention-2's backward), so no
@@ -45,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..core.layout import causal_keys, causal_mask, expand_kv_heads
+from ..core.layout import causal_keys, expand_kv_heads
 from ..encodings.base import splits_neighbours
 from ..encodings.call import NeighbourSplit
 from . import chunked, softmax_parts
@@ -67,25 +70,45 @@ class _Plan:
     def spans(self, q_len: int) -> list[tuple[int, int]]:
         return [(start, min(q_len, start + self.block)) for start in range(0, q_len, self.block)]
 
-    def parts(self, q_len: int, k_len: int, start: int, stop: int) -> list[tuple[bool, slice, torch.Tensor]]:
-        """Block [start, stop)'s parts: (far?, key range, allowed (B|1, 1, rows, keys) bool)."""
+    def parts(
+        self, q_len: int, k_len: int, start: int, stop: int
+    ) -> list[tuple[bool, slice, torch.Tensor | None]]:
+        """Block [start, stop)'s parts: (far?, key range, allowed (B|1, 1, rows, keys) bool, or None
+        where every key of the range is allowed for every row)."""
         window, offset = self.split.window, k_len - q_len  # query a sits at key index offset + a
         k_end, rows = causal_keys(q_len, k_len, stop), slice(start, stop)
-        if self.mask is None:
-            allowed = causal_mask(stop - start, k_end, self.split.q_positions.device)
+        band = slice(max(0, offset + start - window + 1), k_end)
+        far_end = max(0, offset + stop - window)
+        # The far keys before the band: with no mask they are causal for every row of the block; when
+        # their positions are all at least ``window`` below every row's (positions counting tokens),
+        # they are all far and attended without a mask (no (rows x keys) tensor at all).
+        open_end = 0
+        if self.mask is None and min(band.start, far_end) > 0:
+            open_end = min(band.start, far_end)
+            gap = self.split.q_positions[:, rows].amin(dim=-1) - self.split.k_positions[:, :open_end].amax(
+                dim=-1
+            )
+            open_end = open_end if bool((gap >= window).all()) else 0
+        if self.mask is None:  # bottom-right causal, as causal_mask, without its int64 distances
+            device = self.split.q_positions.device
+            allowed = torch.ones(stop - start, k_end, dtype=torch.bool, device=device)
+            allowed = allowed.tril(k_end - stop + start)[None, None]
         else:
             allowed = self.mask[..., rows, :k_end]
-        band = slice(max(0, offset + start - window + 1), k_end)
-        parts = [(False, band, allowed[..., band] & self.split.is_near(rows, band))]
-        far_end = max(0, offset + stop - window)
-        if far_end > 0:
-            keys = slice(0, far_end)
+        parts: list[tuple[bool, slice, torch.Tensor | None]] = []
+        parts.append((False, band, allowed[..., band] & self.split.is_near(rows, band)))
+        if open_end > 0:
+            parts.append((True, slice(0, open_end), None))
+        if far_end > open_end:
+            keys = slice(open_end, far_end)
             parts.append((True, keys, allowed[..., keys] & ~self.split.is_near(rows, keys)))
         return parts
 
-    def bias(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def bias(self, allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """(B|1, 1, rows, keys) bool -> (B|1, 1, G*rows, keys) additive mask for stacked query heads."""
-        return additive_mask(allowed, dtype).repeat(1, 1, self.groups, 1)
+        return (
+            None if allowed is None else additive_mask(allowed[:, :, None], dtype, self.groups).flatten(2, 3)
+        )
 
     def forward(
         self,
@@ -111,9 +134,11 @@ class _Plan:
                     self.bias(allowed, q.dtype),
                     self.scale,
                 )
-                any_key = allowed.any(dim=-1).repeat(1, 1, self.groups)  # (B|1, 1, G*rows)
+                if allowed is not None:  # a row with no key of this part: lse -inf (the kernel gives 0)
+                    any_key = allowed.any(dim=-1).repeat(1, 1, self.groups)  # (B|1, 1, G*rows)
+                    part_lse = part_lse.masked_fill(~any_key, float("-inf"))
                 outs.append(unstack_groups(part_out, self.groups))
-                lses.append(unstack_groups(part_lse.masked_fill(~any_key, float("-inf")), self.groups))
+                lses.append(unstack_groups(part_lse, self.groups))
             block_lse = finite(torch.stack(lses).logsumexp(dim=0))  # (B, Hq, rows); 0 where no key at all
             block_out = torch.zeros_like(outs[0])
             for part_out, part_lse in zip(outs, lses, strict=True):
@@ -216,12 +241,18 @@ def _positions_only(split: NeighbourSplit) -> NeighbourSplit:
 
 
 def _part(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B,H,rows,D), k/v (B,H,keys,D), allowed (B|1,1,rows,keys) -> (normalised output (B,H,rows,D),
     lse (B,H,rows,1)); rows without an allowed key get output 0 and lse -inf."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, rows, keys)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:  # None: every key allowed
+        scores = scores.masked_fill(~allowed, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
     weights = torch.exp(scores - top)  # 0 where masked

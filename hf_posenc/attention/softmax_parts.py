@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-#: (q (B,Hkv,R,D), k/v (B,Hkv,K,D), bias (B|1,1,R,K) float, scale) -> (out (B,Hkv,R,D), lse (B,Hkv,R))
+#: (q (B,Hkv,R,D), k/v (B,Hkv,K,D), bias (B|1,1,R,K) float or None (every key allowed), scale) -> (out (B,Hkv,R,D), lse (B,Hkv,R))
 PartForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], tuple[torch.Tensor, torch.Tensor]
 ]
 #: (dO, q, k, v, out, lse, bias, scale) -> (dq, dk, dv), out/lse those of the whole softmax
 PartBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -45,15 +45,15 @@ _CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64)
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(…, R, K) bool -> the float mask: 0 where allowed, -inf elsewhere."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf")
-    )
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, repeat: int = 1) -> torch.Tensor:
+    """(…, 1, R, K) bool -> the float mask (…, repeat, R, K): 0 where allowed, -inf elsewhere
+    (``repeat`` copies along the size-1 dim; one allocation)."""
+    shape = (*allowed.shape[:-3], repeat, *allowed.shape[-2:])
+    return torch.full(shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0.0)
 
 
 def cpu_flash_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     assert _CPU_FLASH is not None
     out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
@@ -67,7 +67,7 @@ def cpu_flash_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     assert _CPU_FLASH_BACKWARD is not None
@@ -76,9 +76,11 @@ def cpu_flash_backward(
 
 
 def explicit_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias  # (B, H, R, K)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, R, K)
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, R), -inf for a row with no allowed key
     probs = torch.exp(scores - finite(lse)[..., None])
     return torch.matmul(probs, v), lse
@@ -91,10 +93,12 @@ def explicit_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias  # (B, H, R, K)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, R, K)
+    if bias is not None:
+        scores = scores + bias
     probs = torch.exp(scores - lse[..., None])  # the whole softmax's weights on this part's keys
     delta = (grad_out * out).sum(dim=-1, keepdim=True)  # (B, H, R, 1)
     grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta) * scale

@@ -113,5 +113,7 @@ class NeighbourSplit:
 
     def is_near(self, q_slice: slice, k_slice: slice) -> torch.Tensor:
         """(B, 1, rows, keys) bool: True where the key is a neighbour of the query."""
-        distance = self.q_positions[:, q_slice, None] - self.k_positions[:, None, k_slice]
-        return (distance < self.window)[:, None]
+        # q - k < window as k > q - window: one bool (rows, keys) tensor, no int64 distances
+        return (self.k_positions[:, None, k_slice] > self.q_positions[:, q_slice, None] - self.window)[
+            :, None
+        ]

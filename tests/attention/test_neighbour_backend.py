@@ -134,12 +134,15 @@ class ShapeLog(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.float_masks: list[tuple[int, ...]] = []  # 4-d floating tensors with one head: additive masks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         for r in result if isinstance(result, tuple | list) else (result,):
             if isinstance(r, torch.Tensor):
                 self.shapes.append(tuple(r.shape))
+                if r.is_floating_point() and r.dim() == 4 and r.shape[1] == 1:
+                    self.float_masks.append(tuple(r.shape))
         return result
 
 
@@ -157,8 +160,9 @@ def _call(length: int, dtype=torch.float32):
 
 def test_training_creates_no_score_tensor():
     """Forward and backward on CPU (the fused kernel): no tensor with several heads and a key
-    dimension exists (a (B, H, rows, keys) score or weight tensor); the per-block masks have one head.
-    The explicit kernel, used off CPU, does build them (the check sees them)."""
+    dimension exists (a (B, H, rows, keys) score or weight tensor); the per-block masks have one head
+    and, with no padding mask, span only the band's keys. The explicit kernel, used off CPU, does
+    build score tensors (the check sees them)."""
     for fused, builds_scores in ((True, False), (False, True)):
         split, v = _call(96)
         with ShapeLog() as log:
@@ -166,6 +170,8 @@ def test_training_creates_no_score_tensor():
             out.square().sum().backward()
         scores = [s for s in log.shapes if len(s) == 4 and s[1] > 1 and s[-1] > 8]
         assert bool(scores) == builds_scores, scores[:3]
+        # the far keys before each block's band go unmasked: masks span at most the band (8 + 16 - 1 keys)
+        assert log.float_masks and max(s[-1] for s in log.float_masks) <= 23, log.float_masks
 
 
 def _saved_bytes(run) -> int:
