@@ -83,7 +83,8 @@ class _Plan:
         # their positions are all at least ``window`` below every row's (positions counting tokens),
         # they are all far and attended without a mask (no (rows x keys) tensor at all).
         open_end = 0
-        if self.mask is None and min(band.start, far_end) > 0:
+        # (not under torch.compile: the check reads positions' values, a data-dependent branch)
+        if self.mask is None and min(band.start, far_end) > 0 and not torch.compiler.is_compiling():
             open_end = min(band.start, far_end)
             gap = self.split.q_positions[:, rows].amin(dim=-1) - self.split.k_positions[:, :open_end].amax(
                 dim=-1

@@ -114,17 +114,22 @@ class WindowSplitRoPE(RoPE):
         theta, scaling = rotation
         inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=call.q.device)
 
-        def rotated(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            cos, sin = cos_sin(positions, inv_freq, factor, x.dtype)  # (B, 1, T, d_rot)
+        def rotated(x: torch.Tensor, positions: torch.Tensor, role: str) -> torch.Tensor:
+            # one cos/sin table per map, role, rotation and dtype in a forward, shared by the layers
+            # (the rotation's backward keeps its tables: one copy per training step, not one per layer)
+            key = ("window-split", role, repr(rotation), str(x.dtype), tuple(positions.shape))
+            cos, sin = call.memo.get(
+                key, lambda: cos_sin(positions, inv_freq, factor, x.dtype)
+            )  # (B, 1, T, d_rot)
             return apply_rotary(x, cos, sin)
 
         far_q_pos, far_k_pos = self.far_positions(q_pos, k_pos)
         return NeighbourSplit(
             window,
-            near_q=rotated(call.q, q_pos),
-            near_k=rotated(call.k, k_pos),
-            far_q=rotated(call.q, far_q_pos),
-            far_k=rotated(call.k, far_k_pos),
+            near_q=rotated(call.q, q_pos, "near q"),
+            near_k=rotated(call.k, k_pos, "near k"),
+            far_q=rotated(call.q, far_q_pos, "far q"),
+            far_k=rotated(call.k, far_k_pos, "far k"),
             q_positions=q_pos,
             k_positions=k_pos,
         )
