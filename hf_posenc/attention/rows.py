@@ -33,10 +33,11 @@ from .backend import AUTO, AttentionCall, Backend, register_backend
 from .core import attend_explicit
 from .host_heap import trim_host_heap
 
-#: the most elements (batch x query heads x rows x keys) of one block's fp32 scores: 2^21 (8 MiB).
-#: Measured on CPU (one thread, CoPE/SBA/CAPE, 4 heads, T = 2048..8192, forward and training
-#: step): 2^20..2^22 run within a few per cent of one another and of 256-row blocks, smaller
-#: budgets pay the per-block overhead; each score-sized intermediate of a block is then 8 MiB.
+#: the most elements (batch x query heads x rows x keys) of one block's fp32 scores: 2^20 (4 MiB).
+#: Chosen on CPU (one thread, a 1-layer model of 4 heads, cope/sba/cape, under load from other
+#: jobs, so only coarsely): 2^19..2^21 ran forward at 4096 tokens and a training step at 2048
+#: and 4096 no slower than 256-row blocks (within the +-15 % noise, often faster); 2^20 is the
+#: smaller of the budgets that never lost, so a block's temporaries stay small.
 SCORE_BUDGET = 1 << 20
 #: the fewest rows of a block (and the multiple block sizes are rounded down to): a block of
 #: fewer queries is mostly per-call overhead. Beyond ``SCORE_BUDGET / (16 * batch * heads)`` keys
