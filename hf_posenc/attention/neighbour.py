@@ -32,6 +32,8 @@ runs each block's parts' backward with the merged statistics (FlashAttention-2's
 per block in backward.) Queries, keys and values are promoted to at least fp32, as the eager
 path's logits are; a row with no allowed key at all (a padding query) gets output 0 (the eager
 core gives the mean of every value there; neither is read: padding rows are never attended).
+After a call of several blocks on CPU the C heap's free pages are handed back (the blocks'
+temporaries would otherwise stay resident as heap holes, :mod:`.host_heap`).
 Dropout (``attention_dropout > 0`` in training) keeps the earlier path: explicit scores per block,
 checkpointed.
 
@@ -53,6 +55,7 @@ from ..encodings.base import splits_neighbours
 from ..encodings.call import NeighbourSplit
 from . import chunked, softmax_parts
 from .backend import AUTO, AttentionCall, Backend, register_backend
+from .host_heap import trim_host_heap
 from .softmax_parts import additive_mask, finite, stack_groups, unstack_groups
 
 
@@ -104,6 +107,12 @@ class _Plan:
             keys = slice(open_end, far_end)
             parts.append((True, keys, allowed[..., keys] & ~self.split.is_near(rows, keys)))
         return parts
+
+    def trim_heap(self, out: torch.Tensor) -> None:
+        """After a call of several blocks on CPU: the blocks' temporaries left holes in the C heap
+        that stay resident under the tensors allocated after them (see :mod:`.host_heap`)."""
+        if out.device.type == "cpu" and out.shape[-2] > self.block and not torch.compiler.is_compiling():
+            trim_host_heap()
 
     def bias(self, allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """(B|1, 1, rows, keys) bool -> (B|1, 1, G*rows, keys) additive mask for stacked query heads."""
@@ -188,6 +197,7 @@ class _Plan:
                 grads["fq" if is_far else "nq"][:, :, rows] += unstack_groups(dq, g)
                 grads["fk" if is_far else "nk"][:, :, keys] += dk
                 grads["v"][:, :, keys] += dv
+        self.trim_heap(out)
         return grads["nq"], grads["fq"], grads["nk"], grads["fk"], grads["v"]
 
 
@@ -232,6 +242,7 @@ def attend_neighbour(
         out = _NeighbourAttention.apply(plan, *tensors)
     else:
         out, _ = plan.forward(*tensors)
+    plan.trim_heap(out)
     return out.transpose(1, 2).to(v.dtype)  # (B, Tq, Hq, D)
 
 
