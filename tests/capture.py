@@ -1,6 +1,10 @@
-"""Shared test helper: run a forward and record what every attention layer saw and returned."""
+"""Shared test helpers: record what every attention layer saw and returned, and what autograd
+saves for backward."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from conftest import attention_modules
@@ -35,3 +39,18 @@ def run_and_capture(model, ids, **kwargs):
         for handle in handles:
             handle.remove()
     return records, attention
+
+
+@contextlib.contextmanager
+def saved_storages() -> Iterator[dict[int, int]]:
+    """Inside the block, record the distinct storages autograd saves for backward ({data pointer:
+    bytes}): a view and its base count once."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield storages

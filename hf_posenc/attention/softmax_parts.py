@@ -78,9 +78,7 @@ def cpu_flash_backward(
 def explicit_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, R, K)
-    if bias is not None:
-        scores = scores + bias
+    scores = _scores(q, k, bias, scale)  # (B, H, R, K)
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, R), -inf for a row with no allowed key
     probs = torch.exp(scores - finite(lse)[..., None])
     return torch.matmul(probs, v), lse
@@ -96,9 +94,7 @@ def explicit_backward(
     bias: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, R, K)
-    if bias is not None:
-        scores = scores + bias
+    scores = _scores(q, k, bias, scale)  # (B, H, R, K), recomputed
     probs = torch.exp(scores - lse[..., None])  # the whole softmax's weights on this part's keys
     delta = (grad_out * out).sum(dim=-1, keepdim=True)  # (B, H, R, 1)
     grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta) * scale
@@ -107,6 +103,12 @@ def explicit_backward(
         torch.matmul(grad_scores.transpose(-1, -2), q),
         torch.matmul(probs.transpose(-1, -2), grad_out),
     )
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q (B,H,R,D), k (B,H,K,D) -> q k^T * scale + bias, (B, H, R, K)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return scores if bias is None else scores + bias
 
 
 def finite(lse: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from capture import saved_storages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,14 +59,7 @@ def test_recomputed_keeps_only_its_inputs():
     x = torch.randn(2, 16, 8, requires_grad=True)
     alpha = torch.rand(2, 16, 1, requires_grad=True)
     gain = torch.randn(8, requires_grad=True)
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_storages() as kept:
         first, _ = recomputed(functools.partial(_shift_norm, eps=1e-5), x, alpha, gain)
     first.sum().backward()
     assert sum(kept.values()) == (x.numel() + alpha.numel() + gain.numel()) * 4
@@ -96,14 +90,7 @@ def test_a_chain_keeps_the_inputs_of_its_first_step_only():
 
     def run(call):
         q, k, v, angle = (t.clone().requires_grad_() for t in base)
-        kept: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            kept[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_storages() as kept:
             out = call(_attend, call(_rotate, q, angle), call(_rotate, k, angle), v)
         (out * grad).sum().backward()
         return out.detach(), [t.grad for t in (q, k, v, angle)], sum(kept.values())

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from capture import saved_storages
 from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -254,14 +255,7 @@ def close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
 
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd keeps for backward over one training forward."""
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_storages() as storages:
         loss = model(ids, labels=ids, use_cache=False).loss
     loss.backward()  # the kept tensors serve a real backward
     return sum(storages.values())

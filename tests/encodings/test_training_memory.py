@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from capture import saved_storages
 from conftest import make_model, patch, token_ids
 
 import hf_posenc.attention.backend as backend_module
@@ -24,14 +25,7 @@ FP32 = 4
 
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd keeps for backward over one training forward."""
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_storages() as storages:
         loss = model(ids, labels=ids, use_cache=False).loss
     loss.backward()  # the kept tensors serve a real backward
     return sum(storages.values())

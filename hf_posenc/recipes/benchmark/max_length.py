@@ -174,18 +174,24 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(p: argparse.ArgumentParser, hidden: int, layers: int, heads: int) -> None:
+    """The options that choose the encodings and the model one training step is measured on
+    (shared with :mod:`.saved_memory`); ``hidden``, ``layers``, ``heads``: their defaults."""
     p.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding")
     p.add_argument("--family", default=DEFAULT_FAMILY)
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=hidden)
+    p.add_argument("--num-layers", type=int, default=layers)
+    p.add_argument("--num-heads", type=int, default=heads)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="auto")
     p.add_argument("--loss", default="chunked", choices=["full", "chunked"])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(p, hidden=512, layers=8, heads=8)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--memory-gb", type=float, default=24.0, help="budget of one step's peak memory")
     p.add_argument("--start", type=int, default=1024)

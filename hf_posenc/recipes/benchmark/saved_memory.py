@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from ...models import DEFAULT_FAMILY
 from . import max_length
 
 #: lines of these files name where a tensor was saved (the innermost three)
@@ -134,16 +133,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--encodings", nargs="+", default=None, help="default: every registered encoding")
-    p.add_argument("--family", default=DEFAULT_FAMILY)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--loss", default="chunked", choices=["full", "chunked"])
+    max_length.model_arguments(p, hidden=256, layers=4, heads=4)
     p.add_argument("--lengths", nargs=2, type=int, default=[512, 1024], metavar=("SHORT", "LONG"))
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(gradient_checkpointing=False)  # its saved tensors are recomputed, not kept
