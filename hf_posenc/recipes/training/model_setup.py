@@ -51,6 +51,13 @@ def is_encoding_parameter(name: str) -> bool:
     return name.startswith("posenc.") or ".posenc." in name  # also under a peft wrapper
 
 
+def full_shape(parameter: nn.Parameter) -> torch.Size:
+    """A parameter's own shape, also where DeepSpeed ZeRO-3 has partitioned it: the process then holds
+    an empty (0,) placeholder and the shape is kept as ``ds_shape`` (reading ``parameter.dim()`` there
+    put every matrix in the group without weight decay)."""
+    return getattr(parameter, "ds_shape", None) or parameter.shape
+
+
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only; the encoding's parameters at ``encoding_lr``, no decay."""
     decay, no_decay, own = [], [], []
@@ -59,7 +66,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
             continue
         if is_encoding_parameter(name):
             own.append(parameter)
-        elif parameter.dim() >= 2:
+        elif len(full_shape(parameter)) >= 2:
             decay.append(parameter)
         else:
             no_decay.append(parameter)
