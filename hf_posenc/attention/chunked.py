@@ -244,7 +244,7 @@ def attend_chunked(
     if distance is not None:
         toeplitz_rows, table = distance
         minimum = torch.finfo(q.dtype).min
-        future = table.new_full((table.shape[0], q_len - 1), minimum).to(q.dtype)
+        future = torch.full((table.shape[0], q_len - 1), minimum, dtype=q.dtype, device=table.device)
         line = torch.cat((future, table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
 
         def toeplitz_block(start: int, stop: int) -> torch.Tensor:

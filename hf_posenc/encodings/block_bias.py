@@ -9,6 +9,8 @@ what the bias *is*, never which kernel should serve it.
 
 ``DistanceBias``        (Hq, Tk) table: ``bias[i, j] = table[h, i - j]`` (T5, KERPLE, Sandwich), a
                         Toeplitz matrix the chunked backend reads as a strided view;
+``SaturatingDistanceBias`` a DistanceBias with ``table[h, d] = tail_h`` for every ``d >= W``
+                        (T5's last bucket);
 ``LinearDistanceBias``  a DistanceBias with ``table[h, d] = -slope_h * d`` (ALiBi);
 ``SeparableBias``       ``bias[i, j] = query_term[i] - key_term[j]``;
 ``CumulativeBias``      a SeparableBias ``bias[i, j] = sum_{l=j+1}^{i} g_l`` whose per-token
@@ -185,6 +187,40 @@ class DistanceBias(BlockBias):
             return table[h, torch.abs(q_idx + offset - kv_idx)]
 
         return by_distance
+
+
+@dataclasses.dataclass(frozen=True)
+class SaturatingDistanceBias(DistanceBias):
+    """A DistanceBias constant from a distance on: ``table[h, d] = near[h, d]`` for ``d < W``,
+    ``tail[h]`` for every ``d >= W`` (``W = near.shape[1]``; T5's buckets, whose last bucket holds
+    every distance from some W on). ``table`` is built from the two (differentiable: every
+    backend reading the table sends its gradient to ``near`` and ``tail``); a backend that knows
+    the form attends the pairs ``i - j >= W`` as plain causal attention shifted by W plus the
+    per-head constant ``tail`` (no (rows x keys) bias for them)."""
+
+    near: torch.Tensor  # (Hq, W) fp32: the bias of distances 0 .. W-1
+    tail: torch.Tensor  # (Hq,) fp32: the bias of every distance >= W
+    table: torch.Tensor = dataclasses.field(init=False)  # (Hq, Tk), built from near and tail
+
+    def __post_init__(self) -> None:
+        window = self.saturation
+        if window >= self.k_len:
+            table = self.near[:, : self.k_len]
+        else:
+            tail = self.tail[:, None].expand(-1, self.k_len - window)  # (Hq, Tk - W)
+            table = torch.cat((self.near, tail), dim=1)
+        object.__setattr__(self, "table", table)  # a frozen dataclass
+
+    @property
+    def saturation(self) -> int:
+        """W: the first distance whose bias is ``tail`` (and so is every larger one's)."""
+        return self.near.shape[1]
+
+    def heads(self, start: int, stop: int) -> BlockBias:
+        return SaturatingDistanceBias(self.q_len, self.k_len, self.near[start:stop], self.tail[start:stop])
+
+    def tensors(self) -> dict[str, torch.Tensor] | None:
+        return {"near": self.near, "tail": self.tail}
 
 
 @dataclasses.dataclass(frozen=True, init=False)

@@ -32,7 +32,7 @@ from ..core.interpolation import PositionInterpolation, interpolate_floor
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
 from .base import Encoding
-from .block_bias import DistanceBias
+from .block_bias import DistanceBias, SaturatingDistanceBias
 from .call import ScoreCall
 
 
@@ -66,6 +66,18 @@ def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_dista
     return torch.where(n < exact, n, large)
 
 
+def saturation_distance(config: T5Config) -> int:
+    """W, the first distance from which every distance is in the last bucket ``B - 1``: read from
+    the bucket indices (never from the learned values) of distances 0 .. f * max_distance + 1 (past
+    f * max_distance, floor(d / f) >= max_distance: the last bucket by definition)."""
+    span = math.ceil(config.factor * config.max_distance) + 2
+    # on the CPU whatever the default device (a model built under the meta device has no values)
+    distance = interpolate_floor(torch.arange(span, device="cpu"), config.factor)  # (span,)
+    buckets = relative_position_bucket(distance, config.num_buckets, config.max_distance)
+    below = torch.nonzero(buckets != config.num_buckets - 1)  # distance 0 is in bucket 0 < B - 1
+    return int(below.max()) + 1
+
+
 @register_encoding
 class T5Bias(Encoding[T5Config]):
     name = "t5"
@@ -83,10 +95,16 @@ class T5Bias(Encoding[T5Config]):
         for table in embeddings:
             nn.init.zeros_(table.weight)
         self.tables = nn.ModuleList(embeddings)
+        #: W, from which every distance is in the last bucket (a Python int, also under torch.compile)
+        self.saturation = saturation_distance(config)
 
     def score_bias(self, call: ScoreCall) -> DistanceBias:
+        """``table[h, bucket(i - j)]`` as a :class:`SaturatingDistanceBias` when the keys reach the
+        last bucket's saturation distance W (every distance from W on is in bucket B - 1), else
+        a plain :class:`DistanceBias` (Hq, Tk)."""
         cfg = self.config
         k_len, device = call.k_len, call.device
+        window = self.saturation  # W
         buckets = call.memo.get(
             ("t5_distance_buckets", k_len, device),
             lambda: relative_position_bucket(
@@ -96,4 +114,8 @@ class T5Bias(Encoding[T5Config]):
             ),
         )  # (Tk,) bucket of distance d = 0 .. Tk-1
         table = self.tables[0 if cfg.shared_across_layers else call.layer_idx]
+        if window < k_len:
+            near = table(buckets[:window]).t().float()  # (Hq, W)
+            tail = table(buckets.new_full((), cfg.num_buckets - 1)).float()  # (Hq,): bucket B - 1
+            return SaturatingDistanceBias(call.q_len, k_len, near, tail)
         return DistanceBias(call.q_len, k_len, table(buckets).t().float())  # (Hq, Tk)
