@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..core.config import EncodingConfig, check_bool, check_choice
 from ..core.layout import own_key
 from ..core.registry import register_encoding
+from ..core.underflow import exp_flushed
 from .base import Encoding
 from .call import ScoreCall
 
@@ -55,11 +56,12 @@ def stick_breaking_weights(scores: torch.Tensor, breaks: torch.Tensor) -> torch.
     A_ij = sigmoid(z_ij) * prod_{k > j, breaks_ik} (1 - sigmoid(z_ik)) where breaks_ij, else 0.
     """
     z = scores.float()
-    log_keep = F.logsigmoid(-z).masked_fill(~breaks, 0.0)  # log(1 - beta), 0 off the stick
+    log_keep = F.logsigmoid(-z).masked_fill_(~breaks, 0.0)  # log(1 - beta), 0 off the stick
     # sum over k > j: reversed cumulative sum shifted by one key (no subtraction, no cancellation)
     after = F.pad(log_keep.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
-    log_weights = F.logsigmoid(z) + after  # (..., Tq, Tk)
-    return torch.where(breaks, log_weights, float("-inf")).exp()
+    log_weights = after.add_(F.logsigmoid(z)).masked_fill_(~breaks, float("-inf"))  # (..., Tq, Tk)
+    # exp_flushed: most log-weights lie far below zero, where torch.exp leaves its fast path on CPU
+    return exp_flushed(log_weights)
 
 
 @register_encoding
