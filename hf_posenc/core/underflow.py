@@ -38,4 +38,4 @@ def exp_flushed(x: torch.Tensor) -> torch.Tensor:
     low, threshold = _bounds(x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return F.threshold(x.clamp_min(low).exp(), threshold, 0.0)
-    return F.threshold_(x.clamp_min(low).exp_(), threshold, 0.0)
+    return torch.threshold_(x.clamp_min(low).exp_(), threshold, 0.0)
