@@ -40,6 +40,7 @@ from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, SeparableBias
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .separable import attend_separable
+from .toeplitz import attend_toeplitz
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
@@ -48,34 +49,6 @@ FEW_QUERIES = 16
 #: dtypes in which a separable bias rides in q and k (:func:`attend_separable`); in bf16/fp16 its
 #: key term would be rounded to 8/11 bits, so those keep the written-out bias
 FEATURE_DTYPES = (torch.float32, torch.float64)
-
-
-class ToeplitzView(torch.autograd.Function):
-    """line (H, L) -> the (1, H, rows, keys) view ``out[0, h, a, b] = line[h, first + a + b]``.
-
-    Forward is free (``as_strided``); backward sums the incoming gradient along its
-    anti-diagonals (skewing it into a (H, rows, keys + rows) buffer), which is much cheaper
-    than autograd's generic backward of an overlapping ``as_strided`` view.
-    """
-
-    @staticmethod
-    def forward(ctx, line: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
-        ctx.first, ctx.shape = first, line.shape
-        heads = line.shape[0]
-        return line.as_strided(
-            (1, heads, rows, keys), (0, line.stride(0), 1, 1), line.storage_offset() + first
-        )
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        _, heads, rows, keys = grad.shape
-        width = keys + rows
-        skewed = grad.new_zeros(heads, rows, width)  # skewed[h, a, a + b] = grad[0, h, a, b]
-        skewed.as_strided((heads, rows, keys), (rows * width, width + 1, 1)).copy_(grad[0])
-        sums = skewed.sum(dim=1)[:, : width - 1]  # (H, rows + keys - 1): the sum over a + b = n
-        grad_line = grad.new_zeros(ctx.shape)
-        grad_line[:, ctx.first : ctx.first + width - 1] = sums
-        return grad_line, None, None, None
 
 
 class BiasedBlockAttention(torch.autograd.Function):
@@ -230,7 +203,7 @@ def attend_chunked(
         return attend_separable(q, k, v, bias, mask, softmax_scale, dropout_p, spans, firsts)
 
     # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block without
-    # gradients needs them (training reverses each block's keys itself: nothing kept)
+    # gradients needs them (FIRE past its threshold, below)
     reversed_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def reversed_keys() -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,28 +211,12 @@ def attend_chunked(
             reversed_kv.append((k.flip(2), v.flip(2)))
         return reversed_kv[0]
 
-    # the leading queries whose bias is a table over distances (all of them for a DistanceBias)
+    # the leading queries whose bias is a table over distances (all of them for a DistanceBias):
+    # their blocks in one call over the queries in reverse order (attend_toeplitz)
     distance = bias.distance_table() if mask is None and q_len > FEW_QUERIES else None
-    toeplitz_rows, toeplitz_block = 0, None
+    toeplitz_rows = 0
     if distance is not None:
-        toeplitz_rows, table = distance
-        minimum = torch.finfo(q.dtype).min
-        future = torch.full((table.shape[0], q_len - 1), minimum, dtype=q.dtype, device=table.device)
-        line = torch.cat((future, table.to(q.dtype)), dim=1)  # (Hq, Tq-1+Tk): index a + b
-
-        def toeplitz_block(start: int, stop: int) -> torch.Tensor:
-            first = q_len - stop  # the first reversed key a query of this block may attend
-            # (1, Hq, rows, keys): bias of distance a + b - (Tq - 1), the dtype's minimum for the future
-            view = ToeplitzView.apply(line, start + first, stop - start, k_len - first)
-            q_block = q[:, :, start:stop]
-            if view.requires_grad and dropout_p == 0.0 and torch.is_grad_enabled():
-                # the function reverses the block's keys itself: training keeps views of k and v
-                keys, values = k[:, :, : k_len - first], v[:, :, : k_len - first]
-                return BiasedBlockAttention.apply(q_block, keys, values, view, softmax_scale, True)
-            k_rev, v_rev = reversed_keys()
-            return block_attention(
-                q_block, k_rev[:, :, first:], v_rev[:, :, first:], view, softmax_scale, dropout_p
-            )
+        toeplitz_rows = max((stop for _, stop in spans if stop <= distance[0]), default=0)
 
     # one buffer for every block's bias built without gradients (the blocks of all layers of a
     # forward, through the memo): SDPA reads a block before the next is built
@@ -313,17 +270,22 @@ def attend_chunked(
     # forms that can be rebuilt from their tensors keep nothing per block and skip the second SDPA forward
     rebuildable = bias.tensors() if recompute and dropout_p == 0.0 else None
     outputs = []
+    if toeplitz_rows:
+        assert distance is not None
+        head = q[:, :, :toeplitz_rows]
+        outputs.append(attend_toeplitz(head, k, v, distance[1], q_len, softmax_scale, block, dropout_p))
     for (start, stop), k_start in zip(spans, firsts, strict=True):
         q_block = q[:, :, start:stop]
-        if toeplitz_block is not None and stop <= toeplitz_rows:
-            outputs.append(toeplitz_block(start, stop))
-        elif rebuildable is not None:
+        if stop <= toeplitz_rows:
+            continue
+        if rebuildable is not None:
             outputs.append(rebuilt_block(q_block, start, stop, k_start, rebuildable))
         elif recompute:
             outputs.append(checkpoint(one_block, q_block, start, stop, k_start, use_reentrant=False))
         else:
             outputs.append(one_block(q_block, start, stop, k_start))
-    return torch.cat(outputs, dim=2).transpose(1, 2)
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2)
 
 
 def bias_scratch(

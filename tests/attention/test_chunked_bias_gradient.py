@@ -12,7 +12,7 @@ from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_posenc.attention import chunked
+from hf_posenc.attention import chunked, toeplitz
 
 
 @settings(max_examples=20, deadline=None)
@@ -53,9 +53,9 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
 @pytest.mark.parametrize(
     ("name", "params", "path"),
     [
-        ("t5", {}, "recompute"),
-        ("kerple", {}, "recompute"),
-        ("fire", {}, "recompute"),  # every query below L: a Toeplitz table
+        ("t5", {}, "toeplitz"),
+        ("kerple", {}, "toeplitz"),
+        ("fire", {}, "toeplitz"),  # every query below L: a Toeplitz table
         ("fire", {"init_L": 6.0}, "rebuilt"),  # past L: blocks rebuilt in backward
         ("fox", {}, "separable"),
     ],
@@ -63,13 +63,15 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
 )
 def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, params, path, monkeypatch):
     """Training a learned-bias encoding on the chunked backend never sends SDPA a float mask
-    that needs its gradient: a Toeplitz view goes through BiasedBlockAttention, a bias written
+    that needs its gradient: a Toeplitz table goes through ToeplitzAttention (reversed queries,
+    one function over all its blocks), a bias written
     out per block is rebuilt in backward from its form's tensors (RebuiltBiasAttention, no
     second SDPA forward), a separable one (FoX) rides in q and k (attend_separable, SDPA's own
     backward); every parameter's gradient equals the eager backend's (fp32, 1e-5)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
-    calls = {"recompute": 0, "separable": 0, "rebuilt": 0}
+    calls = {"toeplitz": 0, "recompute": 0, "separable": 0, "rebuilt": 0}
     originals = {
+        "toeplitz": toeplitz.ToeplitzAttention.apply,
         "recompute": chunked.BiasedBlockAttention.apply,
         "separable": chunked.attend_separable,
         "rebuilt": chunked.RebuiltBiasAttention.apply,
@@ -82,6 +84,7 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
 
         return call
 
+    monkeypatch.setattr(toeplitz.ToeplitzAttention, "apply", counting("toeplitz"))
     monkeypatch.setattr(chunked.BiasedBlockAttention, "apply", counting("recompute"))
     monkeypatch.setattr(chunked, "attend_separable", counting("separable"))
     monkeypatch.setattr(chunked.RebuiltBiasAttention, "apply", counting("rebuilt"))
@@ -94,7 +97,9 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
         grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert calls[path], f"the chunked backend did not take its {path} path"
     if path == "separable":
-        assert not calls["recompute"], "a separable bias was written out"
+        assert not calls["recompute"] and not calls["toeplitz"], "a separable bias was written out"
+    if path == "toeplitz":
+        assert not calls["recompute"] and not calls["rebuilt"], "a Toeplitz block was written out"
     assert grads["chunked"].keys() == grads["eager"].keys()
     for n, g in grads["eager"].items():
         torch.testing.assert_close(grads["chunked"][n], g, atol=1e-5, rtol=1e-5, msg=n)

@@ -1,0 +1,256 @@
+"""Causal attention with a Toeplitz bias ``table[h, i - j]`` (T5, KERPLE, Sandwich, FIRE's rows
+below its threshold) over query blocks, with the table's gradient, keeping O(T) for backward.
+
+Layout. Over the queries in reverse order (reversed row ``a`` holds query ``n - 1 - a`` of the
+``n`` handled), bias-plus-causal-mask of row ``a`` and key ``j`` depends on ``a + j`` only (a
+Hankel matrix), so each block's float mask is an ``as_strided`` view (row and column stride 1)
+of one (Hq, L) ``line``: ``line[h, p] = table[h, D0 - p]`` for the distances ``D0 = n - 1 + Tk - Tq``
+down to 0, then the dtype's minimum (the future). Reversing the queries (O(n D) once per call)
+rather than the keys keeps every block's keys and values plain prefixes ``k[:, :, :K]`` of the
+layer's own tensors: nothing is copied per block.
+
+Forward (:class:`ToeplitzAttention`): per block of reversed rows (the chunked backend's), torch's
+fused CPU flash-attention kernel with the view as its mask (any other device: SDPA), which also
+returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp and the
+line: O(T).
+
+Backward, per block of :data:`BACKWARD_BLOCK` rows (R rows, K keys, W = K + R - 1), the
+FlashAttention-2 gradients from the kept statistics (Dao 2023, Algorithm 2):
+
+    P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
+    dQ = s dS K,  dK = s dS^T Q,  dline[h, r0 + n'] += sum_{a + j = n'} dS[h, a, j]
+
+computed in one (B, H, R, W + 1) buffer per call (reused by every block) whose (R, K) view has
+row stride W + 1: S is written there (bias - lse, then ``baddbmm_``), exponentiated, multiplied
+by dP in place, and the same memory read with row stride W holds dS[a, j] at column a + j, so
+the anti-diagonal sums are one ``sum`` over the rows once the R entries between the view's rows
+(one strided (R, R) fill) are zero. No softmax (the statistics are kept), no zero-filled skew
+buffer or ``new_zeros`` per block, no per-block slice gradients (dQ, dK, dV written into one
+tensor each). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.layout import causal_keys
+
+LOG2E = math.log2(math.e)
+#: base-2 exponent below which a recomputed attention weight is taken as 0 (2^-100 ~ 8e-31)
+FLUSH = -100.0
+#: reversed rows per backward step: the block's (B, H, R, K + R) buffer stays small
+BACKWARD_BLOCK = 128
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def toeplitz_line(
+    table: torch.Tensor, rows: int, q_len: int, k_len: int, block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """table (Hq, >= D0 + 1) over distances 0.. -> the line (Hq, D0 + block) in ``dtype``:
+    ``line[h, p] = table[h, D0 - p]`` for p <= D0 = rows - 1 + k_len - q_len, the dtype's
+    minimum after (the future keys a block of up to ``block`` reversed rows reaches)."""
+    distances = rows + k_len - q_len  # D0 + 1
+    future = torch.full((table.shape[0], block - 1), torch.finfo(dtype).min, dtype=dtype, device=table.device)
+    return torch.cat((table[:, :distances].flip(1).to(dtype), future), dim=1)
+
+
+def hankel_view(line: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
+    """line (H, L) -> the (1, H, rows, keys) view ``out[0, h, a, j] = line[h, first + a + j]``."""
+    offset = line.storage_offset() + first
+    return line.as_strided((1, line.shape[0], rows, keys), (0, line.stride(0), 1, 1), offset)
+
+
+class ToeplitzView(torch.autograd.Function):
+    """:func:`hankel_view` with a backward that sums the incoming gradient along its
+    anti-diagonals (skewing it into a (H, rows, keys + rows) buffer), much cheaper than
+    autograd's generic backward of an overlapping ``as_strided`` view (the SDPA path's mask)."""
+
+    @staticmethod
+    def forward(ctx, line: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
+        ctx.first, ctx.shape = first, line.shape
+        return hankel_view(line, first, rows, keys)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _, heads, rows, keys = grad.shape
+        width = keys + rows
+        skewed = grad.new_zeros(heads, rows, width)  # skewed[h, a, a + b] = grad[0, h, a, b]
+        skewed.as_strided((heads, rows, keys), (rows * width, width + 1, 1)).copy_(grad[0])
+        sums = skewed.sum(dim=1)[:, : width - 1]  # (H, rows + keys - 1): the sum over a + b = n
+        grad_line = grad.new_zeros(ctx.shape)
+        grad_line[:, ctx.first : ctx.first + width - 1] = sums
+        return grad_line, None, None, None
+
+
+def _blocks(rows: int, q_len: int, k_len: int, block: int) -> list[tuple[int, int, int]]:
+    """(first reversed row, rows, keys) of each block of ``block`` reversed rows: the block of
+    reversed rows [r0, r0 + R) holds queries n - r0 - R .. n - 1 - r0 and attends the keys
+    ``0 .. causal_keys(stop) - 1`` of its latest query."""
+    return [(r0, min(block, rows - r0), causal_keys(q_len, k_len, rows - r0)) for r0 in range(0, rows, block)]
+
+
+def _fused(q, k, v, mask, scale):
+    """One block's (out, lse): the fused CPU kernel where it runs, else SDPA and lse explicitly."""
+    if _CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
+        out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale).add_(mask.float())
+    return out, torch.logsumexp(scores, dim=-1)
+
+
+class ToeplitzAttention(torch.autograd.Function):
+    """q (B, H, n, D) — the first n queries of Tq —, k/v (B, H, Tk, D), the line of
+    :func:`toeplitz_line` -> the output (B, H, n, D); gradients of q, k, v and the line."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, line, scale: float, q_len: int, block: int, backward_block: int):
+        rows, k_len = q.shape[2], k.shape[2]
+        q_rev = q.flip(2)  # (B, H, n, D): reversed row a is query n - 1 - a
+        outs, lses = [], []
+        for r0, count, keys in _blocks(rows, q_len, k_len, block):
+            mask = hankel_view(line, r0, count, keys)  # (1, H, R, K)
+            out, lse = _fused(q_rev[:, :, r0 : r0 + count], k[:, :, :keys], v[:, :, :keys], mask, scale)
+            outs.append(out)
+            lses.append(lse)
+        out = torch.cat(outs, dim=2).flip(2)  # (B, H, n, D) in query order
+        lse = torch.cat(lses, dim=2)  # (B, H, n) in reversed order
+        ctx.save_for_backward(q, k, v, line, out, lse)
+        ctx.scale, ctx.q_len, ctx.backward_block = scale, q_len, backward_block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, line, out, lse = ctx.saved_tensors
+        grads = toeplitz_gradients(
+            q,
+            k,
+            v,
+            line,
+            out,
+            lse,
+            grad_out,
+            ctx.scale,
+            ctx.q_len,
+            ctx.backward_block,
+            ctx.needs_input_grad[3],
+        )
+        return (*grads, None, None, None, None)
+
+
+def toeplitz_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    line: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    scale: float,
+    q_len: int,
+    block: int,
+    line_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq, dk, dv (their inputs' dtypes) and dline (``line``'s dtype, None unless ``line_grad``)
+    of :class:`ToeplitzAttention` (formulas in the module's docstring); ``lse`` in reversed row order."""
+    dtype = q.dtype
+    work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    batch, heads, rows, dim = q.shape
+    k_len = k.shape[2]
+    bh = batch * heads
+    # (BH, n|Tk, D) in the working dtype, rows reversed (temporaries of backward only)
+    q3 = q.flip(2).to(work).reshape(bh, rows, dim)
+    grad3 = grad_out.flip(2).to(work).reshape(bh, rows, dim)
+    k3 = k.to(work).reshape(bh, k_len, dim)
+    v3 = v.to(work).reshape(bh, k_len, dim)
+    # -rowsum(dO * O), (BH, n, 1)
+    neg_delta = (grad3 * out.flip(2).to(work).reshape(bh, rows, dim)).sum(-1, keepdim=True).neg_()
+    # the exponent in base 2 (P = 2^(log2(e) (S - lse))): torch's exp2 has no slow path for the
+    # masked keys' -inf and huge negatives, its exp does (measured ~100x per element)
+    line2 = line.to(work) * LOG2E  # (H, L), the future at -inf
+    lse2 = (lse.to(work) * LOG2E).unsqueeze(-1)  # (B, H, n, 1)
+    grad_q = torch.empty_like(q3)
+    # dK^T and dV^T (BH, D, Tk): each block's (D, K) products accumulate in place (beta = 1)
+    grad_kt = torch.zeros(bh, dim, k_len, dtype=work, device=q.device)
+    grad_vt = torch.zeros(bh, dim, k_len, dtype=work, device=q.device)
+    grad_line = torch.zeros(line.shape, dtype=work, device=line.device) if line_grad else None
+
+    spans = _blocks(rows, q_len, k_len, block)
+    longest = max(count for _, count, _ in spans)
+    widest = max(count * (keys + count) for _, count, keys in spans)
+    buffer = torch.empty(bh * widest, dtype=work, device=q.device)
+    scratch = torch.empty(bh * longest * k_len, dtype=work, device=q.device)
+    for r0, count, keys in spans:
+        width = keys + count - 1  # W: the anti-diagonals a + j of an (R, K) block
+        size = count * (width + 1)  # per (batch, head): R rows of stride W + 1
+        # (B, H, R, K) and (BH, R, K) views of the buffer with row stride W + 1
+        s4 = buffer.as_strided((batch, heads, count, keys), (heads * size, size, width + 1, 1))
+        s3 = buffer.as_strided((bh, count, keys), (size, width + 1, 1))
+        rows_q, rows_grad = q3[:, r0 : r0 + count], grad3[:, r0 : r0 + count]
+        k_block, v_block = k3[:, :keys], v3[:, :keys]
+        torch.sub(hankel_view(line2, r0, count, keys), lse2[:, :, r0 : r0 + count], out=s4)
+        s3.baddbmm_(rows_q, k_block.transpose(1, 2), alpha=scale * LOG2E)  # log2(e) (S - lse)
+        # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
+        # BLAS), an absolute change below 2^FLUSH per weight
+        torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
+        grad_vt[:, :, :keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
+        grad_p = scratch[: bh * count * keys].view(bh, count, keys)
+        torch.baddbmm(
+            neg_delta[:, r0 : r0 + count].expand(bh, count, keys),
+            rows_grad,
+            v_block.transpose(1, 2),
+            out=grad_p,
+        )  # dO V^T - delta
+        s3.mul_(grad_p)  # dS
+        torch.bmm(s3, k_block, out=grad_q[:, r0 : r0 + count])
+        grad_kt[:, :, :keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS
+        if grad_line is not None:
+            # the R entries after each row of the view, zeroed: read with row stride W, row a
+            # holds dS[a, j] at column a + j and zeros elsewhere
+            buffer.as_strided((bh, count, count), (size, width + 1, 1), keys).zero_()
+            diagonal = buffer.as_strided((batch, heads, count, width), (heads * size, size, width, 1))
+            grad_line[:, r0 : r0 + width].add_(diagonal.sum(dim=(0, 2)))
+    grad_q = grad_q.mul_(scale).view(batch, heads, rows, dim).flip(2).to(dtype)
+    grad_k = grad_kt.mul_(scale).view(batch, heads, dim, k_len).transpose(2, 3).to(k.dtype)
+    grad_v = grad_vt.view(batch, heads, dim, k_len).transpose(2, 3).to(v.dtype)
+    return grad_q, grad_k, grad_v, None if grad_line is None else grad_line.to(line.dtype)
+
+
+def attend_toeplitz(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    q_len: int,
+    scale: float,
+    block: int,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """The first n queries q (B, H, n, D) of ``q_len`` (bottom-right aligned to the Tk keys of
+    k/v (B, H, Tk, D)) with the bias ``table[h, i - j]`` (table (H, >= n + Tk - q_len)) and the
+    causal mask -> (B, H, n, D), in forward blocks of ``block`` reversed rows. With dropout (or under torch.compile) each block is a plain
+    SDPA call on the same views (SDPA's own backward)."""
+    backward_block = BACKWARD_BLOCK
+    rows, k_len = q.shape[2], k.shape[2]
+    # (H, D0 + the longer block): what the forward's and backward's blocks read
+    line = toeplitz_line(table, rows, q_len, k_len, max(block, backward_block), q.dtype)
+    if dropout_p == 0.0 and not torch.compiler.is_compiling():
+        return ToeplitzAttention.apply(q, k, v, line, scale, q_len, block, backward_block)
+    q_rev = q.flip(2)
+    outs = [
+        F.scaled_dot_product_attention(
+            q_rev[:, :, r0 : r0 + count],
+            k[:, :, :keys],
+            v[:, :, :keys],
+            attn_mask=ToeplitzView.apply(line, r0, count, keys),
+            dropout_p=dropout_p,
+            scale=scale,
+        )
+        for r0, count, keys in _blocks(rows, q_len, k_len, block)
+    ]
+    return torch.cat(outs, dim=2).flip(2)
