@@ -142,16 +142,20 @@ class FIREFunction(nn.Module):
     ) -> PiecewiseDistanceBias:
         """The bias of queries at ``positions`` (B|1, Tq; already divided by ``factor``), the last
         Tq of ``k_len`` keys, as its pieces: x = psi((i - j) / factor) / (psi(max(L, i)) + eps)
-        from a (Tk,) table of psi and a normaliser per query, f as :meth:`linear_pieces`. Queries
+        from a (Tk,) fp64 table of psi and an fp64 normaliser per query, f as :meth:`linear_pieces`. Queries
         with i <= L share the normaliser psi(L) + eps (below the threshold the bias is a table
         over distances)."""
-        c = self.scale()  # ()
+        # psi and the normalisers in fp64 (O(T) values): x itself is fp32, but the gradient of c
+        # (and of L) sums the scores' dx times dx/dc, whose two terms (through psi(d) and through
+        # the normaliser) nearly cancel for small c L; from fp32 sums of each it lost ~1e-4 of its
+        # value (c = 0.05), from fp64 it is as accurate as dx
+        c = self.c.double().abs()[0]  # ()
         device = positions.device
-        distances = interpolate(torch.arange(k_len, device=device), factor).float()  # (Tk,) d / factor
+        distances = interpolate(torch.arange(k_len, device=device), factor).double()  # (Tk,) d / factor
         feature = torch.log1p(c * distances)  # (Tk,) psi(d / factor)
-        threshold = self.threshold()
+        threshold = (self.L_multiplier.double()[0] * self.init_L).abs()
         floor = torch.log1p(c * threshold) + EPS  # () psi(L) + eps
-        queries = positions.float()  # (B|1, Tq)
+        queries = positions.double()  # (B|1, Tq)
         below = queries <= threshold
         normalizer = torch.where(below, floor, torch.log1p(c * torch.maximum(queries, threshold)) + EPS)
         table_rows = 0

@@ -43,13 +43,15 @@ from .network_block import network_block
 
 @dataclasses.dataclass(frozen=True)
 class PiecewiseDistanceBias(BlockBias):
-    feature: torch.Tensor  # (Tk,) fp32, non-decreasing: feature[d] for d = 0 .. Tk-1
-    normalizer: torch.Tensor  # (B|1, Tq) fp32 > 0
+    # feature and normalizer fp32 or fp64 (FIRE: fp64, see FIREFunction.bias); x is fp32, their
+    # quotient rounded once
+    feature: torch.Tensor  # (Tk,) non-decreasing: feature[d] for d = 0 .. Tk-1
+    normalizer: torch.Tensor  # (B|1, Tq) > 0
     points: torch.Tensor  # (K,) fp32 sorted breakpoints
     slopes: torch.Tensor  # (Hq, K+1) fp32
     intercepts: torch.Tensor  # (Hq, K+1) fp32
     below: torch.Tensor  # (B|1, Tq) bool: the query's normaliser is ``floor``
-    floor: torch.Tensor  # () fp32
+    floor: torch.Tensor  # () as normalizer
     #: how many leading queries are ``below`` in every batch row (0 when unknown, e.g. compiling)
     table_rows: int = 0
     #: f as the one-input ReLU network it is, when known (FIRE's MLP), fp32:
@@ -76,14 +78,14 @@ class PiecewiseDistanceBias(BlockBias):
             queries, key_indices = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
             wanted = key_indices[k_start:k_end]
             distance = (queries[:, None] - (wanted.flip(0) if reverse else wanted)[None]).clamp_(min=0)
-            return self.feature[distance] / normalizer
+            return (self.feature[distance] / normalizer).float()
         # over the keys in reverse order the distance of (a, b) is a + b + first: a strided view
         # (stride 1 along both) of one line of features, divided (and flipped back unless ``reverse``)
         rows, keys = stop - start, k_end - k_start
         first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, 0)
         positions = torch.arange(first, first + rows + keys - 1, device=self.feature.device).clamp_(min=0)
         line = self.feature[positions]  # (rows + keys - 1,)
-        reversed_x = line.new_empty(normalizer.shape[0], rows, keys)  # contiguous (a view's strides are not)
+        reversed_x = line.new_empty(normalizer.shape[0], rows, keys, dtype=torch.float32)  # contiguous
         torch.div(line.as_strided((rows, keys), (1, 1)), normalizer, out=reversed_x)
         return reversed_x if reverse else reversed_x.flip(-1)
 
@@ -94,7 +96,7 @@ class PiecewiseDistanceBias(BlockBias):
         normalizer = self.normalizer[:, start:stop]  # (B|1, rows)
         nearest = self.feature[(queries - (k_end - 1)).clamp(min=0)] / normalizer  # (B|1, rows)
         farthest = self.feature[(queries - k_start).clamp(min=0)] / normalizer
-        return nearest.min(), farthest.max()
+        return nearest.min().float(), farthest.max().float()
 
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         x = self.x(start, stop, k_start, k_end)  # (B|1, rows, keys)
@@ -141,7 +143,7 @@ class PiecewiseDistanceBias(BlockBias):
     @property
     def table(self) -> torch.Tensor:
         """(Hq, Tk) fp32: the bias of distance d for queries whose normaliser is ``floor``."""
-        x = self.feature / self.floor  # (Tk,)
+        x = (self.feature / self.floor).float()  # (Tk,)
         segment = torch.searchsorted(self.points, x.detach(), right=True)  # (Tk,)
         return self.slopes[:, segment] * x + self.intercepts[:, segment]
 
@@ -152,7 +154,8 @@ class PiecewiseDistanceBias(BlockBias):
         the breakpoints (log2(K+1) dependent gathers, plus a distance table below L computed
         beside it) ran at 12.69x, and the search's CPU compile took minutes instead of seconds."""
         offset: int | torch.Tensor = self.k_len - self.q_len
-        feature, normalizer = self.feature, self.normalizer
+        # fp32 on the device (a per-score fp64 division is slow on GPUs)
+        feature, normalizer = self.feature.float(), self.normalizer.float()
         if grid is not None:  # padded as DistanceBias's table; a padded query's normaliser is 1, not 0
             offset = grid.offset
             feature = pad_last(feature, grid.q_size + grid.k_size)  # (Tq' + Tk',)

@@ -66,12 +66,20 @@ def test_packed_rows_equal_each_document_alone_under_eager(case, monkeypatch):
             torch.testing.assert_close(logits[r, part].detach(), alone.detach(), atol=ATOL, rtol=0)
             (alone * weights[r, part]).sum().backward()
             offset += len(doc)
+    largest: dict[str, float] = {}  # per module, its parameters' largest gradient entry
+    for n, e in eager_model.named_parameters():
+        if e.grad is not None:
+            module = n.rpartition(".")[0]
+            largest[module] = max(largest.get(module, 0.0), e.grad.abs().max().item())
     for (n, p), (_, e) in zip(packed_model.named_parameters(), eager_model.named_parameters(), strict=True):
         assert (p.grad is None) == (e.grad is None), n
         if p.grad is not None:
             # fp32 sums over different key counts: within 1e-5 of the gradient's largest entry (or
-            # of 1 where the gradient is 0 but for rounding: CAPE's output bias shifts whole rows)
+            # of 1); a gradient that is 0 but for rounding (CAPE's output bias shifts whole rows)
+            # is rounding of sums as large as its module's other gradients: 1e-5 of their largest
             scale = max(1.0, e.grad.abs().max().item())
+            if e.grad.abs().max().item() < 1e-3:
+                scale = max(scale, largest[n.rpartition(".")[0]])
             torch.testing.assert_close(p.grad, e.grad, atol=1e-5 * scale, rtol=1e-4, msg=n)
 
 
