@@ -156,7 +156,7 @@ class FIREFunction(nn.Module):
         threshold = (self.L_multiplier.double()[0] * self.init_L).abs()
         floor = torch.log1p(c * threshold) + EPS  # () psi(L) + eps
         queries = positions.double()  # (B|1, Tq)
-        below = queries <= threshold
+        below = positions.float() <= self.threshold()  # which side of L as the module holds it (fp32)
         normalizer = torch.where(below, floor, torch.log1p(c * torch.maximum(queries, threshold)) + EPS)
         table_rows = 0
         if not torch.compiler.is_compiling():  # the leading queries below L in every row (one host sync)
