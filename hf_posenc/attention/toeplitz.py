@@ -21,12 +21,14 @@ FlashAttention-2 gradients from the kept statistics (Dao 2023, Algorithm 2):
     dQ = s dS K,  dK = s dS^T Q,  dline[h, r0 + n'] += sum_{a + j = n'} dS[h, a, j]
 
 computed in one (B, H, R, W + 1) buffer per call (reused by every block) whose (R, K) view has
-row stride W + 1: S is written there (bias - lse, then ``baddbmm_``), exponentiated, multiplied
+row stride W + 1: S is written there (bias - lse, then ``baddbmm_``), exponentiated (exp2 of
+log2(e) times it; weights below 2^:data:`FLUSH` set to 0 first, so nothing is subnormal), multiplied
 by dP in place, and the same memory read with row stride W holds dS[a, j] at column a + j, so
 the anti-diagonal sums are one ``sum`` over the rows once the R entries between the view's rows
 (one strided (R, R) fill) are zero. No softmax (the statistics are kept), no zero-filled skew
 buffer or ``new_zeros`` per block, no per-block slice gradients (dQ, dK, dV written into one
-tensor each). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
+tensor each; dO V^T - rowsum(dO * O) as one product of dO and V widened by one column,
+-rowsum(dO * O) and ones). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
 """
 
 from __future__ import annotations
@@ -165,11 +167,16 @@ def toeplitz_gradients(
     bh = batch * heads
     # (BH, n|Tk, D) in the working dtype, rows reversed (temporaries of backward only)
     q3 = q.flip(2).to(work).reshape(bh, rows, dim)
-    grad3 = grad_out.flip(2).to(work).reshape(bh, rows, dim)
     k3 = k.to(work).reshape(bh, k_len, dim)
-    v3 = v.to(work).reshape(bh, k_len, dim)
-    # -rowsum(dO * O), (BH, n, 1)
-    neg_delta = (grad3 * out.flip(2).to(work).reshape(bh, rows, dim)).sum(-1, keepdim=True).neg_()
+    # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column
+    # (BH, n, D+1), V with ones (BH, Tk, D+1) (no (R, K) pass filling the -delta in)
+    grad_aug = torch.empty(bh, rows, dim + 1, dtype=work, device=q.device)
+    grad_aug[..., :dim].copy_(grad_out.flip(2).reshape(bh, rows, dim))
+    delta = (grad_out.to(work) * out.to(work)).sum(-1).flip(2)  # (B, H, n), reversed rows
+    torch.neg(delta.reshape(bh, rows), out=grad_aug[..., dim])
+    grad3 = grad_aug[..., :dim]
+    v_aug = torch.ones(bh, k_len, dim + 1, dtype=work, device=q.device)
+    v_aug[..., :dim].copy_(v.reshape(bh, k_len, dim))
     # the exponent in base 2 (P = 2^(log2(e) (S - lse))): torch's exp2 has no slow path for the
     # masked keys' -inf and huge negatives, its exp does (measured ~100x per element)
     line2 = line.to(work) * LOG2E  # (H, L), the future at -inf
@@ -192,7 +199,7 @@ def toeplitz_gradients(
         s4 = buffer.as_strided((batch, heads, count, keys), (heads * size, size, width + 1, 1))
         s3 = buffer.as_strided((bh, count, keys), (size, width + 1, 1))
         rows_q, rows_grad = q3[:, r0 : r0 + count], grad3[:, r0 : r0 + count]
-        k_block, v_block = k3[:, :keys], v3[:, :keys]
+        k_block = k3[:, :keys]
         torch.sub(hankel_view(line2, r0, count, keys), lse2[:, :, r0 : r0 + count], out=s4)
         s3.baddbmm_(rows_q, k_block.transpose(1, 2), alpha=scale * LOG2E)  # log2(e) (S - lse)
         # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
@@ -200,12 +207,7 @@ def toeplitz_gradients(
         torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
         grad_vt[:, :, :keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
         grad_p = scratch[: bh * count * keys].view(bh, count, keys)
-        torch.baddbmm(
-            neg_delta[:, r0 : r0 + count].expand(bh, count, keys),
-            rows_grad,
-            v_block.transpose(1, 2),
-            out=grad_p,
-        )  # dO V^T - delta
+        torch.bmm(grad_aug[:, r0 : r0 + count], v_aug[:, :keys].transpose(1, 2), out=grad_p)  # dO V^T - delta
         s3.mul_(grad_p)  # dS
         torch.bmm(s3, k_block, out=grad_q[:, r0 : r0 + count])
         grad_kt[:, :, :keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS

@@ -93,6 +93,30 @@ def test_weights_far_below_one_are_flushed_without_changing_the_result():
     _check(q, k, v, table, grad, q_len, 16, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_no_further_from_fp64_than_the_eager_formula_in_it(dtype):
+    """bf16/fp16 inputs (the backward computes in fp32): output and gradients are no further
+    from the fp64 formula than the written-out formula evaluated in the same dtype (plus a
+    rounding step of it)."""
+    q_len = 70
+    q, k, v, table, grad = _case(11, 2, 2, q_len, q_len, q_len, 8, torch.float32)
+    exact = [t.double().requires_grad_() for t in (q, k, v, table)]
+    want = reference(*exact[:3], exact[3], q_len, 0.7)
+    want_grads = torch.autograd.grad((want * grad.double()).sum(), exact)
+    errors = {}
+    for name in ("ours", "formula"):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, table)]
+        run = toeplitz.attend_toeplitz if name == "ours" else reference
+        out = run(*leaves[:3], leaves[3], q_len, 0.7, *([16] if name == "ours" else []))
+        got = torch.autograd.grad((out * grad.to(dtype)).sum(), leaves)
+        errors[name] = [
+            (a.double() - b).abs().max().item() for a, b in zip((out, *got), (want, *want_grads), strict=True)
+        ]
+    eps = torch.finfo(dtype).eps
+    for ours, formula in zip(errors["ours"], errors["formula"], strict=True):
+        assert ours <= 2 * formula + 4 * eps, errors
+
+
 def test_the_sdpa_path_for_dropout_and_compilation_equals_the_formula(monkeypatch):
     """With dropout (or under torch.compile) each block is one SDPA call on the same Hankel views,
     gradients through SDPA and ToeplitzView's anti-diagonal sums: equal to the formula at p = 0."""
