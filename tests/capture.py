@@ -4,7 +4,7 @@ saves for backward."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from conftest import attention_modules
@@ -54,3 +54,24 @@ def saved_storages() -> Iterator[dict[int, int]]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield storages
+
+
+def peak_allocated_bytes(step: Callable[[], object]) -> int:
+    """The most CPU bytes allocated at once while ``step()`` runs (above what was allocated
+    before it), from torch's profiler allocation events: every allocation and free of torch's
+    CPU allocator, in order. It counts what the tensors hold, not the C heap's resident pages,
+    so it does not depend on load or on the allocator's behaviour."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        step()
+    sizes = [
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        if event.name() == "[memory]"
+    ]
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    return peak

@@ -171,10 +171,11 @@ def dispatch_with_stream(
     stream = stream.to(v.dtype)
     if call.bias is None and not call.explicit:
         extra = v.shape[-1] + stream.shape[-1] - call.q.shape[-1]  # q/k width -> value width
+        bare = _without_qkv(call)  # kept by backward's closure: not the (rotated) q, k, v themselves
 
         def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: torch.Tensor):
-            score = dataclasses.replace(call.score, q=F.pad(q, (0, extra)), k=F.pad(k, (0, extra)))
-            return dispatch(dataclasses.replace(call, score=score, v=torch.cat((v, stream), dim=-1)))
+            score = dataclasses.replace(bare.score, q=F.pad(q, (0, extra)), k=F.pad(k, (0, extra)))
+            return dispatch(dataclasses.replace(bare, score=score, v=torch.cat((v, stream), dim=-1)))
 
         if call.dropout_p == 0.0 and not call.want_weights:  # (B, Tq, Hq, Dv + S), no weights
             return recomputed(lambda *inputs: fused(*inputs)[0], call.q, call.k, v, stream), None
@@ -199,6 +200,7 @@ def dispatch_chained(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | 
     bias = call.bias
     # the bias's tensor fields are inputs, so their gradients flow; rebuilt on a copy of the form
     fields = {} if bias is None else {n: t for n, t in vars(bias).items() if isinstance(t, torch.Tensor)}
+    bare = _without_qkv(call)  # kept by backward's closure: not the shifted / normalised q, k, v
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
         rebuilt = bias
@@ -206,7 +208,16 @@ def dispatch_chained(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | 
             rebuilt = copy.copy(bias)
             for name, value in zip(fields, values, strict=True):
                 object.__setattr__(rebuilt, name, value)  # a frozen dataclass
-        score = dataclasses.replace(call.score, q=q, k=k)
-        return dispatch(dataclasses.replace(call, score=score, v=v, bias=rebuilt))[0]
+        score = dataclasses.replace(bare.score, q=q, k=k)
+        return dispatch(dataclasses.replace(bare, score=score, v=v, bias=rebuilt))[0]
 
     return recomputed(attend, call.q, call.k, call.v, *fields.values()), None
+
+
+def _without_qkv(call: AttentionCall) -> AttentionCall:
+    """``call`` with empty q, k and v: what a recomputed attention's closure keeps until backward
+    (which passes its own q, k, v). Holding the call itself would keep its q, k and v alive
+    until backward, beside the inputs they are rebuilt from (one (B, H, T, D) tensor per
+    layer each: the rotated or normalised copies that recomputation exists to drop)."""
+    empty = call.q.new_empty(0)
+    return dataclasses.replace(call, score=dataclasses.replace(call.score, q=empty, k=empty), v=empty)

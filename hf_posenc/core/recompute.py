@@ -28,8 +28,13 @@ import torch
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _discard(tensor: torch.Tensor) -> None:
+    """What the forward's throwaway graph saves: nothing (see :meth:`_Recomputed.forward`)."""
+    return None
+
+
+def _never(packed: None) -> torch.Tensor:
+    raise RuntimeError("recomputed: the forward's own graph is never run backward")
 
 
 class _Recomputed(torch.autograd.Function):
@@ -41,10 +46,14 @@ class _Recomputed(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         ctx.inputs = [weakref.ref(t) for t in inputs]  # for a consumer that chains (never keeps them)
         # with gradients on detached copies, as backward will run it: a function whose path depends
-        # on the grad mode (an attention backend's choice) takes the same path both times; what
-        # that graph saves dies with it here (plain hooks: an outer hook, a checkpoint's or a
-        # counter's, never sees it)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        # on the grad mode (an attention backend's choice) takes the same path both times. That
+        # graph is never run backward, so it saves nothing (an outer hook, a checkpoint's or a
+        # counter's, never sees it either). Saving its tensors as they are would also make a
+        # reference cycle wherever an operation saves its own output (SDPA does: node -> saved
+        # output -> its grad_fn -> node), which only Python's cyclic collector frees: the
+        # graph's tensors (TAPE's padded q and k, widened values, their leaves) stayed alive
+        # long after the call, up to 4 (B, H, T, 2D) tensors per layer at the loss's backward.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _never):
             out = run()
         ctx.single = isinstance(out, torch.Tensor)
         if isinstance(out, torch.Tensor):
@@ -55,8 +64,12 @@ class _Recomputed(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         needs = ctx.needs_input_grad[2:]
         inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs, strict=True)]
-        with torch.enable_grad():
-            outputs = ctx.function(*inputs)
+        _REBUILDING.append({})
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*inputs)
+        finally:
+            _REBUILDING.pop()
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
         wanted = [t for t in inputs if t.requires_grad]
@@ -67,6 +80,23 @@ class _Recomputed(torch.autograd.Function):
             )
         by_input = iter(found)
         return (None, None, *(next(by_input, None) if t.requires_grad else None for t in inputs))
+
+
+#: while a backward rebuilds its inputs: (producer, ids of its inputs) -> (inputs, output), so a
+#: producer that several chained inputs share (TAPE's stream, rebuilt for q's rotation, k's and
+#: the attended stream) runs once, with one graph, not once per consumer
+_REBUILDING: list[dict[tuple[int, ...], tuple[list[torch.Tensor], Output]]] = []
+
+
+def _rebuilt(made: Callable[..., Output], args: list[torch.Tensor]) -> Output:
+    """``made(*args)``, shared within the backward that is running (see ``_REBUILDING``)."""
+    if not _REBUILDING:
+        return made(*args)
+    cache = _REBUILDING[-1]
+    key = (id(made), *map(id, args))
+    if key not in cache:
+        cache[key] = (args, made(*args))  # args kept with it: their ids stay theirs
+    return cache[key][1]
 
 
 def _producer(tensor: torch.Tensor) -> tuple[Callable[..., Output], list[torch.Tensor]] | None:
@@ -95,32 +125,37 @@ def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
     first, so a chain of recomputed steps keeps only the inputs of its first step that are not
     made inside the chain (e.g. a rotation and the attention it feeds: the unrotated q and k,
     not the rotated ones too). The gradient then reaches the producer's inputs through this
-    call's backward; the producer's own node receives none."""
+    call's backward; the producer's own node receives none. A tensor several producers share
+    is kept once, and a producer several inputs share (the same function of the same tensors)
+    is rebuilt once per backward."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return function(*inputs)
     if not any(t.requires_grad for t in inputs):
         return function(*inputs)
-    flat: list[torch.Tensor] = []
-    parts: list[
-        tuple[Callable[..., Any] | None, int]
-    ] = []  # per input: its producer (or None), how many values
+    flat: list[torch.Tensor] = []  # each tensor once (a shared producer input appears once)
+    where: dict[int, int] = {}  # id(tensor) -> its index in flat
+
+    def index(tensor: torch.Tensor) -> int:
+        if id(tensor) not in where:
+            where[id(tensor)] = len(flat)
+            flat.append(tensor)
+        return where[id(tensor)]
+
+    parts: list[tuple[Callable[..., Any] | None, list[int]]] = []  # per input: producer or None, its values
     for tensor in inputs:
         producer = _producer(tensor) if tensor.requires_grad else None
         if producer is None:
-            parts.append((None, 1))
-            flat.append(tensor)
+            parts.append((None, [index(tensor)]))
         else:
-            parts.append((producer[0], len(producer[1])))
-            flat.extend(producer[1])
+            parts.append((producer[0], [index(t) for t in producer[1]]))
     rebuild = function
-    if any(made is not None for made, _ in parts):
+    if any(made is not None for made, _ in parts) or len(flat) < len(inputs):
 
         def rebuild(*values: torch.Tensor) -> Any:
-            args, at = [], 0
-            for made, count in parts:
-                chunk = values[at : at + count]
-                args.append(chunk[0] if made is None else made(*chunk))
-                at += count
+            args = [
+                values[at[0]] if made is None else _rebuilt(made, [values[i] for i in at])
+                for made, at in parts
+            ]
             return function(*args)
 
     def run() -> Any:

@@ -58,14 +58,12 @@ from torch import nn
 
 from ..core.config import EncodingConfig, check_number, resolved
 from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
-from ..core.layout import expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..core.recompute import recomputed
 from ..core.registry import register_encoding
 from ..errors import InvalidParameterError, UnsupportedModelError
 from .base import Encoding
 from .call import LayerCall
-from .rope import rotate_half
 
 STATE_KEY = "tape_stream"  # (B, Hkv, Tk, D): E^l of the keys the cache holds
 
@@ -108,18 +106,27 @@ def initial_stream(positions: torch.Tensor, theta: float, dim: int, heads: int, 
 def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """(2): x (B,H,T,D), stream (B,H/groups,T,D) = (C, S) -> x * (C,C) + rotate_half(x) * (S,S),
     KV head g's stream serving query heads g*groups .. (g+1)*groups-1."""
-    c, s = expand_kv_heads(stream, groups).chunk(2, dim=-1)  # (B, H, T, D/2)
-    return x * torch.cat((c, c), dim=-1) + rotate_half(x) * torch.cat((s, s), dim=-1)
+    # = (x1 c - x2 s, x2 c + x1 s) on the halves (x1, x2) of x, the same bits (x1 c + (-x2) s is
+    # x1 c - x2 s exactly), without (B, H, T, D) copies of (C, C), (S, S) and rotate_half(x)
+    c, s = stream[:, :, None].chunk(2, dim=-1)  # (B, Hkv, 1, T, D/2), broadcast over a group's heads
+    x1, x2 = x.unflatten(1, (-1, groups)).chunk(2, dim=-1)  # (B, Hkv, groups, T, D/2)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(1, 2)  # (B, H, T, D)
 
 
 def pe_layer(
     half: torch.Tensor, gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 ) -> torch.Tensor:
     """(4): half (B,G,T,D) = E^{l+1/2}, gate (B,T,P) = silu(W_x x), W_up (P,G), W_down (G,P) ->
-    E^{l+1} = half + W_down (gate * (W_up half)), (B,G,T,D)."""
-    mixed = torch.einsum("bgtd,pg->bptd", half, w_up.to(half.dtype))  # (B, P, T, D)
-    mixed = mixed * gate.transpose(1, 2)[..., None].to(half.dtype)
-    return half + torch.einsum("bptd,gp->bgtd", mixed, w_down.to(half.dtype))
+    E^{l+1} = half + W_down (gate * (W_up half)), (B,G,T,D).
+
+    Computed as half + M_t half with the per-token head mixing M_t = W_down diag(gate_t) W_up
+    (B, T, G, G): the same sum regrouped, whose only intermediate is G x G per token, not the
+    (B, P, T, D) products W_up half and gate * (W_up half) (P = 4G channels of D features: 4x
+    the stream, twice, and kept by autograd for backward)."""
+    dtype = half.dtype
+    gated_up = gate.to(dtype)[..., None] * w_up.to(dtype)  # (B, T, P, G)
+    mixing = torch.einsum("gp,btph->btgh", w_down.to(dtype), gated_up)  # (B, T, G, G): M_t
+    return half + torch.einsum("btgh,bhtd->bgtd", mixing, half)
 
 
 @register_encoding
@@ -212,8 +219,10 @@ class TAPE(Encoding[TAPEConfig]):
         b, t = out.shape[:2]
         d = self.geometry.head_dim
         out = out.view(b, t, -1, 2 * d)  # (B, T, Hq, 2D): attended values, attended stream
+        # E^l's last use in this layer: not kept until backward by the memo (a recomputation
+        # under gradient checkpointing sets it again in adjust_qkv)
+        stream = memo.carry.pop(("tape-in", layer_idx))  # (B, Hkv, T, D)
         if layer_idx < self.gamma.shape[0]:
-            stream = memo.carry[("tape-in", layer_idx)]  # (B, Hkv, T, D)
             pos = out[..., d:].transpose(1, 2)  # (B, Hq, T, D) = sum_j a_tj E_j
             pos = pos.reshape(b, -1, self.groups, t, d).mean(2).to(stream.dtype)  # (B, Hkv, T, D)
             gamma = self.gamma[layer_idx].to(stream.dtype)[None, :, None, None]

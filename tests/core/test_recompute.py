@@ -5,6 +5,8 @@ plain call without gradients."""
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import torch
 from capture import saved_storages
@@ -101,3 +103,61 @@ def test_a_chain_keeps_the_inputs_of_its_first_step_only():
     for got, want in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert kept == 4 * base[0].numel() * 8  # q, k, v and the angles: nothing rotated
+
+
+def test_the_forward_graph_is_freed_with_the_call():
+    """What the function's forward graph holds is freed when the call returns, by reference
+    counting alone: an operation that saves its own output for backward (exp) would otherwise
+    form a cycle (node -> saved output -> its grad_fn -> node) that only Python's cyclic
+    collector frees, keeping every tensor of that graph alive meanwhile."""
+    made: list[weakref.ref] = []
+
+    def function(x: torch.Tensor) -> torch.Tensor:
+        inner = x.exp()  # exp saves its output
+        made.append(weakref.ref(inner))
+        return inner * 2
+
+    x = torch.randn(4, 3, requires_grad=True)
+    gc.disable()
+    try:
+        out = recomputed(function, x)
+        assert made[0]() is None
+    finally:
+        gc.enable()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().exp())
+
+
+def _attend_plus(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    return _attend(q, k, v + e)
+
+
+def test_a_producer_that_chained_inputs_share_is_rebuilt_once():
+    """attend(rotate(q, e), rotate(k, e), v, e) with e = mix(h), every step recomputed: in the
+    attention's backward the shared e is rebuilt once (one graph, not one per consumer), h is
+    kept once; values and gradients equal the plain composition's (fp64, 1e-12)."""
+    generator = torch.Generator().manual_seed(1)
+    base = [torch.randn(2, 6, 4, generator=generator, dtype=torch.float64) for _ in range(4)]
+    grad = torch.randn(2, 6, 4, generator=generator, dtype=torch.float64)
+    calls = []
+
+    def mix(h: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.is_grad_enabled())
+        return h.tanh() * 3
+
+    def run(call):
+        q, k, v, h = (t.clone().requires_grad_() for t in base)
+        with saved_storages() as kept:
+            e = call(mix, h)
+            out = call(_attend_plus, call(_rotate, q, e), call(_rotate, k, e), v, e)
+        calls.clear()
+        (out * grad).sum().backward()
+        return out.detach(), [t.grad for t in (q, k, v, h)], sum(kept.values())
+
+    want_out, want_grads, _ = run(lambda f, *xs: f(*xs))
+    got_out, got_grads, kept = run(recomputed)
+    assert torch.equal(got_out, want_out)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert len(calls) == 1  # e rebuilt once in backward (it was three times: per consumer)
+    assert kept == 4 * base[0].numel() * 8  # q, k, v and h: nothing rotated, h once
