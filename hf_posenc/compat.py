@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -133,6 +134,21 @@ def reentrant_checkpointing(base: Any) -> bool:
             keywords = getattr(function, "keywords", {}) or {}
             return bool(keywords.get("use_reentrant", True))
     return False
+
+
+def in_activation_checkpoint() -> bool:
+    """Whether this runs inside ``torch.utils.checkpoint``'s non-reentrant region, in its forward
+    or its recomputation in backward (transformers' ``gradient_checkpointing_enable`` /
+    ``activation_checkpointing_enable`` with ``use_reentrant=False``): read from the innermost
+    saved-tensor hooks, which are the checkpoint's own there (torch's private
+    ``_top_saved_tensors_default_hooks``; False where it is missing, or where other hooks were
+    installed inside the region: then the caller does what it does outside one)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if not hooks:
+        return False
+    name = getattr(hooks[0], "__qualname__", "")
+    return name.startswith(("_checkpoint_hook.", "_recomputation_hook."))
 
 
 @contextlib.contextmanager

@@ -13,8 +13,11 @@ listed or tested; this one saves through ``ctx.save_for_backward`` like any auto
 
 Every tensor the gradient must reach (inputs and parameters alike) is passed in ``inputs``;
 other arguments are bound into ``function`` (``functools.partial``). ``function`` must be
-deterministic and free of side effects (it runs twice). Without gradients, and under
-``torch.compile`` (whose partitioner decides what to recompute itself), it is a plain call.
+deterministic and free of side effects (it runs twice). Without gradients, under
+``torch.compile`` (whose partitioner decides what to recompute itself), and inside a region
+that ``torch.utils.checkpoint`` recomputes already (gradient checkpointing of the decoder
+layers: the whole layer is run again in backward, so recomputing a step inside it again would
+be a third forward, for nothing), it is a plain call.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ..compat import in_activation_checkpoint
 
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -128,7 +133,7 @@ def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
     call's backward; the producer's own node receives none. A tensor several producers share
     is kept once, and a producer several inputs share (the same function of the same tensors)
     is rebuilt once per backward."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or in_activation_checkpoint():
         return function(*inputs)
     if not any(t.requires_grad for t in inputs):
         return function(*inputs)

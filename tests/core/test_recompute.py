@@ -161,3 +161,41 @@ def test_a_producer_that_chained_inputs_share_is_rebuilt_once():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert len(calls) == 1  # e rebuilt once in backward (it was three times: per consumer)
     assert kept == 4 * base[0].numel() * 8  # q, k, v and h: nothing rotated, h once
+
+
+def test_inside_activation_checkpointing_it_is_a_plain_call():
+    """Inside ``torch.utils.checkpoint`` (non-reentrant), which runs its region again in backward
+    anyway, the step is not recomputed a third time: the function runs once in forward and once
+    in the checkpoint's recomputation (not again in its own backward), no recomputed node is
+    made, and the gradients are the plain call's (fp64, 1e-12)."""
+    runs = []
+
+    def function(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        return (x * alpha).sin()
+
+    def region(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        out = recomputed(function, x, alpha)
+        nodes.append(type(out.grad_fn).__name__)
+        return out.exp()
+
+    generator = torch.Generator().manual_seed(2)
+    base = [torch.randn(3, 5, generator=generator, dtype=torch.float64) for _ in range(2)]
+    grads = []
+    for wrap in (False, True):
+        x, alpha = (t.clone().requires_grad_() for t in base)
+        nodes: list[str] = []
+        runs.clear()
+        out = (
+            torch.utils.checkpoint.checkpoint(region, x, alpha, use_reentrant=False)
+            if wrap
+            else region(x, alpha)
+        )
+        out.sum().backward()
+        grads.append((x.grad, alpha.grad))
+        if wrap:
+            assert len(runs) == 2 and "_Recomputed" not in " ".join(nodes)
+        else:
+            assert len(runs) == 2 and nodes == ["_RecomputedBackward"]  # forward, then its own backward
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

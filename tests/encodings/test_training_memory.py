@@ -16,6 +16,7 @@ from conftest import make_model, patch, token_ids
 
 import hf_posenc.attention.backend as backend_module
 import hf_posenc.attention.chunked as chunked
+import hf_posenc.attention.forward as forward_module
 import hf_posenc.encodings.fox_pro as fox_pro_module
 import hf_posenc.encodings.tape as tape_module
 
@@ -171,3 +172,34 @@ def test_gradients_equal_plain_autograd_on_eager(name, kv_heads, monkeypatch):
     assert got.keys() == want.keys()
     for n, g in want.items():
         torch.testing.assert_close(got[n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("name", ["tape", "fox_pro"])
+def test_gradient_checkpointing_runs_each_attention_twice(name, monkeypatch):
+    """Under gradient checkpointing (non-reentrant: the decoder layer runs again in backward)
+    the encoding's recomputed steps are plain calls, so a training step runs each layer's
+    attention twice, as without checkpointing (forward, then its recomputation in backward),
+    not three times; gradients equal the step without checkpointing (fp32, 1e-5)."""
+    model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2).train()
+    ids = token_ids(2, 24)
+    plain = patch(copy.deepcopy(model), name)
+    checkpointed = patch(copy.deepcopy(model), name)
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    calls: list[int] = []
+    dispatch = backend_module.dispatch
+
+    def counted(call):
+        calls.append(1)
+        return dispatch(call)
+
+    for module in (backend_module, forward_module):  # every caller of the dispatcher
+        monkeypatch.setattr(module, "dispatch", counted)
+    layers = model.config.num_hidden_layers
+    grads = []
+    for patched in (plain, checkpointed):
+        calls.clear()
+        grads.append(_gradients(patched, ids))
+        assert len(calls) == 2 * layers
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-5, msg=n)
