@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 
-from ..compat import in_activation_checkpoint
-
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 
 
@@ -133,6 +131,8 @@ def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
     call's backward; the producer's own node receives none. A tensor several producers share
     is kept once, and a producer several inputs share (the same function of the same tensors)
     is rebuilt once per backward."""
+    from ..compat import in_activation_checkpoint  # here: compat imports transformers
+
     if not torch.is_grad_enabled() or torch.compiler.is_compiling() or in_activation_checkpoint():
         return function(*inputs)
     if not any(t.requires_grad for t in inputs):
