@@ -43,13 +43,12 @@ packed documents, bf16, GPU) goes to the backends that read the form as a Distan
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..core.layout import expand_kv_heads
+from ..core.underflow import exp_flushed
 from ..encodings.block_bias import SaturatingDistanceBias
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .softmax_parts import cpu_flash_forward, stack_groups, unstack_groups
@@ -181,8 +180,6 @@ class _Plan:
         early = q.new_zeros(q.shape[1])  # dS summed over the band of the rows below W (no far keys)
         batch, kv_heads = k.shape[:2]
         flat = batch * kv_heads
-        floor = math.log(torch.finfo(q.dtype).tiny) + 20.0
-        cutoff = 2.0 * math.exp(floor)
 
         def rows3(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
             return x[:, :, start:stop].reshape(flat, -1, x.shape[-1])  # (B*Hkv, G*rows or keys, D)
@@ -192,16 +189,13 @@ class _Plan:
             q_block = stack_groups(q[:, :, rows], g).reshape(flat, -1, q.shape[-1])  # (B*Hkv, G*rows, D)
             keys, values = rows3(k, first, stop), rows3(v, first, stop)  # (B*Hkv, keys, D)
             block_mask = self.block_mask(mask, start, stop, first).expand(batch, -1, -1, -1)
-            # S = scale * Q K^T + mask, then P = exp(S - lse) in place
+            # S = scale * Q K^T + mask
             scores = torch.baddbmm(
                 block_mask.reshape(flat, *block_mask.shape[-2:]), q_block, keys.transpose(-1, -2), alpha=scale
             )
             block_lse = stack_groups(lse[:, :, rows, None], g).reshape(flat, -1, 1)
-            # exp of an argument that underflows (masked: -inf) takes a slow path on CPU (measured
-            # 5-200x per element), and subnormal weights slow the products after it: the argument is
-            # clamped at ``floor`` and the weights below ``cutoff`` (about 5e-30 in fp32, far below
-            # a row's rounding) set to exactly 0
-            probs = F.threshold(scores.sub_(block_lse).clamp_(min=floor).exp_(), cutoff, 0.0, inplace=True)
+            # P = exp(S - lse), underflowing weights (masked: -inf) flushed to 0 on exp's fast path
+            probs = exp_flushed(scores.sub_(block_lse))
             d_out = stack_groups(grad_out[:, :, rows], g).reshape(flat, -1, q.shape[-1])
             grad_v[:, :, first:stop].view(flat, -1, v.shape[-1]).baddbmm_(probs.transpose(-1, -2), d_out)
             block_delta = stack_groups(delta[:, :, rows, None], g).reshape(flat, -1, 1)

@@ -84,8 +84,8 @@ def test_outputs_and_gradients_equal_the_formula_in_fp32(length, window):
 
 def test_weights_that_underflow_do_not_change_the_result():
     """Scores spread over hundreds (queries 40x larger, fp32): most band weights underflow, and the
-    backward drops those below ~5e-30 (set to 0, keeping exp and the products off their subnormal
-    slow paths). Output and gradients are no further from the fp64 formula than torch's own fp32
+    backward flushes those below fp32's smallest normals to 0 (``core.underflow.exp_flushed``,
+    keeping exp off its slow path). Output and gradients are no further from the fp64 formula than torch's own fp32
     SDPA with the whole bias written out as its float mask (the inputs are ill-conditioned: its
     error in dk is ~5e-4 here), within a factor 2."""
     generator = torch.Generator().manual_seed(3)
