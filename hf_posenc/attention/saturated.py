@@ -50,14 +50,13 @@ import torch
 from ..core.layout import expand_kv_heads
 from ..core.underflow import exp_flushed
 from ..encodings.block_bias import SaturatingDistanceBias
+from . import chunked
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .softmax_parts import cpu_flash_forward, stack_groups, unstack_groups
 
 #: queries per band block (its keys: block + W - 1); a t5 training step (T = 2048, 8 heads of 32,
 #: one thread, under load) measured 1.12x native at 64 against 1.16x at 128 and 1.21x at 32
 BAND_BLOCK = 64
-#: up to this many queries the chunked backend serves (decoding and short calls)
-FEW_QUERIES = 16
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -275,7 +274,7 @@ def serves_call(
         and q.dtype in DTYPES
         and k.dtype == v.dtype == q.dtype
         and q.shape[-1] == v.shape[-1]  # the fused kernel's widths
-        and q.shape[-2] == k.shape[-2] > max(FEW_QUERIES, bias.saturation)
+        and q.shape[-2] == k.shape[-2] > max(chunked.FEW_QUERIES, bias.saturation)  # decoding: chunked
         and not torch.compiler.is_compiling()
     )
 
