@@ -273,7 +273,11 @@ def attend_chunked(
     if toeplitz_rows:
         assert distance is not None
         head = q[:, :, :toeplitz_rows]
-        outputs.append(attend_toeplitz(head, k, v, distance[1], q_len, softmax_scale, block, dropout_p))
+        # backward's work buffers shared by the layers of one forward
+        shared: dict = {} if memo is None else memo.get(("toeplitz_buffers",), dict)
+        outputs.append(
+            attend_toeplitz(head, k, v, distance[1], q_len, softmax_scale, block, dropout_p, shared)
+        )
     for (start, stop), k_start in zip(spans, firsts, strict=True):
         q_block = q[:, :, start:stop]
         if stop <= toeplitz_rows:

@@ -111,7 +111,7 @@ class ToeplitzAttention(torch.autograd.Function):
     :func:`toeplitz_line` -> the output (B, H, n, D); gradients of q, k, v and the line."""
 
     @staticmethod
-    def forward(ctx, q, k, v, line, scale: float, q_len: int, block: int, backward_block: int):
+    def forward(ctx, q, k, v, line, scale: float, q_len: int, block: int, backward_block: int, buffers: dict):
         rows, k_len = q.shape[2], k.shape[2]
         q_rev = q.flip(2)  # (B, H, n, D): reversed row a is query n - 1 - a
         outs, lses = [], []
@@ -123,7 +123,7 @@ class ToeplitzAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=2).flip(2)  # (B, H, n, D) in query order
         lse = torch.cat(lses, dim=2)  # (B, H, n) in reversed order
         ctx.save_for_backward(q, k, v, line, out, lse)
-        ctx.scale, ctx.q_len, ctx.backward_block = scale, q_len, backward_block
+        ctx.scale, ctx.q_len, ctx.backward_block, ctx.buffers = scale, q_len, backward_block, buffers
         return out
 
     @staticmethod
@@ -141,8 +141,9 @@ class ToeplitzAttention(torch.autograd.Function):
             ctx.q_len,
             ctx.backward_block,
             ctx.needs_input_grad[3],
+            ctx.buffers,
         )
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def toeplitz_gradients(
@@ -157,6 +158,7 @@ def toeplitz_gradients(
     q_len: int,
     block: int,
     line_grad: bool = True,
+    buffers: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (their inputs' dtypes) and dline (``line``'s dtype, None unless ``line_grad``)
     of :class:`ToeplitzAttention` (formulas in the module's docstring); ``lse`` in reversed row order."""
@@ -190,8 +192,8 @@ def toeplitz_gradients(
     spans = _blocks(rows, q_len, k_len, block)
     longest = max(count for _, count, _ in spans)
     widest = max(count * (keys + count) for _, count, keys in spans)
-    buffer = torch.empty(bh * widest, dtype=work, device=q.device)
-    scratch = torch.empty(bh * longest * k_len, dtype=work, device=q.device)
+    buffer = _buffer(buffers, "buffer", bh * widest, work, q.device)
+    scratch = _buffer(buffers, "scratch", bh * longest * k_len, work, q.device)
     for r0, count, keys in spans:
         width = keys + count - 1  # W: the anti-diagonals a + j of an (R, K) block
         size = count * (width + 1)  # per (batch, head): R rows of stride W + 1
@@ -223,6 +225,19 @@ def toeplitz_gradients(
     return grad_q, grad_k, grad_v, None if grad_line is None else grad_line.to(line.dtype)
 
 
+def _buffer(
+    buffers: dict | None, name: str, size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A flat work buffer of at least ``size`` values, kept in ``buffers`` for the next call."""
+    key = (name, dtype, device)
+    found = None if buffers is None else buffers.get(key)
+    if found is None or found.numel() < size:
+        found = torch.empty(size, dtype=dtype, device=device)
+        if buffers is not None:
+            buffers[key] = found
+    return found
+
+
 def attend_toeplitz(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -232,17 +247,24 @@ def attend_toeplitz(
     scale: float,
     block: int,
     dropout_p: float = 0.0,
+    buffers: dict | None = None,
 ) -> torch.Tensor:
     """The first n queries q (B, H, n, D) of ``q_len`` (bottom-right aligned to the Tk keys of
     k/v (B, H, Tk, D)) with the bias ``table[h, i - j]`` (table (H, >= n + Tk - q_len)) and the
-    causal mask -> (B, H, n, D), in forward blocks of ``block`` reversed rows. With dropout (or under torch.compile) each block is a plain
-    SDPA call on the same views (SDPA's own backward)."""
+    causal mask -> (B, H, n, D), in forward blocks of ``block`` reversed rows. With dropout (or
+    under torch.compile) each block is a plain SDPA call on the same views (SDPA's own backward).
+
+    ``buffers``: a dict shared by the calls of one forward (the layers; the chunked backend's
+    memo), where backward keeps its two (B, H, R, K)-sized work buffers for the next layer's
+    backward: one allocation per backward pass instead of per layer (on CPU a fresh buffer of
+    megabytes page-faults on first touch, each time where glibc maps it anew)."""
     backward_block = BACKWARD_BLOCK
     rows, k_len = q.shape[2], k.shape[2]
     # (H, D0 + the longer block): what the forward's and backward's blocks read
     line = toeplitz_line(table, rows, q_len, k_len, max(block, backward_block), q.dtype)
     if dropout_p == 0.0 and not torch.compiler.is_compiling():
-        return ToeplitzAttention.apply(q, k, v, line, scale, q_len, block, backward_block)
+        shared = {} if buffers is None else buffers
+        return ToeplitzAttention.apply(q, k, v, line, scale, q_len, block, backward_block, shared)
     q_rev = q.flip(2)
     outs = [
         F.scaled_dot_product_attention(
