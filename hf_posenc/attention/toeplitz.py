@@ -47,6 +47,7 @@ FLUSH = -100.0
 BACKWARD_BLOCK = 128
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -123,12 +124,22 @@ class ToeplitzAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=2).flip(2)  # (B, H, n, D) in query order
         lse = torch.cat(lses, dim=2)  # (B, H, n) in reversed order
         ctx.save_for_backward(q, k, v, line, out, lse)
-        ctx.scale, ctx.q_len, ctx.backward_block, ctx.buffers = scale, q_len, backward_block, buffers
+        ctx.scale, ctx.q_len, ctx.block, ctx.backward_block, ctx.buffers = (
+            scale,
+            q_len,
+            block,
+            backward_block,
+            buffers,
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, line, out, lse = ctx.saved_tensors
+        if not ctx.needs_input_grad[3] and _fused_backward_runs(q):
+            # a table without gradient (ALiBi, Sandwich, a frozen table): torch's fused backward
+            fused = fused_gradients(q, k, v, line, out, lse, grad_out, ctx.scale, ctx.q_len, ctx.block)
+            return (*fused, None, None, None, None, None)
         grads = toeplitz_gradients(
             q,
             k,
@@ -144,6 +155,49 @@ class ToeplitzAttention(torch.autograd.Function):
             ctx.buffers,
         )
         return (*grads, None, None, None, None, None)
+
+
+def _fused_backward_runs(q: torch.Tensor) -> bool:
+    return _CPU_FLASH_BACKWARD is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
+
+
+def fused_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    line: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    scale: float,
+    q_len: int,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """dq, dk, dv of :class:`ToeplitzAttention` by torch's fused CPU flash-attention backward, one
+    call per forward block with the same Hankel mask (the line gets no gradient)."""
+    assert _CPU_FLASH_BACKWARD is not None
+    rows, k_len = q.shape[2], k.shape[2]
+    q_rev, grad_rev, out_rev = q.flip(2), grad_out.flip(2), out.flip(2)  # (B, H, n, D), reversed rows
+    grad_q = torch.empty_like(q_rev)
+    grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+    for r0, count, keys in _blocks(rows, q_len, k_len, block):
+        part = slice(r0, r0 + count)
+        dq, dk, dv = _CPU_FLASH_BACKWARD(
+            grad_rev[:, :, part],
+            q_rev[:, :, part],
+            k[:, :, :keys],
+            v[:, :, :keys],
+            out_rev[:, :, part],
+            lse[:, :, part],
+            0.0,
+            False,
+            attn_mask=hankel_view(line, r0, count, keys),
+            scale=scale,
+        )
+        grad_q[:, :, part] = dq
+        grad_k[:, :, :keys] += dk
+        grad_v[:, :, :keys] += dv
+    return grad_q.flip(2), grad_k, grad_v, None
 
 
 def toeplitz_gradients(

@@ -60,27 +60,34 @@ def _check(q, k, v, table, grad, q_len, block, tolerance, table_grad=True):
     block=st.sampled_from([1, 4, 8, 16, 256]),
     backward_block=st.sampled_from([1, 3, 8, 128]),
     dtype=st.sampled_from([torch.float64, torch.float32]),
+    table_grad=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_toeplitz_attention_and_gradients_equal_the_written_out_formula(
-    batch, heads, q_len, rows_cut, extra_keys, block, backward_block, dtype, seed, monkeypatch
+    batch, heads, q_len, rows_cut, extra_keys, block, backward_block, dtype, table_grad, seed, monkeypatch
 ):
     """Output and the gradients of q, k, v and the table equal autograd through the written-out
     formula (fp64 within 1e-10, fp32 within 1e-5) for any forward and backward block sizes, the
-    first n <= Tq queries (FIRE's rows below its threshold) and more keys than queries (a cache)."""
+    first n <= Tq queries (FIRE's rows below its threshold) and more keys than queries (a cache);
+    a table without gradient (ALiBi, Sandwich, frozen) takes torch's fused backward instead."""
     monkeypatch.setattr(toeplitz, "BACKWARD_BLOCK", backward_block)
     rows = max(1, q_len - rows_cut)
     q, k, v, table, grad = _case(seed, batch, heads, rows, q_len, q_len + extra_keys, 4, dtype)
-    _check(q, k, v, table, grad, q_len, block, 1e-10 if dtype == torch.float64 else 1e-5)
+    _check(q, k, v, table, grad, q_len, block, 1e-10 if dtype == torch.float64 else 1e-5, table_grad)
 
 
 @pytest.mark.parametrize("q_len", [255, 256, 257, 300])
 def test_block_edges_and_a_frozen_table(q_len, monkeypatch):
     """Around the default blocks' edges (256 forward, 128 backward) in fp32; a table without
-    gradient (frozen, or FIRE's network-free rows) gets none and q, k, v theirs."""
+    gradient (ALiBi, Sandwich, frozen) gets none and q, k, v theirs from torch's fused backward."""
     q, k, v, table, grad = _case(q_len, 1, 2, q_len, q_len, q_len, 8, torch.float32)
+    calls = []
+    for name in ("fused_gradients", "toeplitz_gradients"):
+        original = getattr(toeplitz, name)
+        monkeypatch.setattr(toeplitz, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     _check(q, k, v, table, grad, q_len, 256, 1e-5)
     _check(q, k, v, table, grad, q_len, 256, 1e-5, table_grad=False)
+    assert calls == ["toeplitz_gradients", "fused_gradients"], calls
 
 
 def test_weights_far_below_one_are_flushed_without_changing_the_result():
@@ -157,11 +164,12 @@ def test_backward_keeps_only_linear_state():
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-@pytest.mark.parametrize("name", ["kerple", "t5", "sandwich"])
+@pytest.mark.parametrize("name", ["kerple", "t5", "sandwich", "alibi"])
 def test_patched_models_train_like_eager(name, kv_heads, monkeypatch):
     """Whole models (batch 2, 37 tokens: blocks of 8 forward and 3 backward, a short last block)
     on the chunked backend: logits and every parameter's gradient equal the eager backend's
-    (fp32, 1e-5), with grouped keys too."""
+    (fp32, 1e-5), with grouped keys too; learned tables (kerple, t5) through the explicit
+    backward, fixed ones (sandwich, alibi) through the fused one."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
     monkeypatch.setattr(toeplitz, "BACKWARD_BLOCK", 3)
     calls = []
