@@ -24,10 +24,13 @@ allowed and far) as an additive mask, elsewhere the same formulas with explicit 
 mask (plain causal), the far keys before the band whose positions are at least ``window`` below
 every query's of the block (all of them when positions count tokens) are a third part attended
 with no mask at all, so no (rows x keys) tensor is built for them. Training
-goes through one autograd function that keeps only what a fused attention keeps — the queries and
-keys of both maps, the values, the merged output and its log-sum-exp (all O(T)) — and in backward
-runs each block's parts' backward with the merged statistics (FlashAttention-2's backward), so no
-(rows x keys) tensor is kept between forward and backward and nothing is recomputed twice.
+goes through one autograd function that keeps only what a fused attention keeps — the unrotated
+queries and keys (the backend's; both maps' rotations, twice that, are made again in backward
+from them by the encoding and taken back through their own backward), the values, the merged
+output and its log-sum-exp (all O(T)) — and in backward runs each block's parts' backward with
+the merged statistics (FlashAttention-2's backward), so no (rows x keys) tensor is kept between
+forward and backward and nothing but the rotations is recomputed. The output is written in
+(B, Tq, Hq, D) memory, so the output projection's input is that storage, not a copy.
 (Before: each block's explicit fp32 scores, checkpointed, whose (B, Hq, block, Tk) tensors existed
 per block in backward.) Queries, keys and values are promoted to at least fp32, as the eager
 path's logits are; a row with no allowed key at all (a padding query) gets output 0 (the eager
@@ -44,6 +47,7 @@ Registered as backend ``neighbour``: under ``backend="auto"`` (the default), ``"
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -131,7 +135,10 @@ class _Plan:
         """q's (B,Hq,Tq,D), k's/v (B,Hkv,Tk,D) -> (out (B,Hq,Tq,D), lse (B,Hq,Tq), finite: 0 where no key)."""
         forward, _ = softmax_parts.kernels(near_q, v, self.fused)
         q_len, k_len = near_q.shape[-2], near_k.shape[-2]
-        out = near_q.new_empty(*near_q.shape[:-1], v.shape[-1])
+        # (B, Hq, Tq, D) over (B, Tq, Hq, D) memory: the caller's (B, Tq, Hq, D) output, and the
+        # output projection's input, are then this storage, not a copy of it
+        b, heads, q_len_ = near_q.shape[:-1]
+        out = near_q.new_empty(b, q_len_, heads, v.shape[-1]).transpose(1, 2)
         lse = near_q.new_empty(near_q.shape[:-1])
         for start, stop in self.spans(q_len):
             outs, lses = [], []
@@ -202,18 +209,59 @@ class _Plan:
 
 
 class _NeighbourAttention(torch.autograd.Function):
-    """The merged attention with the O(T) saved state of a fused kernel (see the module docstring)."""
+    """The merged attention with the O(T) saved state of a fused kernel (see the module docstring).
+
+    It receives the tensors the queries and keys of both maps are made from (``sources``: the
+    unrotated q and k from the backend, or the four given ones) and ``split_of``, which makes
+    the split from them. It keeps the sources — q and k, what native attention keeps, where the
+    two maps' rotated queries and keys would be twice that — and makes the split again in
+    backward, whose own backward takes the rotated tensors' gradients back to the sources (the
+    same operations as autograd through a rotation done outside: the same bits)."""
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, *tensors: torch.Tensor) -> torch.Tensor:
-        out, lse = plan.forward(*tensors)
-        ctx.plan = plan
+    def forward(
+        ctx: Any,
+        plan: _Plan,
+        split_of: Callable[..., NeighbourSplit],
+        made: list[NeighbourSplit],
+        *tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        """``made``: [the split of the sources] when the caller made it already (taken out of the
+        list, so nothing holds its tensors past this forward), or []."""
+        *sources, v = tensors
+        split = made.pop() if made else split_of(*sources)
+        rotated = _rotated(split, v.dtype)
+        del split
+        out, lse = plan.forward(*rotated, v)
+        ctx.plan, ctx.split_of = plan, split_of
         ctx.save_for_backward(*tensors, out, lse)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.plan.backward(grad_out, *ctx.saved_tensors))
+        *sources, v, out, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:-1]
+        sources = [t.detach().requires_grad_(need) for t, need in zip(sources, needs, strict=True)]
+        with torch.enable_grad():
+            rotated = _rotated(ctx.split_of(*sources), v.dtype)
+        *grads, grad_v = ctx.plan.backward(grad_out, *rotated, v, out, lse)
+        wanted = [t for t in sources if t.requires_grad]
+        pairs = [(r, g) for r, g in zip(rotated, grads, strict=True) if r.requires_grad]
+        found: tuple[torch.Tensor | None, ...] = ()
+        if wanted and pairs:
+            found = torch.autograd.grad(
+                [r for r, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+            )
+        by_source = iter(found)
+        grad_sources = [next(by_source, None) if t.requires_grad else None for t in sources]
+        return None, None, None, *grad_sources, grad_v if ctx.needs_input_grad[-1] else None
+
+
+def _rotated(
+    split: NeighbourSplit, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """near_q, far_q, near_k, far_k of ``split`` in the attention's dtype (at least fp32)."""
+    return (split.near_q.to(dtype), split.far_q.to(dtype), split.near_k.to(dtype), split.far_k.to(dtype))
 
 
 def attend_neighbour(
@@ -230,20 +278,57 @@ def attend_neighbour(
 
     ``fused=False`` computes every part with explicit scores (the kernel used off CPU) instead of
     torch's fused CPU kernel."""
+    template = _positions_only(split)
+
+    def given(near_q: torch.Tensor, far_q: torch.Tensor, near_k: torch.Tensor, far_k: torch.Tensor):
+        return dataclasses.replace(template, near_q=near_q, far_q=far_q, near_k=near_k, far_k=far_k)
+
+    sources = (split.near_q, split.far_q, split.near_k, split.far_k)
+    return attend_remade(
+        given,
+        sources,
+        v,
+        mask=mask,
+        softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        block=block,
+        fused=fused,
+    )
+
+
+def attend_remade(
+    split_of: Callable[..., NeighbourSplit],
+    sources: tuple[torch.Tensor, ...],
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+    block: int | None = None,
+    fused: bool = True,
+) -> torch.Tensor:
+    """:func:`attend_neighbour` of ``split_of(*sources)`` (an encoding's rotations of the
+    unrotated q and k under both maps): training keeps the sources, not the split's four
+    tensors, and makes the split again in backward."""
     if dropout_p > 0:
         return _attend_explicit(
-            split, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, block=block
+            split_of(*sources), v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, block=block
         )
-    dtype = torch.promote_types(split.near_q.dtype, torch.float32)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, v))
+    with torch.no_grad():  # training: the function makes its own graph of the split in backward
+        split = split_of(*sources)
+    dtype, out_dtype = torch.promote_types(split.near_q.dtype, torch.float32), v.dtype
     groups = split.near_q.shape[1] // split.near_k.shape[1]
     plan = _Plan(_positions_only(split), mask, softmax_scale, block or chunked.QUERY_BLOCK, groups, fused)
-    tensors = tuple(t.to(dtype) for t in (split.near_q, split.far_q, split.near_k, split.far_k, v))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out = _NeighbourAttention.apply(plan, *tensors)
+    v = v.to(dtype)
+    if training:
+        made = [split]
+        del split  # the function takes it out of ``made``: its rotated tensors die with its forward
+        out = _NeighbourAttention.apply(plan, split_of, made, *sources, v)
     else:
-        out, _ = plan.forward(*tensors)
+        out, _ = plan.forward(*_rotated(split, dtype), v)
     plan.trim_heap(out)
-    return out.transpose(1, 2).to(v.dtype)  # (B, Tq, Hq, D)
+    return out.transpose(1, 2).to(out_dtype)  # (B, Tq, Hq, D)
 
 
 def _positions_only(split: NeighbourSplit) -> NeighbourSplit:
@@ -333,8 +418,17 @@ class NeighbourBackend(Backend):
         return not call.want_weights and "logits" in call.stages and splits_neighbours(call.encoding)
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        split = call.encoding.neighbour_split(call.score)
-        out = attend_neighbour(
-            split, call.v, mask=call.mask, softmax_scale=call.softmax_scale, dropout_p=call.dropout_p
+        encoding, score = call.encoding, call.score  # (score's q and k are the sources, kept anyway)
+
+        def split_of(q: torch.Tensor, k: torch.Tensor) -> NeighbourSplit:
+            return encoding.neighbour_split(dataclasses.replace(score, q=q, k=k))
+
+        out = attend_remade(
+            split_of,
+            (call.q, call.k),
+            call.v,
+            mask=call.mask,
+            softmax_scale=call.softmax_scale,
+            dropout_p=call.dropout_p,
         )
         return out, None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture import saved_storages
 from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_posenc.attention.chunked as chunked
 from hf_posenc.attention.core import attend
-from hf_posenc.attention.neighbour import attend_neighbour
+from hf_posenc.attention.neighbour import attend_neighbour, attend_remade
 from hf_posenc.encodings.call import NeighbourSplit
 
 
@@ -209,6 +210,45 @@ def test_saved_state_grows_linearly_as_native_ropes(monkeypatch):
         for n in (64, 128)
     ]
     assert alone[1] == 2 * alone[0], alone
+
+
+def test_training_keeps_the_unrotated_queries_and_keys():
+    """Given how to make the split from q and k (an encoding's rotations under both maps), a
+    training call keeps q, k, v, the output and its log-sum-exp — not the split's four rotated
+    tensors (twice q and k) — and makes the split again in backward: values and gradients equal
+    autograd through the same split made outside (fp64, 1e-12)."""
+    generator = torch.Generator().manual_seed(3)
+    length = 40
+    angles = torch.rand(length, 4, generator=generator, dtype=torch.float64)
+    positions = torch.arange(length).expand(2, length)
+
+    def rotate(x: torch.Tensor, scale: float) -> torch.Tensor:  # a rotation of the halves, by position
+        cos, sin = (scale * angles).cos(), (scale * angles).sin()
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def split_of(q: torch.Tensor, k: torch.Tensor) -> NeighbourSplit:
+        return NeighbourSplit(
+            8, rotate(q, 1.0), rotate(k, 1.0), rotate(q, 0.5), rotate(k, 0.0), positions, positions
+        )
+
+    base = [torch.randn(2, h, length, 8, generator=generator, dtype=torch.float64) for h in (4, 2, 2)]
+    weights = torch.randn(2, length, 4, 8, generator=generator, dtype=torch.float64)
+    results = []
+    for remade in (True, False):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        with saved_storages() as kept:
+            if remade:
+                out = attend_remade(split_of, (q, k), v, mask=None, softmax_scale=0.3, block=8)
+            else:
+                out = attend_neighbour(split_of(q, k), v, mask=None, softmax_scale=0.3, block=8)
+        (out * weights).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad, sum(kept.values())))
+    (*got, kept), (*want, _) = results
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+    q, k, v = base
+    assert kept == (q.numel() + k.numel() + v.numel() + q.numel() + q[..., 0].numel()) * 8
 
 
 @pytest.fixture
