@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.layout import causal_keys, expand_kv_heads
+from ..core.memo import ForwardMemo
 from ..encodings.base import splits_neighbours
 from ..encodings.call import NeighbourSplit
 from . import chunked, softmax_parts
@@ -421,7 +422,9 @@ class NeighbourBackend(Backend):
         encoding, score = call.encoding, call.score  # (score's q and k are the sources, kept anyway)
 
         def split_of(q: torch.Tensor, k: torch.Tensor) -> NeighbourSplit:
-            return encoding.neighbour_split(dataclasses.replace(score, q=q, k=k))
+            # a memo of its own: in backward the forward's memo may hold another forward's tables
+            # (two forwards, then one backward), which have the same keys but other positions
+            return encoding.neighbour_split(dataclasses.replace(score, q=q, k=k, memo=ForwardMemo()))
 
         out = attend_remade(
             split_of,

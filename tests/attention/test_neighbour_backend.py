@@ -286,6 +286,30 @@ def test_packed_documents_loss_and_gradients_equal_the_eager_backend(small_block
         torch.testing.assert_close(g, eager_grads[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
+def test_two_forwards_then_one_backward_equal_the_eager_backend(small_blocks):
+    """Two training forwards with other position ids (packed documents, then one document of
+    the same length), then one backward of both losses: the rotations remade in backward are
+    each forward's own, so every gradient equals backend="eager"'s."""
+    first = packed(documents(([3, 9, 1, 7], [20]), seed=3))
+    length = first["input_ids"].shape[1]
+    rows = first["input_ids"].shape[0]
+    second = {
+        "input_ids": token_ids(rows, length, seed=5),
+        "position_ids": torch.arange(length).expand(rows, -1),
+    }
+    second["labels"] = second["input_ids"]  # (the same shapes as the first: tables keyed by shape)
+    results = []
+    for backend in ("auto", "eager"):
+        model = patched("rerope", {"window": 3}, backend)
+        loss = model(**first, use_cache=False).loss + model(**second, use_cache=False).loss
+        loss.backward()
+        results.append(_grads(model))
+    grads, eager_grads = results
+    assert grads.keys() == eager_grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize(("name", "params"), CASES, ids=[c[0] for c in CASES])
 def test_left_padding_logits_and_gradients_equal_the_eager_backend(small_blocks, name, params):
     """A left-padded batch: logits of the real tokens and every gradient of the loss over them
