@@ -20,7 +20,10 @@ recomputed per slab: dW = dS F^T (Hq, 2 + K'); the switching units' gradient
 G = W[:, 2:]^T dS masked where the unit is off (K', scores) gives (do, du) = G (1, x)^T; and
 dx = W[:, 1]^T dS + u^T G. All products over the block's scores, no per-score loop over heads
 or units, no cumulative sums; W and (o, u) are built from the network's parameters by autograd
-(:func:`network_columns`), so their gradients reach w1, b1, w2, b2.
+(:func:`network_columns`), so their gradients reach w1, b1, w2, b2. The backward runs in tiles
+of :data:`NETWORK_TILE_KEYS` keys, each with the units that switch inside its own x range as
+features; a unit on over the whole tile is linear there, so its terms come from the tile's sums
+(sum dS, sum dS x) per head (:func:`_tile_gradients`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ import torch
 #: scores of a block per matrix product: the slab's features (2 + K' rows) stay in cache, and each
 #: product is one parallel region of the intra-op threads
 NETWORK_CHUNK = 65536
+#: keys per tile of a block's backward: each tile takes as features only the units that switch inside
+#: its own x range (x runs from about 1 at the farthest keys to 0 at the query, so most tiles hold
+#: few of the block's breakpoints), the others from the tile's two sums per head
+NETWORK_TILE_KEYS = 256
 #: a block is served from the network when its K' switching units satisfy K' + 2 <= this * Hq
 NETWORK_COLUMNS_PER_HEAD = 3
 
@@ -147,33 +154,90 @@ class NetworkBlock(torch.autograd.Function):
             grad = grad.masked_fill(~allowed, 0.0)
         if grad.shape[0] > x.shape[0]:  # one x for every batch row
             grad = grad.sum(dim=0, keepdim=True)
-        grad = grad.contiguous()  # (B|1, Hq, rows, keys)
         grad_weights, grad_units = torch.zeros_like(weights), torch.zeros_like(units)
         grad_x = torch.empty_like(x)
-        unit_weights = weights[:, 2:].t().contiguous()  # (K', Hq)
-        linear = weights[:, 1:2].t()  # (1, Hq)
-        slopes = units[:, 1:2].t()  # (1, K')
-        slab = max(1, NETWORK_CHUNK // keys)
-        features = x.new_empty(weights.shape[1], min(slab, rows) * keys)
-        tail, future = _future(rows, keys, x.device, ctx.reverse)
-        count = units.shape[0]
+        width = min(keys, NETWORK_TILE_KEYS)
+        slab = max(1, NETWORK_CHUNK // width)
+        size = min(slab, rows) * width
+        features = x.new_empty(weights.shape[1], size)
+        features[0] = 1.0
+        scores_buffer, line_buffer = x.new_empty(heads, size), x.new_empty(1, size)
         for b in range(x.shape[0]):
             for first in range(0, rows, slab):
                 last = min(rows, first + slab)
-                features[0] = 1.0
-                chunk = _features(features, x[b, first:last].reshape(1, -1), units)  # (2 + K', n)
-                if allowed is None:  # a future key passes no gradient: its features are zero
-                    chunk.view(-1, last - first, keys)[..., tail].masked_fill_(future[first:last], 0.0)
-                scores = grad[b, :, first:last].reshape(heads, -1)  # (Hq, n) dS
-                grad_weights.addmm_(scores, chunk.t())
-                line = grad_x[b, first:last].view(1, -1)  # (1, n)
-                torch.mm(linear, scores, out=line)
-                if count:
-                    hidden = unit_weights @ scores  # (K', n) dL/d relu(.)
-                    # relu's backward: zero where the unit is off (its feature is 0)
-                    hidden = torch.ops.aten.threshold_backward(hidden, chunk[2:], 0.0)
-                    grad_units.addmm_(hidden, chunk[:2].t())
-                    line.addmm_(slopes, hidden)
-                if allowed is None:
-                    line.view(last - first, keys)[:, tail].masked_fill_(future[first:last], 0.0)
+                for start in range(0, keys, width):
+                    stop = min(keys, start + width)
+                    tile_rows, tile_keys = slice(first, last), slice(start, stop)
+                    n = (last - first) * (stop - start)
+                    values = features[1, :n]
+                    values.view(last - first, stop - start).copy_(x[b, tile_rows, tile_keys])
+                    scores = scores_buffer[:, :n]  # (Hq, n) dS of the tile
+                    scores.view(heads, last - first, stop - start).copy_(grad[b, :, tile_rows, tile_keys])
+                    if allowed is None:  # a future key passes no gradient
+                        future = _future_tile(rows, keys, first, last, start, stop, x.device, ctx.reverse)
+                        if future is not None:
+                            scores.view(heads, last - first, stop - start).masked_fill_(future, 0.0)
+                    _tile_gradients(
+                        features, values, scores, weights, units, grad_weights, grad_units, line_buffer[:, :n]
+                    )
+                    grad_x[b, tile_rows, tile_keys].copy_(line_buffer[0, :n].view(last - first, stop - start))
         return grad_x, grad_weights, grad_units, None, None, None, None
+
+
+def _future_tile(
+    rows: int, keys: int, first: int, last: int, start: int, stop: int, device: torch.device, reverse: bool
+) -> torch.Tensor | None:
+    """(last - first, stop - start) bool, True where query a may not attend key j of the tile (the
+    block's causal mask bottom-right aligned: j > a + keys - rows; with ``reverse`` the keys in
+    reverse order), or None when the tile has no such key."""
+    queries = torch.arange(first, last, device=device)[:, None]
+    tile_keys = torch.arange(start, stop, device=device)[None]
+    if reverse:  # reversed key j' is key keys - 1 - j'
+        tile_keys = keys - 1 - tile_keys
+    if not bool((tile_keys > queries + keys - rows).any()):
+        return None
+    return tile_keys > queries + keys - rows
+
+
+def _tile_gradients(
+    features: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    units: torch.Tensor,
+    grad_weights: torch.Tensor,
+    grad_units: torch.Tensor,
+    line: torch.Tensor,
+) -> None:
+    """One tile of :meth:`NetworkBlock.backward`: x ``values`` (n,) (row 1 of ``features``), dS
+    ``scores`` (Hq, n); adds to ``grad_weights``, ``grad_units`` and writes dx into ``line`` (1, n).
+
+    Over the tile's own x range each of the block's K' units is linear (on: relu(o + u x) = o + u
+    x), zero (off) or switching; only the switching ones are features. The on ones' gradients come
+    from the tile's two sums (sum dS, sum dS x) per head: dW_k = o_k sum dS + u_k sum dS x, (do_k,
+    du_k) = W_k^T (sum dS, sum dS x), and dx gets u_k W_k^T dS through the linear column."""
+    low, high = torch.aminmax(values)
+    at_low, at_high = units[:, 0] + units[:, 1] * low, units[:, 0] + units[:, 1] * high  # (K',)
+    on = (at_low > 0) & (at_high > 0)  # relu is the identity on the whole tile (derivative 1)
+    switching = ((at_low > 0) | (at_high > 0)) & ~on
+    on_units, active = on.nonzero()[:, 0], switching.nonzero()[:, 0]
+    count, n = active.numel(), values.shape[0]
+    chunk = features[: 2 + count, :n]  # (2 + K'', n): 1, x, relu(o + u x) of the switching units
+    if count:
+        torch.mm(units[active], chunk[:2], out=chunk[2:]).clamp_(min=0)
+    sums = scores @ chunk.t()  # (Hq, 2 + K'')
+    grad_weights[:, :2] += sums[:, :2]
+    linear = weights[:, 1]  # (Hq,) dS's weight in dx
+    if on_units.numel():
+        on_weights = weights[:, 2 + on_units]  # (Hq, K_on)
+        grad_weights.index_add_(1, 2 + on_units, sums[:, :2] @ units[on_units].t())
+        grad_units.index_add_(0, on_units, on_weights.t() @ sums[:, :2])
+        linear = linear + on_weights @ units[on_units, 1]
+    torch.mm(linear[None], scores, out=line)
+    if count:
+        grad_weights.index_add_(1, 2 + active, sums[:, 2:])
+        hidden = weights[:, 2 + active].t() @ scores  # (K'', n) dL/d relu(.)
+        # relu's backward: zero where the unit is off (its feature is 0)
+        hidden = torch.ops.aten.threshold_backward(hidden, chunk[2:], 0.0)
+        grad_units.index_add_(0, active, hidden @ chunk[:2].t())
+        line.addmm_(units[active, 1][None], hidden)

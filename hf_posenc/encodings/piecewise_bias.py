@@ -72,22 +72,14 @@ class PiecewiseDistanceBias(BlockBias):
     def x(self, start: int, stop: int, k_start: int, k_end: int, reverse: bool = False) -> torch.Tensor:
         """The normalised distance of queries ``start .. stop-1`` and keys ``k_start .. k_end-1``:
         (B|1, rows, keys) fp32, non-increasing along the keys (``reverse``: the keys in reverse
-        order, key k_end-1 first, non-decreasing)."""
-        normalizer = self.normalizer[:, start:stop, None]  # (B|1, rows, 1)
-        if torch.is_grad_enabled():  # gathered by distance (autograd's backward of a gather is cheap)
-            queries, key_indices = query_key_indices(self.q_len, self.k_len, self.feature.device, start, stop)
-            wanted = key_indices[k_start:k_end]
-            distance = (queries[:, None] - (wanted.flip(0) if reverse else wanted)[None]).clamp_(min=0)
-            return (self.feature[distance] / normalizer).float()
-        # over the keys in reverse order the distance of (a, b) is a + b + first: a strided view
-        # (stride 1 along both) of one line of features, divided (and flipped back unless ``reverse``)
-        rows, keys = stop - start, k_end - k_start
-        first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, 0)
-        positions = torch.arange(first, first + rows + keys - 1, device=self.feature.device).clamp_(min=0)
-        line = self.feature[positions]  # (rows + keys - 1,)
-        reversed_x = line.new_empty(normalizer.shape[0], rows, keys, dtype=torch.float32)  # contiguous
-        torch.div(line.as_strided((rows, keys), (1, 1)), normalizer, out=reversed_x)
-        return reversed_x if reverse else reversed_x.flip(-1)
+        order, key k_end-1 first, non-decreasing); differentiable in ``feature`` and
+        ``normalizer`` (:class:`DistanceRatio`)."""
+        first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, reversed key 0)
+        if torch.is_grad_enabled() and (self.feature.requires_grad or self.normalizer.requires_grad):
+            return DistanceRatio.apply(
+                self.feature, self.normalizer, first, start, stop, k_end - k_start, reverse
+            )
+        return _distance_ratio(self.feature, self.normalizer[:, start:stop], first, k_end - k_start, reverse)
 
     def x_range(self, start: int, stop: int, k_start: int, k_end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(min, max) of :meth:`x` over the block, 0-dim fp32, from O(rows) values: along a row x
@@ -319,3 +311,58 @@ class PiecewiseBlock(torch.autograd.Function):
                 grad_x[b].addcmul_(grad[b, h].reshape(-1), slopes[h].index_select(0, index))
         grad_x = grad_x.view(piece.shape).sum_to_size(x.shape)
         return grad_x, None, None, grad_slopes, grad_intercepts, None
+
+
+def _distance_ratio(
+    feature: torch.Tensor, normalizer: torch.Tensor, first: int, keys: int, reverse: bool
+) -> torch.Tensor:
+    """feature (Tk,), the rows' normalizer (B|1, rows) -> x (B|1, rows, keys) fp32 with x[b, a,
+    b'] = feature[max(0, first + a + b')] / normalizer[b, a] over the keys in reverse order (b'),
+    flipped back unless ``reverse``: a strided view (stride 1 along both) of one line of
+    features, divided, one rounding to fp32."""
+    rows = normalizer.shape[1]
+    positions = torch.arange(first, first + rows + keys - 1, device=feature.device).clamp_(min=0)
+    line = feature[positions]  # (rows + keys - 1,)
+    reversed_x = torch.empty(normalizer.shape[0], rows, keys, dtype=torch.float32, device=feature.device)
+    torch.div(line.as_strided((rows, keys), (1, 1)), normalizer[:, :, None], out=reversed_x)
+    return reversed_x if reverse else reversed_x.flip(-1)
+
+
+class DistanceRatio(torch.autograd.Function):
+    """(feature (Tk,), normalizer (B|1, Tq), first, start, stop, keys, reverse) -> :func:`_distance_ratio`
+    of queries ``start .. stop-1``, differentiable in both tensors; keeps only them (O(T)).
+
+    Backward in the tensors' dtype (FIRE: fp64, where c's gradient needs it), from the
+    gradient g over the keys in reverse order, y = g / normalizer:
+    d normalizer[b, a] = -sum_b' y[b, a, b'] feature[d] / normalizer[b, a] (a row sum), and
+    d feature[d] = the sum of y over the anti-diagonal a + b' = d - first (summed over the
+    batch; distances clamped to 0 land on d = 0), read from y skewed into a (rows, rows + keys)
+    buffer — no (rows, keys) distance index and no scattered accumulation."""
+
+    @staticmethod
+    def forward(ctx, feature, normalizer, first: int, start: int, stop: int, keys: int, reverse: bool):
+        ctx.save_for_backward(feature, normalizer)
+        ctx.first, ctx.start, ctx.stop, ctx.keys, ctx.reverse = first, start, stop, keys, reverse
+        return _distance_ratio(feature, normalizer[:, start:stop], first, keys, reverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        feature, normalizer = ctx.saved_tensors
+        first, start, stop, keys = ctx.first, ctx.start, ctx.stop, ctx.keys
+        rows, width = stop - start, stop - start + keys - 1
+        rows_normalizer = normalizer[:, start:stop, None]  # (B|1, rows, 1)
+        reversed_grad = grad if ctx.reverse else grad.flip(-1)  # (B|1, rows, keys) over reversed keys
+        y = torch.div(reversed_grad, rows_normalizer)  # (B|1, rows, keys) in the normaliser's dtype
+        positions = torch.arange(first, first + width, device=feature.device).clamp_(min=0)
+        line = feature[positions]  # (rows + keys - 1,)
+        grad_feature = grad_normalizer = None
+        if ctx.needs_input_grad[1]:
+            grad_normalizer = torch.zeros_like(normalizer)
+            dot = (y * line.as_strided((rows, keys), (1, 1))).sum(-1)  # (B|1, rows)
+            grad_normalizer[:, start:stop] = -dot / rows_normalizer[..., 0]
+        if ctx.needs_input_grad[0]:
+            summed = y.sum(0) if y.shape[0] > 1 else y[0]  # (rows, keys)
+            skewed = y.new_zeros(rows, width)  # skewed[a, a + b'] = summed[a, b']
+            skewed.as_strided((rows, keys), (width + 1, 1)).copy_(summed)
+            grad_feature = torch.zeros_like(feature).index_add_(0, positions, skewed.sum(0))
+        return grad_feature, grad_normalizer, None, None, None, None, None
