@@ -113,15 +113,18 @@ class ToeplitzAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, line, scale: float, q_len: int, block: int, backward_block: int, buffers: dict):
-        rows, k_len = q.shape[2], k.shape[2]
+        batch, heads, rows, dim = q.shape
+        k_len = k.shape[2]
         q_rev = q.flip(2)  # (B, H, n, D): reversed row a is query n - 1 - a
-        outs, lses = [], []
+        # the output in query order, laid out (B, n, H, D) as the caller's output projection reads
+        # it (a view there, not a copy beside the one kept here)
+        out = torch.empty(batch, rows, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+        lses = []
         for r0, count, keys in _blocks(rows, q_len, k_len, block):
             mask = hankel_view(line, r0, count, keys)  # (1, H, R, K)
-            out, lse = _fused(q_rev[:, :, r0 : r0 + count], k[:, :, :keys], v[:, :, :keys], mask, scale)
-            outs.append(out)
+            part, lse = _fused(q_rev[:, :, r0 : r0 + count], k[:, :, :keys], v[:, :, :keys], mask, scale)
+            out[:, :, rows - r0 - count : rows - r0] = part.flip(2)
             lses.append(lse)
-        out = torch.cat(outs, dim=2).flip(2)  # (B, H, n, D) in query order
         lse = torch.cat(lses, dim=2)  # (B, H, n) in reversed order
         ctx.save_for_backward(q, k, v, line, out, lse)
         ctx.scale, ctx.q_len, ctx.block, ctx.backward_block, ctx.buffers = (

@@ -203,3 +203,18 @@ def test_gradient_checkpointing_runs_each_attention_twice(name, monkeypatch):
     assert grads[0].keys() == grads[1].keys()
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", ["kerple", "alibi"])
+def test_toeplitz_tables_keep_no_more_than_rope(name, kv_heads):
+    """A distance table on the chunked backend's Toeplitz path (learned: kerple; fixed: alibi)
+    keeps per token and layer what RoPE's attention keeps (q, k, v, the output, the log-sum-exp)
+    and at most a few Hq values more (the table's own pieces): the output is laid out as the
+    output projection reads it, so that projection keeps a view of it, not a copy (with grouped
+    keys both keep the per-query-head copies of k and v)."""
+    model = make_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
+    )
+    layers, heads, _, _ = _geometry(model)
+    assert _growth_beyond_rope(model, name) <= layers * 4 * heads * FP32
