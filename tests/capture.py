@@ -4,10 +4,12 @@ saves for backward."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 
 import torch
 from conftest import attention_modules
+from torch._C._profiler import _EventType
 
 LENGTH = 12  # longer than Mistral's sliding window of 8
 
@@ -59,19 +61,30 @@ def saved_storages() -> Iterator[dict[int, int]]:
 def peak_allocated_bytes(step: Callable[[], object]) -> int:
     """The most CPU bytes allocated at once while ``step()`` runs (above what was allocated
     before it), from torch's profiler allocation events: every allocation and free of torch's
-    CPU allocator, in order. It counts what the tensors hold, not the C heap's resident pages,
-    so it does not depend on load or on the allocator's behaviour."""
+    CPU allocator, in order, with its address (frees of blocks allocated before are left out).
+    It counts what the tensors hold, not the C heap's resident pages, so it does not depend on
+    load or on the allocator's behaviour."""
+    gc.collect()  # what earlier tests left to the collector, before the profiler starts
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         step()
-    sizes = [
-        (event.start_ns(), event.nbytes())
-        for event in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-        if event.name() == "[memory]"
-    ]
+    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    while pending:
+        node = pending.pop()
+        if node.tag == _EventType.Allocation:
+            events.append(node)
+        pending.extend(node.children)
+    allocated: set[int] = set()
     current = peak = 0
-    for _, size in sorted(sizes):
-        current += size
+    for node in sorted(events, key=lambda node: node.start_time_ns):
+        fields = node.extra_fields
+        if fields.alloc_size > 0:
+            allocated.add(fields.ptr)
+        elif fields.ptr in allocated:
+            allocated.discard(fields.ptr)
+        else:
+            continue
+        current += fields.alloc_size
         peak = max(peak, current)
     return peak

@@ -104,14 +104,31 @@ def _rebuilt(made: Callable[..., Output], args: list[torch.Tensor]) -> Output:
 
 def _producer(tensor: torch.Tensor) -> tuple[Callable[..., Output], list[torch.Tensor]] | None:
     """(function, inputs) when ``tensor`` is the whole output of a recomputed call whose inputs
-    are all alive: the consumer can keep those and rebuild ``tensor`` from them."""
-    node = tensor.grad_fn
+    are all alive, or a reshaped view of all of it (an attention's (B, T, H, D) output viewed as
+    (B, T, H*D)): the consumer can keep those and rebuild ``tensor`` from them."""
+    node, shape = tensor.grad_fn, None
+    if type(node).__name__ == "ViewBackward0" and tensor._is_view():
+        base = tensor._base
+        if base is None or base.numel() != tensor.numel() or tensor.storage_offset() != base.storage_offset():
+            return None
+        if not (tensor.is_contiguous() and base.is_contiguous()):  # a reshape of the whole, in order
+            return None
+        node, shape = base.grad_fn, tuple(tensor.shape)
     if not isinstance(node, _Recomputed._backward_cls) or not getattr(node, "single", False):
         return None
     inputs = [ref() for ref in node.inputs]
     if any(t is None for t in inputs):
         return None
-    return node.function, inputs
+    if shape is None:
+        return node.function, inputs
+    made = node.function
+
+    def viewed(*values: torch.Tensor) -> Output:
+        out = made(*values)
+        assert isinstance(out, torch.Tensor)  # a single output (node.single)
+        return out.view(shape)
+
+    return viewed, inputs
 
 
 def chains(tensor: torch.Tensor) -> bool:

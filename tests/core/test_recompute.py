@@ -199,3 +199,32 @@ def test_inside_activation_checkpointing_it_is_a_plain_call():
             assert len(runs) == 2 and nodes == ["_RecomputedBackward"]  # forward, then its own backward
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_a_chain_reaches_through_a_reshaped_view():
+    """A consumer of a reshaped view of a recomputed output (an attention's (B, T, H, D) output
+    viewed as (B, T, H*D)) rebuilds it like the output itself: the chain keeps q, k, v and
+    the consumer's own input, not the attention's output; values and gradients equal the plain
+    composition's (fp64, 1e-12)."""
+    generator = torch.Generator().manual_seed(4)
+    base = [torch.randn(2, 6, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
+    gain = torch.randn(2, 24, generator=generator, dtype=torch.float64)
+    grad = torch.randn(2, 24, generator=generator, dtype=torch.float64)
+
+    def gate(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x * g.sigmoid()
+
+    def run(call):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        g = gain.clone().requires_grad_()
+        with saved_storages() as kept:
+            out = call(gate, call(_attend, q, k, v).view(2, 24), g)
+        (out * grad).sum().backward()
+        return out.detach(), [t.grad for t in (q, k, v, g)], sum(kept.values())
+
+    want_out, want_grads, _ = run(lambda f, *xs: f(*xs))
+    got_out, got_grads, kept = run(recomputed)
+    assert torch.equal(got_out, want_out)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert kept == (3 * base[0].numel() + gain.numel()) * 8  # q, k, v, the gain: no attention output

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 from typing import Any
 
@@ -79,6 +80,7 @@ def step_peaks(args: argparse.Namespace, name: str, length: int, detail: bool) -
     """Both peaks (bytes above what was allocated before the step) of one step at ``length``."""
     from ..training.loss import loss_function
 
+    gc.collect()  # the previous step's model and graph, before the profiler starts
     torch.manual_seed(0)
     model = max_length._model(args, name, length)
     ids = torch.randint(3, args.vocab_size, (1, length), device=args.device)
@@ -95,9 +97,19 @@ def step_peaks(args: argparse.Namespace, name: str, length: int, detail: bool) -
     loss_end = max(
         (i for i, node in enumerate(allocations) if node.extra_fields.alloc_size <= -LOSS_FREE), default=-1
     )
+    # only frees of blocks allocated in this step count: a block of an earlier step (the
+    # previous row's model, freed by the collector meanwhile) would lower the running sum
+    allocated: set[int] = set()
     current, peaks = 0, {"peak": (0, 0), "layers": (0, 0)}
     for i, node in enumerate(allocations):
-        current += node.extra_fields.alloc_size
+        fields = node.extra_fields
+        if fields.alloc_size > 0:
+            allocated.add(fields.ptr)
+        elif fields.ptr in allocated:
+            allocated.discard(fields.ptr)
+        else:
+            continue
+        current += fields.alloc_size
         for key in ("peak",) if i <= loss_end else ("peak", "layers"):
             if current > peaks[key][0]:
                 peaks[key] = (current, i)
