@@ -7,10 +7,12 @@ half the work of one masked call over all keys (the causal skipping native SDPA 
 
 Toeplitz biases (:class:`DistanceBias`, and the leading rows a form gives by
 ``distance_table()``, FIRE's below its threshold) without a padding mask are not written out
-at all: over the keys in reverse order, bias-plus-causal-mask of query ``a`` and reversed key
-``b`` depends on ``a + b`` only, so each block's float mask is an ``as_strided`` view (row
-and column stride 1) of one (Hq, Tq + Tk - 1) vector per call. Attention does not depend on
-the order of the keys, and gradients reach the distance table through the view.
+at all: over the queries in reverse order, bias-plus-causal-mask of reversed query ``a`` and
+key ``j`` depends on ``a + j`` only, so each block's float mask is an ``as_strided`` view (row
+and column stride 1) of one (Hq, n + Tk) vector per call, and its keys a prefix of the layer's.
+Their blocks are one call of :func:`~.toeplitz.attend_toeplitz` (one autograd function: fused
+forward, backward recomputing each block's weights and summing the table's gradient along
+anti-diagonals in place; O(T) kept).
 
 Separable biases ``u_i - w_j`` (FoX) in fp32/fp64 ride in q and k as one more feature
 (:func:`attend_separable`): each block is one fused SDPA call with only the causal mask.
