@@ -123,3 +123,63 @@ def test_freeze_encoding_trains_without_the_encodings_own_gradients(monkeypatch)
     )  # fmt: skip
     run_suite(config, progress=False)
     assert seen and all(frozen and trained for frozen, trained in seen)
+
+
+def test_timed_calls_run_under_the_timing_allocator_and_memory_readings_under_the_memory_one(monkeypatch):
+    """On CPU the memory readings need glibc's mmap threshold at 64 KiB (the resident set then follows
+    the live tensors), but timing under it page-faults every large allocation (the native forward at
+    4096 tokens took ~520 ms instead of ~360 ms): every timed call must follow allocator_for_timing,
+    every memory reading return_freed_memory_to_os, whatever the order of the rows."""
+    from hf_posenc.recipes.benchmark import BenchConfig, measure, run_suite, suite
+
+    events: list[str] = []
+    monkeypatch.setattr(suite, "allocator_for_timing", lambda: events.append("timing") or True)
+    monkeypatch.setattr(suite, "return_freed_memory_to_os", lambda: events.append("memory") or True)
+    real_elapsed, real_enter = measure.elapsed, measure.PeakMemory.__enter__
+
+    def timed(run, device):
+        events.append("timed call")
+        return real_elapsed(run, device)
+
+    def reading(self):
+        events.append("memory reading")
+        return real_enter(self)
+
+    monkeypatch.setattr(measure, "elapsed", timed)
+    monkeypatch.setattr(measure.PeakMemory, "__enter__", reading)
+    config = BenchConfig(
+        encodings=["alibi", "t5"],
+        lengths=[32],
+        modes=["forward", "train"],
+        vocab_size=64,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        repeats=2,
+        warmup=0,
+    )
+    run_suite(config, progress=False)
+    setting = None
+    for event in events:
+        if event in ("timing", "memory"):
+            setting = event
+        elif event == "timed call":
+            assert setting == "timing", events
+        else:
+            assert setting == "memory", events
+    assert events.count("timed call") == 2 * 2 * 2 * 2  # (alibi, t5) x (forward, train) x repeats x pair
+    assert events.count("memory reading") == 2 * 2 + 2  # each encoding's rows + native's once per mode
+
+
+def test_the_two_allocator_settings_are_accepted_by_glibc():
+    """Both mallopt settings take effect on Linux/glibc (the CI machine); elsewhere they report False."""
+    import sys
+
+    from hf_posenc.recipes.benchmark import measure
+
+    expected = sys.platform.startswith("linux")
+    try:
+        assert measure.allocator_for_timing() is expected
+        assert measure.return_freed_memory_to_os() is expected
+    finally:
+        measure.allocator_for_timing()

@@ -7,8 +7,13 @@ CPU memory is the peak resident set size above the level before the call, sample
 background thread every millisecond. glibc would otherwise keep freed memory resident and
 hand it out again, so a second call would look free: :func:`return_freed_memory_to_os`
 makes every allocation of 64 KiB or more its own ``mmap`` (returned to the OS on free), so
-the resident set follows the live tensors. CUDA memory is ``torch.cuda.max_memory_allocated``
-above the allocation before the call.
+the resident set follows the live tensors. That setting is for the memory readings only: each
+such allocation page-faults on first touch, which slowed the native model's forward at T=4096
+from ~360 ms to ~520 ms (2-core CPU) and moved the ratios, so the timed calls run under
+:func:`allocator_for_timing`, glibc's settled defaults (its dynamic mmap threshold rises to at
+most 32 MiB as large blocks are freed, its trim threshold to twice that), as a training process
+sees them. CUDA memory is ``torch.cuda.max_memory_allocated`` above the allocation before the
+call.
 """
 
 from __future__ import annotations
@@ -23,22 +28,41 @@ from collections.abc import Callable
 
 import torch
 
+from ...attention.host_heap import trim_host_heap
+
 M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 * 1024
 
 
-def return_freed_memory_to_os() -> bool:
-    """Make glibc serve allocations >= 64 KiB by ``mmap`` (and trim the heap): True on success."""
+#: glibc's settled defaults on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX; the trim threshold follows at 2x)
+TIMING_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(
-            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, 0)
+            libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
         )
     except (OSError, AttributeError):
         return False
+
+
+def return_freed_memory_to_os() -> bool:
+    """Make glibc serve allocations >= 64 KiB by ``mmap`` and trim the heap (for memory readings),
+    releasing the heap's free pages now: True on success."""
+    done = _mallopt(MMAP_THRESHOLD_BYTES, 0)
+    if done:
+        trim_host_heap()  # holes left by calls timed under the other setting would hide growth
+    return done
+
+
+def allocator_for_timing() -> bool:
+    """glibc's settled defaults for timed calls (blocks up to 32 MiB from the heap, kept): True on success."""
+    return _mallopt(TIMING_MMAP_THRESHOLD_BYTES, 2 * TIMING_MMAP_THRESHOLD_BYTES)
 
 
 class PeakMemory:

@@ -23,7 +23,7 @@ from ...core.patch import patch_info, patch_model
 from ..provenance import provenance
 from ..tiny import tiny_model
 from .config import BenchConfig
-from .measure import PeakMemory, paired_times, return_freed_memory_to_os
+from .measure import PeakMemory, allocator_for_timing, paired_times, return_freed_memory_to_os
 
 NATIVE = "native"
 MODES = ("forward", "train", "decode")
@@ -116,6 +116,8 @@ class _Bench:
         if mode == "decode":
             return 0
         step = _forward if mode == "forward" else _train_step
+        if self.device.type == "cpu":
+            return_freed_memory_to_os()  # the resident set follows the live tensors (measure.py)
         with PeakMemory(self.device) as memory:
             step(model, ids)
         model.zero_grad(set_to_none=True)
@@ -124,6 +126,8 @@ class _Bench:
     def times(self, model, mode: str, ids: torch.Tensor) -> tuple[list[float], list[float]]:
         """(native seconds, model seconds), alternating; decode: seconds per token."""
         config, native = self.config, self.native
+        if self.device.type == "cpu":
+            allocator_for_timing()  # glibc as a training process has it, not the memory readings' setting
         if mode == "decode":
             pairs = [
                 (_decode(native, ids, config.decode_tokens), _decode(model, ids, config.decode_tokens))
@@ -184,8 +188,6 @@ def _lengths(config: BenchConfig, mode: str) -> list[int]:
 
 def run_suite(config: BenchConfig, progress: bool = True) -> list[Measurement]:
     """Every (encoding, mode, length) of ``config``, timed alternately with the native model."""
-    if config.device == "cpu":
-        return_freed_memory_to_os()
     bench = _Bench(config)
     results: list[Measurement] = []
     for name in config.encodings or [NATIVE]:
