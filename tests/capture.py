@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from conftest import attention_modules
-from torch._C._profiler import _EventType
+
+from hf_posenc.recipes.benchmark.peak_memory import allocated_bytes, allocation_events
 
 LENGTH = 12  # longer than Mistral's sliding window of 8
 
@@ -69,22 +70,5 @@ def peak_allocated_bytes(step: Callable[[], object]) -> int:
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         step()
-    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-    while pending:
-        node = pending.pop()
-        if node.tag == _EventType.Allocation:
-            events.append(node)
-        pending.extend(node.children)
-    allocated: set[int] = set()
-    current = peak = 0
-    for node in sorted(events, key=lambda node: node.start_time_ns):
-        fields = node.extra_fields
-        if fields.alloc_size > 0:
-            allocated.add(fields.ptr)
-        elif fields.ptr in allocated:
-            allocated.discard(fields.ptr)
-        else:
-            continue
-        current += fields.alloc_size
-        peak = max(peak, current)
-    return peak
+    # the benchmark's own event walk (hf_posenc.recipes.benchmark.peak_memory), not a copy of it
+    return max((current for _, current in allocated_bytes(allocation_events(prof))), default=0)

@@ -52,7 +52,7 @@ from ..core.underflow import exp_flushed
 from ..encodings.block_bias import SaturatingDistanceBias
 from . import chunked
 from .backend import AUTO, AttentionCall, Backend, register_backend
-from .softmax_parts import cpu_flash_forward, stack_groups, unstack_groups
+from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD, cpu_flash_forward, stack_groups, unstack_groups
 
 #: queries per band block (its keys: block + W - 1); a t5 training step (T = 2048, 8 heads of 32,
 #: one thread, under load) measured 1.12x native at 64 against 1.16x at 128 and 1.21x at 32
@@ -121,7 +121,8 @@ class _Plan:
             out[:, :, start:stop] = unstack_groups(part_out, g)
             lse[:, :, start:stop] = unstack_groups(part_lse, g)
         if length > window:
-            far_out, far_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            assert CPU_FLASH is not None  # the backend serves CPU calls only where torch has it
+            far_out, far_lse = CPU_FLASH(
                 q[:, :, window:],
                 self.far_keys(k, length),
                 self.far_keys(v, length),
@@ -158,7 +159,8 @@ class _Plan:
         grad_q, grad_k, grad_v = (x.new_zeros(x.shape) for x in (q, k, v))  # contiguous
         if length > window:
             far_q, far_k, far_v = q[:, :, window:], self.far_keys(k, length), self.far_keys(v, length)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            assert CPU_FLASH_BACKWARD is not None
+            dq, dk, dv = CPU_FLASH_BACKWARD(
                 grad_out[:, :, window:],
                 far_q,
                 far_k,

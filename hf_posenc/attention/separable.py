@@ -33,9 +33,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..core.layout import causal_keys
 from ..encodings.block_bias import SeparableBias
+from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 
-_CPU_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CPU_FORWARD, _CPU_BACKWARD = CPU_FLASH, CPU_FLASH_BACKWARD
 
 
 class _Blocks:

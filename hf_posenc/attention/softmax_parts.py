@@ -39,8 +39,11 @@ PartForward = Callable[
 #: (dO, q, k, v, out, lse, bias, scale) -> (dq, dk, dv), out/lse those of the whole softmax
 PartBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+#: torch's fused CPU flash-attention operators (None where this torch lacks them), shared by every
+#: backend that calls them directly: (q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out, lse)
+#: and (dO, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv)
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 #: dtypes the CPU kernel is used for (it computes in them; bf16/fp16 inputs are promoted before)
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64)
 
@@ -55,8 +58,8 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, repeat: int = 1) ->
 def cpu_flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    assert _CPU_FLASH is not None
-    out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    assert CPU_FLASH is not None
+    out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
     return out, lse
 
 
@@ -70,8 +73,8 @@ def cpu_flash_backward(
     bias: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    assert _CPU_FLASH_BACKWARD is not None
-    dq, dk, dv = _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
+    assert CPU_FLASH_BACKWARD is not None
+    dq, dk, dv = CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
     return dq, dk, dv
 
 
@@ -124,7 +127,7 @@ def kernels(q: torch.Tensor, v: torch.Tensor, fused: bool = True) -> tuple[PartF
         and q.device.type == "cpu"
         and q.dtype in _CPU_FLASH_DTYPES
         and q.shape[-1] == v.shape[-1]
-        and _CPU_FLASH_BACKWARD is not None
+        and CPU_FLASH_BACKWARD is not None
     ):
         return cpu_flash_forward, cpu_flash_backward
     return explicit_forward, explicit_backward

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.layout import causal_keys
+from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 
 LOG2E = math.log2(math.e)
 #: base-2 exponent below which a recomputed attention weight is taken as 0 (2^-100 ~ 8e-31)
@@ -53,8 +54,6 @@ FUSED_SPREAD = 60.0
 #: reversed rows per backward step: the block's (B, H, R, K + R) buffer stays small
 BACKWARD_BLOCK = 128
 
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -106,8 +105,8 @@ def _blocks(rows: int, q_len: int, k_len: int, block: int) -> list[tuple[int, in
 
 def _fused(q, k, v, mask, scale):
     """One block's (out, lse): the fused CPU kernel where it runs, else SDPA and lse explicitly."""
-    if _CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
-        out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    if CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
+        out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
         return out, lse
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale).add_(mask.float())
@@ -176,7 +175,7 @@ class ToeplitzAttention(torch.autograd.Function):
 
 
 def _fused_backward_runs(q: torch.Tensor) -> bool:
-    return _CPU_FLASH_BACKWARD is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
+    return CPU_FLASH_BACKWARD is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
 
 
 def fused_gradients(
@@ -193,14 +192,14 @@ def fused_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """dq, dk, dv of :class:`ToeplitzAttention` by torch's fused CPU flash-attention backward, one
     call per forward block with the same Hankel mask (the line gets no gradient)."""
-    assert _CPU_FLASH_BACKWARD is not None
+    assert CPU_FLASH_BACKWARD is not None
     rows, k_len = q.shape[2], k.shape[2]
     q_rev, grad_rev, out_rev = q.flip(2), grad_out.flip(2), out.flip(2)  # (B, H, n, D), reversed rows
     grad_q = torch.empty_like(q_rev)
     grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
     for r0, count, keys in _blocks(rows, q_len, k_len, block):
         part = slice(r0, r0 + count)
-        dq, dk, dv = _CPU_FLASH_BACKWARD(
+        dq, dk, dv = CPU_FLASH_BACKWARD(
             grad_rev[:, :, part],
             q_rev[:, :, part],
             k[:, :, :keys],

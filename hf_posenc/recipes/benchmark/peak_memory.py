@@ -30,13 +30,14 @@ import argparse
 import collections
 import gc
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from . import max_length
+from . import max_length, saved_memory
 
 #: a free this large ends the chunked loss's backward (its chunks' (tokens x vocabulary) logits)
 LOSS_FREE = 200 << 20
@@ -56,6 +57,35 @@ def _where(node: Any) -> str:
             ops.append(parent.name)
         parent = parent.parent
     return " < ".join(ops[:2]) + " @ " + " < ".join(lines[:3])
+
+
+def allocation_events(prof: Any) -> list[Any]:
+    """The allocation and free events of a ``profile(profile_memory=True)`` run, in time order."""
+    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        node = pending.pop()
+        if node.tag == _EventType.Allocation:
+            events.append(node)
+        pending.extend(node.children)
+    return sorted(events, key=lambda node: node.start_time_ns)
+
+
+def allocated_bytes(events: list[Any]) -> Iterator[tuple[int, int]]:
+    """(index, bytes allocated above the start) after each event of :func:`allocation_events`.
+    Only frees of blocks allocated in the run count: a block of an earlier step (the previous
+    row's model, freed by the collector meanwhile) would lower the running sum."""
+    allocated: set[int] = set()
+    current = 0
+    for i, node in enumerate(events):
+        fields = node.extra_fields
+        if fields.alloc_size > 0:
+            allocated.add(fields.ptr)
+        elif fields.ptr in allocated:
+            allocated.discard(fields.ptr)
+        else:
+            continue
+        current += fields.alloc_size
+        yield i, current
 
 
 def _alive(allocations: list[Any], until: int, min_bytes: int) -> list[dict[str, Any]]:
@@ -87,29 +117,12 @@ def step_peaks(args: argparse.Namespace, name: str, length: int, detail: bool) -
     loss_of = loss_function(args.loss, model)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=detail) as prof:
         loss_of(model, {"input_ids": ids, "labels": ids, "use_cache": False}).backward()
-    allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while pending:
-        node = pending.pop()
-        if node.tag == _EventType.Allocation:
-            allocations.append(node)
-        pending.extend(node.children)
-    allocations.sort(key=lambda node: node.start_time_ns)
+    allocations = allocation_events(prof)
     loss_end = max(
         (i for i, node in enumerate(allocations) if node.extra_fields.alloc_size <= -LOSS_FREE), default=-1
     )
-    # only frees of blocks allocated in this step count: a block of an earlier step (the
-    # previous row's model, freed by the collector meanwhile) would lower the running sum
-    allocated: set[int] = set()
-    current, peaks = 0, {"peak": (0, 0), "layers": (0, 0)}
-    for i, node in enumerate(allocations):
-        fields = node.extra_fields
-        if fields.alloc_size > 0:
-            allocated.add(fields.ptr)
-        elif fields.ptr in allocated:
-            allocated.discard(fields.ptr)
-        else:
-            continue
-        current += fields.alloc_size
+    peaks = {"peak": (0, 0), "layers": (0, 0)}
+    for i, current in allocated_bytes(allocations):
         for key in ("peak",) if i <= loss_end else ("peak", "layers"):
             if current > peaks[key][0]:
                 peaks[key] = (current, i)
@@ -132,23 +145,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    short, long = args.lengths
-    if not 2 <= short < long:
-        parser().error(f"--lengths {short} {long}: need 2 <= SHORT < LONG")
+    names = saved_memory.check_lengths_and_encodings(parser(), args)
     if args.device != "cpu":
         parser().error(
             f"--device {args.device}: only cpu (on CUDA, max_length reads the CUDA allocator's peak)"
         )
-    from ...core.registry import list_encodings
-
-    known = {info.name for info in list_encodings()}
-    unknown = [n for n in args.encodings or [] if n not in known]
-    if unknown:
-        parser().error(f"unknown encoding {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    short, long = args.lengths
     torch.set_num_threads(1)
     rows = []
     print("| row | peak KiB/token | layers' backward KiB/token | peak at LONG (MiB) |\n|---|---|---|---|")
-    for name in [max_length.NATIVE, *(args.encodings or [])]:
+    for name in [max_length.NATIVE, *names]:
         at_short = step_peaks(args, name, short, detail=False)
         at_long = step_peaks(args, name, long, detail=args.detail)
         slope = {key: (at_long[key] - at_short[key]) / (long - short) / 1024 for key in ("peak", "layers")}

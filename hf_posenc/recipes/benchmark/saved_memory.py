@@ -140,18 +140,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def check_lengths_and_encodings(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The two-length benchmarks' checks (this one, :mod:`.peak_memory`), before any model loads:
+    ``--lengths SHORT LONG`` with 2 <= SHORT < LONG and known ``--encodings``; the names given."""
     short, long = args.lengths
     if not 2 <= short < long:
-        parser().error(f"--lengths {short} {long}: need 2 <= SHORT < LONG")
+        p.error(f"--lengths {short} {long}: need 2 <= SHORT < LONG")
     from ...core.registry import list_encodings
 
     known = {info.name for info in list_encodings()}
-    names = args.encodings or sorted(known)
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in args.encodings or [] if n not in known]
     if unknown:
-        parser().error(f"unknown encoding {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+        p.error(f"unknown encoding {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    return list(args.encodings or [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    names = check_lengths_and_encodings(parser(), args)
+    if not names:
+        from ...core.registry import list_encodings
+
+        names = sorted(info.name for info in list_encodings())
     torch.set_num_threads(1)
     rows = [per_token(args, row) for row in [max_length.NATIVE, *names]]
     print(report(rows))
