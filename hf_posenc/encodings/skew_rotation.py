@@ -127,9 +127,18 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _half_turn(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE's rotation of z (..., d) by the angles of ``cos``/``sin`` (..., d/2): pair (k, k + d/2)."""
+    """RoPE's rotation of z (..., d) by the angles of ``cos``/``sin`` (..., d/2): pair (k, k + d/2).
+    Written half by half into one new tensor (z1 cos - z2 sin, then z1 sin + z2 cos), so the
+    only tensor of z's size it allocates is the result: four products, a difference, a sum and
+    a concatenation would hold up to twice z's size at once."""
     z1, z2 = z.chunk(2, dim=-1)
-    return torch.cat((z1 * cos - z2 * sin, z1 * sin + z2 * cos), dim=-1)
+    out = z.new_empty(torch.broadcast_shapes(z.shape, (*cos.shape[:-1], z.shape[-1])))
+    first, second = out.chunk(2, dim=-1)
+    torch.mul(z1, cos, out=first)
+    first.addcmul_(z2, sin, value=-1.0)
+    torch.mul(z1, sin, out=second)
+    second.addcmul_(z2, cos)
+    return out
 
 
 def _trig(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,9 +173,14 @@ class _RotateQK(torch.autograd.Function):
         outs = []
         for x in (q, k):
             z = _grouped(x, kv_heads).float() @ dense[:, None]  # (B, Hkv|1, G, T, d)
-            y = (_half_turn(z, cos, sin) @ dense[:, None].transpose(-1, -2)).flatten(1, 2)
+            turned = _half_turn(z, cos, sin)  # (B, Hkv|1, G, T, d)
+            # y = turned W^T into z's buffer (z is not needed any more): one (B, H, T, d) tensor
+            # fewer alive at the forward's peak
+            torch.matmul(turned, dense[:, None].transpose(-1, -2), out=z)
+            del turned
             out = torch.empty_like(x)  # the input's layout and dtype
-            out.copy_(y)
+            out.copy_(z.flatten(1, 2))
+            del z  # before the next tensor's z
             outs.append(out)
         ctx.exact = q.dtype == torch.float32
         ctx.save_for_backward(*(outs if ctx.exact else (q, k)), dense, angles)

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from capture import saved_storages
+from capture import peak_allocated_bytes, saved_storages
 from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -280,3 +280,28 @@ def test_training_keeps_what_rope_keeps(name, kv_heads):
     d = 64 // 4
     per_token = kv_heads * d // 2 + 1 + (kv_heads * d if kv_heads < 4 else 0)  # fp32 values per layer
     assert growth <= model.config.num_hidden_layers * 64 * per_token * 4, growth
+
+
+def _forward_peak(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """The most bytes allocated at once during one inference forward."""
+    with torch.no_grad():
+        return peak_allocated_bytes(lambda: model(ids, use_cache=False))
+
+
+@pytest.mark.parametrize("name", ["liere", "comrope"])
+def test_inference_peak_grows_as_ropes(name):
+    """Issue 21.5 (<= 1.2x RoPE's memory): an inference forward's peak allocation grows from T
+    to 2T by at most RoPE's growth plus three (Hkv, d/2) fp32 values per token (the angles, their
+    cosine and sine): the rotation's temporaries (x W, the turned halves, their products, the
+    turned x W^T) are written into one buffer of q's size at a time. Before, they held up to four
+    more (B, H, T, d) fp32 tensors at the peak (forward peak 1.23x native at T=4096 in the
+    benchmark's model)."""
+    model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=4).eval()
+    patched = patch(copy.deepcopy(model), name, {}, randomize=False)
+    rope = patch(copy.deepcopy(model), "rope", {}, randomize=False)
+    short, long = token_ids(1, 256), token_ids(1, 512)
+    growth = (_forward_peak(patched, long) - _forward_peak(patched, short)) - (
+        _forward_peak(rope, long) - _forward_peak(rope, short)
+    )
+    kv_heads, d = 4, 64 // 4
+    assert growth <= 256 * 3 * kv_heads * d // 2 * 4, growth

@@ -31,8 +31,27 @@ def test_peaks_and_what_is_alive_at_them(tmp_path, capsys):
     assert "| tape |" in capsys.readouterr().out
 
 
+def test_inference_peaks_below_the_training_step_and_holds_the_logits(tmp_path):
+    """--inference: one no-grad forward, whose peak holds at least its (T x V) fp32 logits and
+    stays below the same model's training step (which keeps activations for backward)."""
+    paths = {mode: tmp_path / f"{mode}.json" for mode in ("train", "inference")}
+    for mode, path in paths.items():
+        extra = ["--inference"] if mode == "inference" else []
+        assert peak_memory.main([*FLAGS, *extra, "--encodings", "comrope", "--json", str(path)]) == 0
+    rows = {mode: {r["row"]: r for r in json.loads(path.read_text())["rows"]} for mode, path in paths.items()}
+    for name in ("native", "comrope"):
+        inference, train = rows["inference"][name]["long"], rows["train"][name]["long"]
+        assert 64 * 300 * 4 <= inference["peak"] < train["peak"]
+        assert inference["layers"] == inference["peak"]
+
+
 @pytest.mark.parametrize(
-    ("flags", "named"), [(["--lengths", "64", "32"], "--lengths"), (["--device", "cuda"], "--device")]
+    ("flags", "named"),
+    [
+        (["--lengths", "64", "32"], "--lengths"),
+        (["--device", "cuda"], "--device"),
+        (["--inference", "--gradient-checkpointing"], "--gradient-checkpointing"),
+    ],
 )
 def test_bad_settings_are_refused(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -19,6 +19,9 @@ load and allocator, where :mod:`.max_length`'s resident-set slope needs an idle 
   layer's transient tensors. Where it grows faster per token than ``peak``, it is the one that
   bounds the maximum length at large budgets.
 
+``--inference``: one forward without gradients instead (eval mode, no loss): its peak is
+both columns' (the ``layers`` peak is a training step's).
+
 Per row: both peaks at both lengths and their slopes in KiB per token. ``--detail``: the
 tensors alive at the longer length's two peaks, grouped by size and by the operation and the
 hf_posenc / transformers lines that allocated them (``with_stack``; slower).
@@ -116,7 +119,11 @@ def step_peaks(args: argparse.Namespace, name: str, length: int, detail: bool) -
     ids = torch.randint(3, args.vocab_size, (1, length), device=args.device)
     loss_of = loss_function(args.loss, model)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=detail) as prof:
-        loss_of(model, {"input_ids": ids, "labels": ids, "use_cache": False}).backward()
+        if args.inference:  # one forward without gradients: the logits, no loss
+            with torch.no_grad():
+                model.eval()(ids, use_cache=False)
+        else:
+            loss_of(model, {"input_ids": ids, "labels": ids, "use_cache": False}).backward()
     allocations = allocation_events(prof)
     loss_end = max(
         (i for i, node in enumerate(allocations) if node.extra_fields.alloc_size <= -LOSS_FREE), default=-1
@@ -136,6 +143,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     max_length.model_arguments(p, hidden=256, layers=4, heads=4)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--inference",
+        action="store_true",
+        help="one forward without gradients (eval mode) instead of a training step; its peak in both columns",
+    )
     p.add_argument("--lengths", nargs=2, type=int, default=[4096, 8192], metavar=("SHORT", "LONG"))
     p.add_argument("--detail", action="store_true", help="list what is alive at the longer length's peaks")
     p.add_argument("--min-bytes", type=int, default=1 << 20, help="--detail: smallest allocation listed")
@@ -150,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(
             f"--device {args.device}: only cpu (on CUDA, max_length reads the CUDA allocator's peak)"
         )
+    if args.inference and args.gradient_checkpointing:
+        parser().error("--gradient-checkpointing: a training step's setting; --inference runs no backward")
     short, long = args.lengths
     torch.set_num_threads(1)
     rows = []
