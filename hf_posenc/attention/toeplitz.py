@@ -33,6 +33,7 @@ tensor each; dO V^T - rowsum(dO * O) as one product of dO and V widened by one c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -44,15 +45,20 @@ from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 LOG2E = math.log2(math.e)
 #: base-2 exponent below which a recomputed attention weight is taken as 0 (2^-100 ~ 8e-31)
 FLUSH = -100.0
-#: a table without gradient whose values span at most this takes torch's fused CPU backward, one
-#: that spans more (ALiBi's steep heads: slope x distance reaches hundreds) the explicit one: the
-#: fused kernel's exp leaves its fast path for inputs below about -87 (as aten's exp, ~100x per
-#: value), where most of such a row's weights lie (attention alone, T=2048, 8 heads, one thread,
-#: idle: ALiBi's table fused 275 ms, explicit 142 ms, native 91 ms; a table within +-0.4 fused
-#: 105 ms, explicit 131 ms)
-FUSED_SPREAD = 60.0
 #: reversed rows per backward step: the block's (B, H, R, K + R) buffer stays small
 BACKWARD_BLOCK = 128
+#: a key whose bias lies more than 2 B + CUTOFF below the bias of distance 0 (B >= |s q_i . k_j|
+#: over the call) is left out of a table without gradient (:func:`head_plan`): its weight is below
+#: e^-CUTOFF < 2^-150 times the diagonal key's, under half of fp32's smallest subnormal relative to
+#: the row's sum (the fused kernel itself rounds it to 0)
+CUTOFF = 104.0
+#: a head's first key in a block is rounded down to a multiple of this, so that neighbouring heads
+#: with about the same window share one kernel call
+KEY_ALIGN = 64
+#: torch's exp (in its fused CPU backward too) leaves its fast path for inputs below about -87.3
+#: (fp32's smallest normal number, e^-87.3): a head whose exponents are bounded above -FAST_EXP
+#: takes the fused backward
+FAST_EXP = 80.0
 
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -103,6 +109,81 @@ def _blocks(rows: int, q_len: int, k_len: int, block: int) -> list[tuple[int, in
     return [(r0, min(block, rows - r0), causal_keys(q_len, k_len, rows - r0)) for r0 in range(0, rows, block)]
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadPlan:
+    """Per head of a call with a table without gradient: ``windows[h]`` = D_h, the distances
+    ``0 .. D_h - 1`` whose keys can change the result, and ``fused[h]``, whether torch's fused
+    backward keeps every exponent of the head's window on aten's fast path."""
+
+    windows: list[int]
+    fused: list[bool]
+
+    def sets(self) -> list[tuple[int, int, int, bool]]:
+        """(first head, stop head, window, fused) of the runs of neighbouring heads that share both."""
+        runs: list[tuple[int, int, int, bool]] = []
+        for head, pair in enumerate(zip(self.windows, self.fused, strict=True)):
+            if runs and runs[-1][2:] == pair:
+                runs[-1] = (runs[-1][0], head + 1, *pair)
+            else:
+                runs.append((head, head + 1, *pair))
+        return runs
+
+
+def head_plan(q: torch.Tensor, k: torch.Tensor, line: torch.Tensor, distances: int, scale: float) -> HeadPlan:
+    """The :class:`HeadPlan` of q (B, H, n, D), k (B, H, Tk, D) and the line of :func:`toeplitz_line`
+    over ``distances`` (= D0 + 1). O(B H T D) for the norms, O(H T) for the table, one host read.
+
+    Windows: with ``B_h = scale * max_i |q_i| * max_j |k_j|`` over the batch (Cauchy-Schwarz: each
+    score ``s_ij = scale q_i . k_j + b_h(i - j)`` is within B_h of its bias), the diagonal key's
+    score is at least ``b_h(0) - B_h`` and that of a key at distance d at most ``b_h(d) + B_h``, so
+    from the first distance ``D_h`` past which ``b_h(d) < b_h(0) - 2 B_h - CUTOFF`` (the suffix
+    maximum of the table: any table) every key's weight is below e^-CUTOFF < 2^-150 times the
+    diagonal key's. Fused: ``s_ij - lse_i >= -(spread + 2 B_h + log K)`` with ``spread`` the
+    range of the head's biases inside its window and K its keys; above -:data:`FAST_EXP` aten's
+    exp stays on its fast path (NaN or infinite values: every key kept, the explicit backward)."""
+    values = line[:, :distances].float()  # (H, D0 + 1): distance D0 - p at position p
+    with torch.no_grad():
+        q_norm = torch.linalg.vector_norm(q.float(), dim=-1).amax(dim=(0, 2))  # (H,)
+        k_norm = torch.linalg.vector_norm(k.float(), dim=-1).amax(dim=(0, 2))
+        # margins for the rounding of the norms, the table and the kernel's scores
+        bound = (q_norm * k_norm * scale) * (1 + 2**-10) + 2**-10
+        threshold = values[:, -1] - 2 * bound - CUTOFF  # (H,)
+        # position p's running maximum is the largest bias at distances >= D0 - p
+        suffix = torch.cummax(values, dim=1).values
+        counts = (suffix >= threshold[:, None]).sum(dim=1)  # D_h
+        finite = torch.isfinite(threshold) & torch.isfinite(values).all(dim=1)
+        counts = torch.where(finite, counts, distances)
+        # the biases inside each head's window: positions D0 - D_h + 1 .. D0
+        inside = torch.arange(distances, device=values.device)[None, :] >= (distances - counts)[:, None]
+        top = values.masked_fill(~inside, -math.inf).amax(dim=1)
+        low = values.masked_fill(~inside, math.inf).amin(dim=1)
+        reach = top - low + 2 * bound + math.log(max(distances, 1))
+        fused = finite & (reach <= FAST_EXP)
+    return HeadPlan(counts.tolist(), fused.tolist() if _fused_backward_runs(q) else [False] * len(fused))
+
+
+def _head_groups(windows: list[int] | None, heads: int, count: int, keys: int) -> list[tuple[int, int, int]]:
+    """(first head, stop head, first key) of the kernel calls of a block of ``count`` reversed rows
+    over keys ``0 .. keys - 1``: each head's first key (:func:`_first_key`) rounded down to
+    :data:`KEY_ALIGN`; neighbouring heads with the same first key share a call."""
+    if windows is None:
+        return [(0, heads, 0)]
+    firsts = [_first_key(window, count, keys) // KEY_ALIGN * KEY_ALIGN for window in windows]
+    groups: list[tuple[int, int, int]] = []
+    for head, first in enumerate(firsts):
+        if groups and groups[-1][2] == first:
+            groups[-1] = (groups[-1][0], head + 1, first)
+        else:
+            groups.append((head, head + 1, first))
+    return groups
+
+
+def _first_key(window: int | None, count: int, keys: int) -> int:
+    """The first key a block of ``count`` reversed rows over keys ``0 .. keys - 1`` needs with a
+    ``window`` of distances (its earliest query is at key position keys - count); 0 without one."""
+    return 0 if window is None else max(0, keys - count - window + 1)
+
+
 def _fused(q, k, v, mask, scale):
     """One block's (out, lse): the fused CPU kernel where it runs, else SDPA and lse explicitly."""
     if CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
@@ -118,60 +199,98 @@ class ToeplitzAttention(torch.autograd.Function):
     :func:`toeplitz_line` -> the output (B, H, n, D); gradients of q, k, v and the line."""
 
     @staticmethod
-    def forward(ctx, q, k, v, line, scale: float, q_len: int, block: int, backward_block: int, buffers: dict):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        line,
+        scale: float,
+        q_len: int,
+        block: int,
+        backward_block: int,
+        buffers: dict,
+        plan: HeadPlan | None,
+    ):
         batch, heads, rows, dim = q.shape
         k_len = k.shape[2]
         q_rev = q.flip(2)  # (B, H, n, D): reversed row a is query n - 1 - a
         # the output in query order, laid out (B, n, H, D) as the caller's output projection reads
         # it (a view there, not a copy beside the one kept here)
         out = torch.empty(batch, rows, heads, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
-        lses = []
+        lse: torch.Tensor | None = None  # (B, H, n) in reversed order, in the kernel's dtype
         for r0, count, keys in _blocks(rows, q_len, k_len, block):
-            mask = hankel_view(line, r0, count, keys)  # (1, H, R, K)
-            part, lse = _fused(q_rev[:, :, r0 : r0 + count], k[:, :, :keys], v[:, :, :keys], mask, scale)
-            out[:, :, rows - r0 - count : rows - r0] = part.flip(2)
-            lses.append(lse)
-        lse = torch.cat(lses, dim=2)  # (B, H, n) in reversed order
-        # a table without gradient whose values stay within FUSED_SPREAD of each other goes to
-        # torch's fused backward (which has no flush of tiny weights: see FUSED_SPREAD)
-        distances = rows + k_len - q_len
-        ctx.gentle = (
-            not line.requires_grad
-            and _fused_backward_runs(q)
-            and float(line[:, :distances].amax() - line[:, :distances].amin()) <= FUSED_SPREAD
-        )
+            # per group of heads, the keys from its window's first on (all of them without windows)
+            for h0, h1, first in _head_groups(None if plan is None else plan.windows, heads, count, keys):
+                mask = hankel_view(line[h0:h1], r0 + first, count, keys - first)  # (1, H', R, K')
+                part, part_lse = _fused(
+                    q_rev[:, h0:h1, r0 : r0 + count],
+                    k[:, h0:h1, first:keys],
+                    v[:, h0:h1, first:keys],
+                    mask,
+                    scale,
+                )
+                out[:, h0:h1, rows - r0 - count : rows - r0] = part.flip(2)
+                if lse is None:
+                    lse = part_lse.new_empty(batch, heads, rows)
+                lse[:, h0:h1, r0 : r0 + count] = part_lse
         ctx.save_for_backward(q, k, v, line, out, lse)
-        ctx.scale, ctx.q_len, ctx.block, ctx.backward_block, ctx.buffers = (
+        ctx.scale, ctx.q_len, ctx.block, ctx.backward_block, ctx.buffers, ctx.plan = (
             scale,
             q_len,
             block,
             backward_block,
             buffers,
+            plan,
         )
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, line, out, lse = ctx.saved_tensors
-        if not ctx.needs_input_grad[3] and ctx.gentle:
-            # a table without gradient (ALiBi, Sandwich, a frozen table): torch's fused backward
-            fused = fused_gradients(q, k, v, line, out, lse, grad_out, ctx.scale, ctx.q_len, ctx.block)
-            return (*fused, None, None, None, None, None)
-        grads = toeplitz_gradients(
-            q,
-            k,
-            v,
-            line,
-            out,
-            lse,
-            grad_out,
-            ctx.scale,
-            ctx.q_len,
-            ctx.backward_block,
-            ctx.needs_input_grad[3],
-            ctx.buffers,
-        )
-        return (*grads, None, None, None, None, None)
+        plan: HeadPlan | None = ctx.plan
+        if plan is None or ctx.needs_input_grad[3]:  # a learned table: every head explicitly
+            grads = toeplitz_gradients(
+                q,
+                k,
+                v,
+                line,
+                out,
+                lse,
+                grad_out,
+                ctx.scale,
+                ctx.q_len,
+                ctx.backward_block,
+                ctx.needs_input_grad[3],
+                ctx.buffers,
+            )
+            return (*grads, None, None, None, None, None, None)
+        # a table without gradient (ALiBi, Sandwich, a frozen table): per run of heads with one
+        # window, torch's fused backward where its exp stays fast, else the explicit one
+        parts: list[tuple[torch.Tensor, ...]] = []  # (dq, dk, dv) per run of heads
+        for h0, h1, window, fused in plan.sets():
+            heads = slice(h0, h1)
+            inputs = (q[:, heads], k[:, heads], v[:, heads], line[heads], out[:, heads], lse[:, heads])
+            if fused:
+                dq, dk, dv, _ = fused_gradients(
+                    *inputs, grad_out[:, heads], ctx.scale, ctx.q_len, ctx.block, window
+                )
+            else:
+                dq, dk, dv, _ = toeplitz_gradients(
+                    *inputs,
+                    grad_out[:, heads],
+                    ctx.scale,
+                    ctx.q_len,
+                    ctx.backward_block,
+                    False,
+                    ctx.buffers,
+                    window,
+                )
+            parts.append((dq, dk, dv))
+        by_input = [
+            torch.cat(grads, dim=1) if len(parts) > 1 else grads[0] for grads in zip(*parts, strict=True)
+        ]
+        return (*by_input, None, None, None, None, None, None, None)
 
 
 def _fused_backward_runs(q: torch.Tensor) -> bool:
@@ -189,31 +308,33 @@ def fused_gradients(
     scale: float,
     q_len: int,
     block: int,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """dq, dk, dv of :class:`ToeplitzAttention` by torch's fused CPU flash-attention backward, one
-    call per forward block with the same Hankel mask (the line gets no gradient)."""
+    call per forward block with the same Hankel mask (the line gets no gradient); with a
+    ``window`` (:func:`head_plan`, the largest of these heads'), over the keys it reaches."""
     assert CPU_FLASH_BACKWARD is not None
     rows, k_len = q.shape[2], k.shape[2]
     q_rev, grad_rev, out_rev = q.flip(2), grad_out.flip(2), out.flip(2)  # (B, H, n, D), reversed rows
     grad_q = torch.empty_like(q_rev)
     grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
     for r0, count, keys in _blocks(rows, q_len, k_len, block):
-        part = slice(r0, r0 + count)
+        part, first = slice(r0, r0 + count), _first_key(window, count, keys)
         dq, dk, dv = CPU_FLASH_BACKWARD(
             grad_rev[:, :, part],
             q_rev[:, :, part],
-            k[:, :, :keys],
-            v[:, :, :keys],
+            k[:, :, first:keys],
+            v[:, :, first:keys],
             out_rev[:, :, part],
             lse[:, :, part],
             0.0,
             False,
-            attn_mask=hankel_view(line, r0, count, keys),
+            attn_mask=hankel_view(line, r0 + first, count, keys - first),
             scale=scale,
         )
         grad_q[:, :, part] = dq
-        grad_k[:, :, :keys] += dk
-        grad_v[:, :, :keys] += dv
+        grad_k[:, :, first:keys] += dk
+        grad_v[:, :, first:keys] += dv
     return grad_q.flip(2), grad_k, grad_v, None
 
 
@@ -230,9 +351,11 @@ def toeplitz_gradients(
     block: int,
     line_grad: bool = True,
     buffers: dict | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (their inputs' dtypes) and dline (``line``'s dtype, None unless ``line_grad``)
-    of :class:`ToeplitzAttention` (formulas in the module's docstring); ``lse`` in reversed row order."""
+    of :class:`ToeplitzAttention` (formulas in the module's docstring); ``lse`` in reversed row
+    order; with a ``window`` (:func:`head_plan`, the largest of these heads'), over the keys it reaches."""
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     batch, heads, rows, dim = q.shape
@@ -266,30 +389,33 @@ def toeplitz_gradients(
     buffer = _buffer(buffers, "buffer", bh * widest, work, q.device)
     scratch = _buffer(buffers, "scratch", bh * longest * k_len, work, q.device)
     for r0, count, keys in spans:
-        width = keys + count - 1  # W: the anti-diagonals a + j of an (R, K) block
+        first = _first_key(window, count, keys)
+        span = keys - first  # K: the block's keys first .. keys - 1
+        width = span + count - 1  # W: the anti-diagonals a + j of an (R, K) block
         size = count * (width + 1)  # per (batch, head): R rows of stride W + 1
         # (B, H, R, K) and (BH, R, K) views of the buffer with row stride W + 1
-        s4 = buffer.as_strided((batch, heads, count, keys), (heads * size, size, width + 1, 1))
-        s3 = buffer.as_strided((bh, count, keys), (size, width + 1, 1))
+        s4 = buffer.as_strided((batch, heads, count, span), (heads * size, size, width + 1, 1))
+        s3 = buffer.as_strided((bh, count, span), (size, width + 1, 1))
         rows_q, rows_grad = q3[:, r0 : r0 + count], grad3[:, r0 : r0 + count]
-        k_block = k3[:, :keys]
-        torch.sub(hankel_view(line2, r0, count, keys), lse2[:, :, r0 : r0 + count], out=s4)
+        k_block = k3[:, first:keys]
+        torch.sub(hankel_view(line2, r0 + first, count, span), lse2[:, :, r0 : r0 + count], out=s4)
         s3.baddbmm_(rows_q, k_block.transpose(1, 2), alpha=scale * LOG2E)  # log2(e) (S - lse)
         # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
         # BLAS), an absolute change below 2^FLUSH per weight
         torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
-        grad_vt[:, :, :keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
-        grad_p = scratch[: bh * count * keys].view(bh, count, keys)
-        torch.bmm(grad_aug[:, r0 : r0 + count], v_aug[:, :keys].transpose(1, 2), out=grad_p)  # dO V^T - delta
+        grad_vt[:, :, first:keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
+        grad_p = scratch[: bh * count * span].view(bh, count, span)
+        # dO V^T - delta
+        torch.bmm(grad_aug[:, r0 : r0 + count], v_aug[:, first:keys].transpose(1, 2), out=grad_p)
         s3.mul_(grad_p)  # dS
         torch.bmm(s3, k_block, out=grad_q[:, r0 : r0 + count])
-        grad_kt[:, :, :keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS
+        grad_kt[:, :, first:keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS
         if grad_line is not None:
             # the R entries after each row of the view, zeroed: read with row stride W, row a
             # holds dS[a, j] at column a + j and zeros elsewhere
-            buffer.as_strided((bh, count, count), (size, width + 1, 1), keys).zero_()
+            buffer.as_strided((bh, count, count), (size, width + 1, 1), span).zero_()
             diagonal = buffer.as_strided((batch, heads, count, width), (heads * size, size, width, 1))
-            grad_line[:, r0 : r0 + width].add_(diagonal.sum(dim=(0, 2)))
+            grad_line[:, r0 + first : r0 + first + width].add_(diagonal.sum(dim=(0, 2)))
     grad_q = grad_q.mul_(scale).view(batch, heads, rows, dim).flip(2).to(dtype)
     grad_k = grad_kt.mul_(scale).view(batch, heads, dim, k_len).transpose(2, 3).to(k.dtype)
     grad_v = grad_vt.view(batch, heads, dim, k_len).transpose(2, 3).to(v.dtype)
@@ -335,7 +461,9 @@ def attend_toeplitz(
     line = toeplitz_line(table, rows, q_len, k_len, max(block, backward_block), q.dtype)
     if dropout_p == 0.0 and not torch.compiler.is_compiling():
         shared = {} if buffers is None else buffers
-        return ToeplitzAttention.apply(q, k, v, line, scale, q_len, block, backward_block, shared)
+        # a table without gradient attends each head's window only (ALiBi's steep heads)
+        plan = None if line.requires_grad else head_plan(q, k, line, rows + k_len - q_len, scale)
+        return ToeplitzAttention.apply(q, k, v, line, scale, q_len, block, backward_block, shared, plan)
     q_rev = q.flip(2)
     outs = [
         F.scaled_dot_product_attention(
