@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
-from .network_block import network_block
+from .network_block import network_block, reversed_network_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +185,17 @@ class PiecewiseDistanceBias(BlockBias):
         network = self.network
         if network is None or not self._network_blocks(self.feature.device):
             return None
-        x = self.x(start, stop, 0, k_end, reverse=True)  # (B|1, rows, keys)
-        block = network_block(x, network, None, scratch, self.x_range(start, stop, 0, k_end), reverse=True)
+        first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, reversed key 0)
+        with torch.no_grad():
+            block = reversed_network_block(
+                self.feature,
+                self.normalizer[:, start:stop],
+                first,
+                k_end,
+                network,
+                self.x_range(start, stop, 0, k_end),
+                scratch,
+            )
         return None if block is None else block.to(dtype)
 
     def folded(

@@ -163,10 +163,20 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
     # when the linear pieces are cheaper
     whole = torch.arange(k_end)[None, :] <= torch.arange(k_len - q_len + start, k_len)[:, None]
     real_whole = _attendable(q_len, k_len, padded_rows)[:, None, start:, :k_end]  # (B, 1, rows, keys)
-    for columns in (100, 0):
-        with torch.no_grad(), mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns):
-            backwards = bias.folded_reversed(start, q_len, k_end, torch.float32)
+    # (x computed slab by slab into the features, slabs of one row, of five rows and of all; a reused
+    # buffer holding another block's values is overwritten, the future added once per block)
+    whole_size = positions.shape[0] * 3 * (q_len - start) * k_end + 7
+    reversed_ways = itertools.product((100, 0), (1, 5, 32768), (None, torch.full((whole_size,), math.nan)))
+    for columns, chunk, scratch in reversed_ways:
+        with (
+            torch.no_grad(),
+            mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
+            mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
+        ):
+            backwards = bias.folded_reversed(start, q_len, k_end, torch.float32, scratch)
         assert (columns == 100) == (backwards is not None)
+        if backwards is not None and scratch is not None:
+            assert backwards.data_ptr() == scratch.data_ptr()
         if backwards is None:
             continue
         block = backwards.flip(-1).expand(positions.shape[0], -1, -1, -1)  # (B, H, rows, keys)
