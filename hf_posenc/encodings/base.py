@@ -37,6 +37,7 @@ from ..core.memo import ForwardMemo
 from ..models.base import ModelGeometry
 from .block_bias import BlockBias
 from .call import ForwardCall, LayerCall, NeighbourSplit, ScoreCall
+from .saturating_transform import SaturatingTransform
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
 #: instance attribute holding values an encoding module keeps between forwards (not module state:
@@ -264,6 +265,14 @@ class Encoding(nn.Module, Generic[ConfigT]):
         (:func:`splits_neighbours`)."""
         raise NotImplementedError
 
+    def saturating_transform(self, call: ScoreCall) -> SaturatingTransform:
+        """For a ``transform_scores`` stage that is the logit plus a per-query constant for every
+        key beyond a point of its row (CoPE past its last position): the stage as a
+        :class:`~hf_posenc.encodings.saturating_transform.SaturatingTransform`, so a backend can
+        attend the far keys with a fused kernel (:mod:`hf_posenc.attention.saturating_band`).
+        Encodings that implement it say so by overriding it (:func:`saturates`)."""
+        raise NotImplementedError
+
     def score_bias(self, call: ScoreCall) -> BlockBias:
         """Additive logit bias of this call, fp32, in the most structured form that describes it
         (see :mod:`~hf_posenc.encodings.block_bias`); ``.full()`` is the (B|1, Hq, Tq, Tk) matrix.
@@ -323,6 +332,11 @@ class Encoding(nn.Module, Generic[ConfigT]):
 def splits_neighbours(encoding: Encoding) -> bool:
     """Whether ``encoding`` gives its logits as a :class:`NeighbourSplit`."""
     return type(encoding).neighbour_split is not Encoding.neighbour_split
+
+
+def saturates(encoding: Encoding) -> bool:
+    """Whether ``encoding`` gives its ``transform_scores`` as a :class:`SaturatingTransform`."""
+    return type(encoding).saturating_transform is not Encoding.saturating_transform
 
 
 def module_cache(module: nn.Module) -> dict[Any, Any]:

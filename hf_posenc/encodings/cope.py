@@ -30,6 +30,7 @@ from ..core.config import EncodingConfig, check_bool, check_number
 from ..core.registry import register_encoding
 from .base import Encoding
 from .call import ScoreCall
+from .saturating_transform import SaturatingTransform
 
 
 @dataclasses.dataclass
@@ -44,16 +45,26 @@ class CoPEConfig(EncodingConfig):
         check_bool(self.encoding, "shared_across_layers", self.shared_across_layers)
 
 
-def contextual_positions(gates: torch.Tensor, allowed: torch.Tensor | None, npos_max: int) -> torch.Tensor:
-    """gates (..., Tq, Tk) -> p[..., i, j] = min(sum_{t >= j} allowed_it * g_it, npos_max - 1).
+#: how far past ``npos_max - 1`` the gates summed over a band must reach for the keys before it to
+#: count as saturated: sums of the same gates in another order (the eager path's, over the whole
+#: row) differ by rounding far below it, so they are past ``npos_max - 1`` too
+SATURATION_MARGIN = 1e-3
+
+
+def counted_positions(gates: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """gates (..., Tq, Tk) -> sum_{t >= j} allowed_it * g_it (..., Tq, Tk), not clamped.
 
     Summing over every key t >= j equals the sum over j..i because keys after the query are
     masked (``allowed`` (.., Tq, Tk) bool broadcastable to ``gates``; None: all allowed).
     """
     if allowed is not None:
         gates = gates.masked_fill(~allowed, 0.0)
-    positions = gates.flip(-1).cumsum(-1).flip(-1)  # reversed cumulative sum over keys
-    return positions.clamp(max=npos_max - 1)
+    return gates.flip(-1).cumsum(-1).flip(-1)  # reversed cumulative sum over keys
+
+
+def contextual_positions(gates: torch.Tensor, allowed: torch.Tensor | None, npos_max: int) -> torch.Tensor:
+    """gates (..., Tq, Tk) -> p[..., i, j] = min(sum_{t >= j} allowed_it * g_it, npos_max - 1)."""
+    return counted_positions(gates, allowed).clamp(max=npos_max - 1)
 
 
 def interpolate_position_logits(z: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -87,11 +98,51 @@ class CoPE(Encoding[CoPEConfig]):
     def heads_independent(self) -> bool:
         return True  # gates and positions per head from its own scores; the position table is shared by the heads
 
+    def table(self, layer_idx: int) -> torch.Tensor:
+        """(npos_max, D): the position embeddings of layer ``layer_idx``."""
+        return self.embeddings[0 if self.config.shared_across_layers else layer_idx]
+
     def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        table = self.embeddings[0 if cfg.shared_across_layers else call.layer_idx]  # (npos, D)
+        table = self.table(call.layer_idx)  # (npos, D)
         gates = torch.sigmoid(scores)  # (B, Hq, Tq, Tk): scores are q.k / sqrt(d) here
-        positions = contextual_positions(gates, call.allowed, cfg.npos_max)  # (B, Hq, Tq, Tk)
-        z = torch.matmul(call.q.float(), table.float().T)  # (B, Hq, Tq, npos)
+        positions = contextual_positions(gates, call.allowed, self.config.npos_max)  # (B, Hq, Tq, Tk)
+        dtype = _compute_dtype(call.q)
+        z = torch.matmul(call.q.to(dtype), table.to(dtype).T)  # (B, Hq, Tq, npos)
         scale = self.geometry.head_dim**-0.5
         return scores + interpolate_position_logits(z, positions) * scale
+
+    def saturating_transform(self, call: ScoreCall) -> CountedPositions:
+        return CountedPositions(
+            self.table(call.layer_idx), self.config.npos_max, self.geometry.head_dim**-0.5
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedPositions(SaturatingTransform):
+    """CoPE's transform as a :class:`SaturatingTransform`: past the key where the gates summed back
+    from the query exceed ``npos_max - 1``, every position is ``npos_max - 1`` and the logit is
+    ``S_ij + scale * q_i . e[npos_max - 1]`` (the clamp passes no gradient to the gates there)."""
+
+    table: torch.Tensor  # (npos_max, D)
+    npos_max: int
+    scale: float  # the position logit's, 1 / sqrt(head_dim) as in transform_scores
+
+    def band(
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = counted_positions(torch.sigmoid(scores), allowed)  # (B, Hq, R, K) not clamped
+        saturated = counts[..., 0] > self.npos_max - 1 + SATURATION_MARGIN  # (B, Hq, R)
+        dtype = _compute_dtype(q)
+        z = torch.matmul(q.to(dtype), self.table.to(dtype).T)  # (B, Hq, R, npos)
+        positions = counts.clamp(max=self.npos_max - 1)
+        return scores + interpolate_position_logits(z, positions) * self.scale, saturated
+
+    def tail(self, q: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(q)
+        last = self.table[self.npos_max - 1].to(dtype)  # (D,)
+        return (torch.matmul(q.to(dtype), last) * self.scale).to(q.dtype)  # (B, Hq, R)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 queries: the position logits' dtype."""
+    return torch.promote_types(q.dtype, torch.float32)

@@ -1,0 +1,281 @@
+"""The saturating-band backend: causal attention whose ``transform_scores`` stage is, past a point
+of each row, the logit plus a per-query constant (a
+:class:`~hf_posenc.encodings.saturating_transform.SaturatingTransform`, CoPE's): an explicit band
+of keys near each block of queries, one fused kernel call for the keys before it, merged by
+log-sum-exp.
+
+For one block of queries ``[s, e)`` (:data:`BLOCK` rows) and the band of keys ``[f, e)``:
+
+- band: ``S = scale * Q K_band^T``, the form's transformed logits ``L = band(S)`` with the causal
+  mask, its softmax statistics ``lse_band``, ``out_band`` (explicit; (rows x band) values exist
+  only while the block is computed). The band starts :data:`BAND_KEYS` keys before ``s`` (or the width the block before needed) and doubles until the form says every row is
+  saturated at the band's first key (or it reaches key 0);
+- far keys ``[0, f)``: all saturated, so their logits are ``S_ij + tail_i``: one call of torch's
+  fused CPU flash-attention kernel (no mask: every far key is before every query of the block)
+  gives ``out_far``, ``lse_far``, and the part's log-sum-exp is ``lse_far + tail_i``;
+
+merged as ``lse = log(exp(lse_band) + exp(lse_far + tail))``, ``out = sum_p exp(lse_p - lse) out_p``
+(see :mod:`.softmax_parts`). The result equals the eager path's softmax(transform(S)) V: the
+form guarantees the far keys' transformed logits are exactly ``S + tail`` (CoPE: positions
+clamped at ``npos_max - 1``).
+
+Backward (FlashAttention-2's, Dao 2023, Algorithm 2, from the merged ``out`` and ``lse``): the far
+keys through the fused kernel's backward with ``lse - tail`` (their weights include the
+constant); the band recomputed under autograd from leaves of q, the band's keys and the form's
+tensors, ``P = exp(L - lse)``, ``dL = P * (dO V^T - rowsum(dO * out))``, and autograd carries dL
+through the form (CoPE: through its gates and position interpolation) to q, k and the table. The
+tail's gradient needs no far-key sums: every row of dL sums to zero, so
+``d tail_i = - sum over the band of dL_i``.
+
+Kept for backward: q, k, v, the merged output and log-sum-exp (O(T), what a fused attention
+keeps), the form's tensors and each block's band start. Cost: the band is O(T * band) and the
+far part is the fused kernel's, instead of O(T^2) explicit scores, gates and their cumulative
+sums (CoPE's band is about 2 (npos_max - 1) keys when its gates are near 1/2).
+
+Registered as backend ``saturating_band`` (under ``auto`` and ``chunked``) for calls of an
+encoding that gives the form (``Encoding.saturating_transform``) and no other explicit stage
+(no ``logits`` or ``normalize``, no bias), causal with no padding mask and no cache
+(Tq = Tk) longer than one block and the first band width, fp32/fp64 on CPU (the fused kernel's dtypes), no dropout, no weights asked for, not
+under torch.compile. Other calls (decoding, padding, windows, bf16, GPU) take the explicit paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..encodings.base import saturates
+from ..encodings.saturating_transform import SaturatingTransform
+from .backend import AUTO, AttentionCall, Backend, register_backend
+from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD, stack_groups, unstack_groups
+
+#: queries per block
+BLOCK = 64
+#: keys before a block's first query that the first block's band starts with (doubled until
+#: saturated; the next blocks start from the width the one before needed)
+BAND_KEYS = 128
+DTYPES = (torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    scale: float
+    groups: int
+    block: int
+    band_keys: int
+
+    def spans(self, length: int) -> list[tuple[int, int]]:
+        return [(start, min(length, start + self.block)) for start in range(0, length, self.block)]
+
+    def band_logits(
+        self, form: SaturatingTransform, q_rows: torch.Tensor, keys: torch.Tensor, start: int, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The band of queries ``q_rows`` (B, Hq, R, D) from ``start`` over ``keys`` (B, Hkv, K, D)
+        from key ``first``: (transformed logits (B, Hq, R, K), -inf where the causal mask
+        forbids; saturated (B, Hq, R))."""
+        rows = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device)
+        key_index = torch.arange(first, first + keys.shape[-2], device=q_rows.device)
+        allowed = key_index[None, :] <= rows[:, None]  # (R, K)
+        stacked = stack_groups(q_rows, self.groups)  # (B, Hkv, G*R, D)
+        scores = torch.matmul(stacked, keys.transpose(-1, -2)) * self.scale  # (B, Hkv, G*R, K)
+        logits, saturated = form.band(q_rows, unstack_groups(scores, self.groups), allowed)
+        return logits.masked_fill(~allowed, float("-inf")), saturated
+
+    def band(
+        self, form: SaturatingTransform, q: torch.Tensor, k: torch.Tensor, start: int, stop: int, width: int
+    ) -> tuple[int, torch.Tensor]:
+        """The block's band, starting ``width`` keys before ``start`` and doubling until every row
+        is saturated before it (or it reaches key 0): (its first key, its transformed logits
+        (B, Hq, R, K), -inf where masked)."""
+        while True:
+            first = max(0, start - width)
+            logits, saturated = self.band_logits(form, q[:, :, start:stop], k[:, :, first:stop], start, first)
+            if first == 0 or bool(saturated.all()):
+                return first, logits
+            width *= 2
+
+    def forward(
+        self, form: SaturatingTransform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """q (B,Hq,T,D), k/v (B,Hkv,T,D) -> (out (B,Hq,T,D) laid out as (B,T,Hq,D), lse (B,Hq,T),
+        each block's band start)."""
+        length, g = q.shape[-2], self.groups
+        out = q.new_empty(q.shape[0], length, q.shape[1], q.shape[-1]).transpose(1, 2)  # (B, Hq, T, D)
+        lse = q.new_empty(q.shape[:-1])
+        firsts = []
+        width = self.band_keys  # each block starts from the width the one before needed
+        for start, stop in self.spans(length):
+            first, logits = self.band(form, q, k, start, stop, width)  # (B, Hq, R, K)
+            width = max(width, start - first)
+            firsts.append(first)
+            q_rows = q[:, :, start:stop]
+            band_lse = torch.logsumexp(logits, dim=-1)  # (B, Hq, R): the diagonal is always allowed
+            probs = torch.exp(logits - band_lse[..., None])
+            band_out = unstack_groups(
+                torch.matmul(stack_groups(probs, g), v[:, :, first:stop]), g
+            )  # (B, Hq, R, D)
+            if first == 0:
+                out[:, :, start:stop] = band_out
+                lse[:, :, start:stop] = band_lse
+                continue
+            assert CPU_FLASH is not None  # the backend serves CPU calls only where torch has it
+            far_out, far_lse = CPU_FLASH(
+                stack_groups(q_rows, g), k[:, :, :first], v[:, :, :first], 0.0, False, scale=self.scale
+            )  # (B, Hkv, G*R, D), (B, Hkv, G*R)
+            far_lse = unstack_groups(far_lse, g) + form.tail(q_rows)  # (B, Hq, R)
+            merged = torch.logaddexp(band_lse, far_lse)
+            out[:, :, start:stop] = torch.exp(band_lse - merged)[..., None] * band_out + torch.exp(
+                far_lse - merged
+            )[..., None] * unstack_groups(far_out, g)
+            lse[:, :, start:stop] = merged
+        return out, lse, firsts
+
+    def backward(
+        self,
+        form: SaturatingTransform,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        firsts: list[int],
+        need_form: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Gradients of q, k, v and of the form's tensors (by name; empty without ``need_form``)."""
+        length, g = q.shape[-2], self.groups
+        grad_out = grad_out.to(q.dtype)
+        grad_q, grad_k, grad_v = (x.new_zeros(x.shape) for x in (q, k, v))
+        tensors = form.tensors()
+        grad_form = {name: torch.zeros_like(t) for name, t in tensors.items()} if need_form else {}
+        delta = (grad_out * out).sum(-1)  # (B, Hq, T)
+        for (start, stop), first in zip(self.spans(length), firsts, strict=True):
+            rows = slice(start, stop)
+            d_out, block_lse = grad_out[:, :, rows], lse[:, :, rows]
+            with torch.enable_grad():
+                q_leaf = q[:, :, rows].detach().requires_grad_()
+                k_leaf = k.detach()[:, :, first:stop].requires_grad_()  # the band's keys only
+                leaves = (
+                    {name: t.detach().requires_grad_() for name, t in tensors.items()} if need_form else {}
+                )
+                leaf_form = form.replace(**leaves) if leaves else form
+                logits, _ = self.band_logits(leaf_form, q_leaf, k_leaf, start, first)
+                tail = leaf_form.tail(q_leaf) if first > 0 else None
+            with torch.no_grad():
+                probs = torch.exp(logits.detach() - block_lse[..., None])  # (B, Hq, R, K)
+                values = v[:, :, first:stop]
+                stacked = stack_groups(probs, g)  # (B, Hkv, G*R, K)
+                grad_v[:, :, first:stop] += torch.matmul(stacked.transpose(-1, -2), stack_groups(d_out, g))
+                d_probs = unstack_groups(torch.matmul(stack_groups(d_out, g), values.transpose(-1, -2)), g)
+                d_logits = probs * (d_probs - delta[:, :, rows, None])  # (B, Hq, R, K)
+            outputs, grads = [logits], [d_logits]
+            if tail is not None:
+                outputs.append(tail)
+                grads.append(-d_logits.sum(-1))  # every row of dL sums to zero
+            inputs = [q_leaf, k_leaf, *leaves.values()]
+            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+            grad_q[:, :, rows] += _or_zero(found[0], q_leaf)
+            grad_k[:, :, first:stop] += _or_zero(found[1], k_leaf)
+            for name, grad in zip(leaves, found[2:], strict=True):
+                if grad is not None:
+                    grad_form[name] += grad
+            if tail is None:  # no far keys
+                continue
+            assert CPU_FLASH_BACKWARD is not None
+            dq, dk, dv = CPU_FLASH_BACKWARD(
+                stack_groups(d_out, g),
+                stack_groups(q[:, :, rows], g),
+                k[:, :, :first],
+                v[:, :, :first],
+                stack_groups(out[:, :, rows], g),
+                stack_groups((block_lse - tail.detach())[..., None], g)[..., 0],
+                0.0,
+                False,
+                scale=self.scale,
+            )
+            grad_q[:, :, rows] += unstack_groups(dq, g)
+            grad_k[:, :, :first] += dk
+            grad_v[:, :, :first] += dv
+        return grad_q, grad_k, grad_v, grad_form
+
+
+def _or_zero(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+class _SaturatingBandAttention(torch.autograd.Function):
+    """The merged attention with the O(T) saved state of a fused kernel (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, form: SaturatingTransform, names: tuple[str, ...], q, k, v, *tensors):
+        form = form.replace(**dict(zip(names, tensors, strict=True)))
+        out, lse, firsts = plan.forward(form, q, k, v)
+        ctx.plan, ctx.form, ctx.names, ctx.firsts = plan, form, names, firsts
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        form = ctx.form.replace(**dict(zip(ctx.names, tensors, strict=True)))
+        need_form = any(ctx.needs_input_grad[6:])
+        grad_q, grad_k, grad_v, grad_form = ctx.plan.backward(
+            form, grad_out, q, k, v, out, lse, ctx.firsts, need_form
+        )
+        return (None, None, None, grad_q, grad_k, grad_v, *(grad_form.get(name) for name in ctx.names))
+
+
+def attend_saturating_band(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    form: SaturatingTransform,
+    softmax_scale: float,
+    block: int | None = None,
+    band_keys: int | None = None,
+) -> torch.Tensor:
+    """q (B,Hq,T,D), k/v (B,Hkv,T,D), causal (no mask, no cache), fp32/fp64 on CPU -> (B,T,Hq,D).
+
+    ``block``: queries per block (default :data:`BLOCK`); ``band_keys``: the band's first width
+    before a block (default :data:`BAND_KEYS`)."""
+    plan = _Plan(softmax_scale, q.shape[1] // k.shape[1], block or BLOCK, band_keys or BAND_KEYS)
+    tensors = form.tensors()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
+        out = _SaturatingBandAttention.apply(plan, form, tuple(tensors), q, k, v, *tensors.values())
+    else:
+        out, _, _ = plan.forward(form, q, k, v)
+    return out.transpose(1, 2)  # (B, T, Hq, D)
+
+
+@register_backend
+class SaturatingBandBackend(Backend):
+    name = "saturating_band"
+    priority = 44
+    requests = frozenset({AUTO, "chunked"})
+
+    def serves(self, call: AttentionCall) -> bool:
+        q, k, v = call.q, call.k, call.v
+        return (
+            call.stages & {"logits", "transform_scores", "normalize", "score_bias"} == {"transform_scores"}
+            and saturates(call.encoding)
+            and call.bias is None
+            and call.mask is None
+            and call.dropout_p == 0.0
+            and not call.want_weights
+            and q.device.type == "cpu"
+            and q.dtype in DTYPES
+            and k.dtype == v.dtype == q.dtype
+            and q.shape[-1] == v.shape[-1]  # the fused kernel's widths
+            # decoding, and lengths within the first band (no far keys): the explicit paths
+            and q.shape[-2] == k.shape[-2] > BLOCK + BAND_KEYS
+            and CPU_FLASH_BACKWARD is not None
+            and not torch.compiler.is_compiling()
+        )
+
+    def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        form = call.encoding.saturating_transform(call.score)
+        out = attend_saturating_band(call.q, call.k, call.v, form=form, softmax_scale=call.softmax_scale)
+        return out.to(call.v.dtype), None
