@@ -24,6 +24,7 @@ from ..core.recompute import chains, recomputed
 from ..encodings.base import Encoding
 from ..encodings.block_bias import BlockBias
 from ..encodings.call import ScoreCall
+from . import stream_flash
 
 #: the choice that lets every backend serve what it can
 AUTO = "auto"
@@ -153,7 +154,9 @@ def dispatch_with_stream(
     call: AttentionCall, stream: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The call's attention applied to its values and to ``stream`` (B, Hkv, Tk, S) with the same
-    weights: (output (B, Tq, Hq, Dv + S), weights or None) — an ``attends_stream`` encoding (TAPE).
+    weights: (output (B, Tq, Hq*Dv + Hq*S), weights or None) — an ``attends_stream`` encoding
+    (TAPE). Per token the output holds every head's attended values, then every head's attended
+    stream, so each half is a view of it.
 
     Without a bias or explicit-score stage it is one call of the fused kernels: the values are
     ``(v, stream)`` and q, k are zero-padded to the same width, so every score is the same sum
@@ -161,28 +164,42 @@ def dispatch_with_stream(
     (values wider than q/k would send SDPA to its O(T^2) math path). Otherwise, two calls with
     the same queries and keys (their weights are the same function of them).
 
-    With gradients (no dropout, no weights asked for) the fused call keeps only q, k, v and the
-    stream for backward and runs again in backward (:func:`~hf_posenc.core.recompute.recomputed`):
-    kept as is, the kernel would hold its padded q and k, the widened values and its output, all
-    (Dv + S) wide, twice what plain attention keeps per token. The price is one more forward of
-    the attention per training step.
+    With gradients on CPU (fp32/fp64, no dropout, no weights asked for) the fused call's backward
+    is torch's fused CPU flash backward operator, given the forward's output and log-sum-exp
+    (:mod:`.stream_flash`): one forward and one backward, keeping q, k, v, the stream, the output
+    (the views the layer keeps anyway) and the log-sum-exp. Elsewhere with gradients the fused
+    call keeps only q, k, v and the stream and runs again in backward
+    (:func:`~hf_posenc.core.recompute.recomputed`): kept as is, the kernel would hold its padded
+    q and k, the widened values and its output, all (Dv + S) wide, twice what plain attention
+    keeps per token. The price there is one more forward of the attention per training step.
     """
     v = call.v
     stream = stream.to(v.dtype)
+    dv = v.shape[-1]
     if call.bias is None and not call.explicit:
+        if stream_flash.serves(call):
+            return stream_flash.attend_with_stream(call, stream), None
         extra = v.shape[-1] + stream.shape[-1] - call.q.shape[-1]  # q/k width -> value width
         bare = _without_qkv(call)  # kept by backward's closure: not the (rotated) q, k, v themselves
 
         def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: torch.Tensor):
             score = dataclasses.replace(bare.score, q=F.pad(q, (0, extra)), k=F.pad(k, (0, extra)))
-            return dispatch(dataclasses.replace(bare, score=score, v=torch.cat((v, stream), dim=-1)))
+            out, weights = dispatch(dataclasses.replace(bare, score=score, v=torch.cat((v, stream), dim=-1)))
+            return _heads_then_stream(out[..., :dv], out[..., dv:]), weights
 
-        if call.dropout_p == 0.0 and not call.want_weights:  # (B, Tq, Hq, Dv + S), no weights
+        if call.dropout_p == 0.0 and not call.want_weights:  # (B, Tq, Hq*Dv + Hq*S), no weights
             return recomputed(lambda *inputs: fused(*inputs)[0], call.q, call.k, v, stream), None
         return fused(call.q, call.k, v, stream)
     out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
+    if not stream.shape[-1]:  # nothing to attend beside the values
+        return out.flatten(2), weights
     attended, _ = dispatch(dataclasses.replace(call, v=stream, want_weights=False))  # (B, Tq, Hq, S)
-    return torch.cat((out, attended), dim=-1), weights
+    return _heads_then_stream(out, attended), weights
+
+
+def _heads_then_stream(out: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """(B, Tq, Hq, Dv), (B, Tq, Hq, S) -> (B, Tq, Hq*Dv + Hq*S)."""
+    return torch.cat((out.flatten(2), attended.flatten(2)), dim=-1)
 
 
 def dispatch_chained(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None] | None:

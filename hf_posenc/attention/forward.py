@@ -136,7 +136,7 @@ class PatchedAttentionForward:
         s2 = getattr(runtime, "s2", None)  # (a runtime pickled before S2-Attn existed has none)
         if s2 is not None and module.training:  # LongLoRA's S2-Attn: training forwards only
             out, weights = shifted_sparse_attention(attention, s2)  # (B, Tq, Hq, D), None
-        elif encoding.attends_stream:  # (B, Tq, Hq, D + S): values and the encoding's stream, same weights
+        elif encoding.attends_stream:  # (B, Tq, Hq*D + Hq*S): values, then the stream, same weights
             out, weights = dispatch_with_stream(attention, encoding.attended_stream(layer, k.shape[-2]))
         else:  # (B, Tq, Hq, D), (B, Hq, Tq, Tk) or None; recomputed in backward after recomputed q/k/v steps
             out, weights = dispatch_chained(attention) or dispatch(attention)

@@ -184,3 +184,105 @@ def recomputed(function: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         return function(*(t.detach().requires_grad_(t.requires_grad) for t in inputs))
 
     return _Recomputed.apply(run, rebuild, *flat)
+
+
+#: (inputs, outputs) -> (the output tensor(s), what backward needs beyond the inputs)
+KernelForward = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]]
+#: (inputs, saved, grad of the output) -> a gradient (or None) per input
+KernelBackward = Callable[
+    [list[torch.Tensor], tuple[torch.Tensor, ...], torch.Tensor], tuple[torch.Tensor | None, ...]
+]
+
+
+class _Kernel(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, forward: Callable[[], Any], backward: Any, rebuild: Any, *flat: torch.Tensor
+    ) -> Any:
+        out, saved = forward()
+        ctx.backward, ctx.rebuild, ctx.flat_count = backward, rebuild, len(flat)
+        ctx.save_for_backward(*flat, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        stored = ctx.saved_tensors
+        flat, saved = stored[: ctx.flat_count], stored[ctx.flat_count :]
+        needs = ctx.needs_input_grad[3:]
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(flat, needs, strict=True)]
+        _REBUILDING.append({})
+        try:
+            with torch.enable_grad():
+                args = ctx.rebuild(*leaves)  # the kernel's inputs; chained ones rebuilt with their graph
+        finally:
+            _REBUILDING.pop()
+        with torch.no_grad():
+            found = ctx.backward([a.detach() for a in args], saved, grad)
+        direct: dict[int, torch.Tensor] = {}  # leaf index -> gradient reaching it unchanged
+        through: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rebuilt input, its gradient)
+        for arg, g in zip(args, found, strict=True):
+            if g is None or not arg.requires_grad:
+                continue
+            at = next((i for i, leaf in enumerate(leaves) if leaf is arg), None)
+            if at is None:
+                through.append((arg, g))
+            else:
+                direct[at] = g if at not in direct else direct[at] + g
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        if through and wanted:
+            more = torch.autograd.grad(
+                [a for a, _ in through], wanted, [g for _, g in through], allow_unused=True
+            )
+            by_leaf = dict(zip(map(id, wanted), more, strict=True))
+            for i, leaf in enumerate(leaves):
+                extra = by_leaf.get(id(leaf))
+                if extra is not None:
+                    direct[i] = extra if i not in direct else direct[i] + extra
+        return (
+            None,
+            None,
+            None,
+            *(direct.get(i) if leaf.requires_grad else None for i, leaf in enumerate(leaves)),
+        )
+
+
+def kernel(forward: KernelForward, backward: KernelBackward, *inputs: torch.Tensor) -> torch.Tensor:
+    """``forward(*inputs)``'s output, differentiated by ``backward`` (a kernel with its own backward,
+    e.g. a fused attention whose backward operator takes the forward's statistics).
+
+    ``forward(*inputs) -> (output, saved)`` runs without gradients; ``saved`` (e.g. the output
+    itself and its softmax statistics) is kept with the inputs. ``backward(inputs, saved,
+    grad_output)`` returns a gradient (or None) per input. An input that is the whole output of a
+    :func:`recomputed` call (a rotation) is kept as its producer's inputs, like
+    :func:`recomputed` does, rebuilt before ``backward`` runs, and its gradient continues
+    through the rebuilt graph to them. Without gradients it is ``forward(*inputs)[0]``."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+        with torch.no_grad():
+            return forward(*inputs)[0]
+    flat: list[torch.Tensor] = []
+    where: dict[int, int] = {}
+
+    def index(tensor: torch.Tensor) -> int:
+        if id(tensor) not in where:
+            where[id(tensor)] = len(flat)
+            flat.append(tensor)
+        return where[id(tensor)]
+
+    parts: list[tuple[Callable[..., Any] | None, list[int]]] = []
+    for tensor in inputs:
+        producer = _producer(tensor) if chains(tensor) else None
+        if producer is None:
+            parts.append((None, [index(tensor)]))
+        else:
+            parts.append((producer[0], [index(t) for t in producer[1]]))
+
+    def rebuild(*values: torch.Tensor) -> list[Any]:  # producers give single tensors (_producer)
+        return [
+            values[at[0]] if made is None else _rebuilt(made, [values[i] for i in at]) for made, at in parts
+        ]
+
+    def run() -> Any:
+        with torch.no_grad():
+            return forward(*(t.detach() for t in inputs))
+
+    return _Kernel.apply(run, backward, rebuild, *flat)

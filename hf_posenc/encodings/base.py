@@ -134,7 +134,8 @@ class Encoding(nn.Module, Generic[ConfigT]):
     #: True when the encoding attends a second set of values with the same attention weights
     #: (TAPE's positional stream), given by :meth:`attended_stream`: the values keep the model's
     #: head width (the KV cache's value head is the model's, and the fused kernels stay usable),
-    #: and the attention output handed to ``adjust_output`` is (B, Tq, Hq * (D + stream width))
+    #: and the attention output handed to ``adjust_output`` is (B, Tq, Hq*D + Hq*S): per token every
+    #: head's attended values, then every head's attended stream (S wide)
     attends_stream: ClassVar[bool] = False
     #: True when a score stage (``score_bias``, ``logits``, ``transform_scores``, ``normalize``) reads
     #: ``call.hidden``, the layer input of the queries (FoX's forget gates): head-parallel attention

@@ -25,8 +25,8 @@ Differences from the reference (the first four forced by the stage contract or d
 ``x_t`` in (4) is the next layer's attention input (after its input norm), as the MLP
 output the reference uses is not visible to an attention patch; (4) for layer ``l`` runs at
 the start of layer ``l+1`` (the last layer's (3)/(4) do not change the output, so they have no
-parameters); the training-time random position offset is not applied (by equivariance it is
-a no-op in exact arithmetic); with GQA the stream lives on KV heads and (3) averages a
+parameters, and its attention attends no stream); the training-time random position offset
+is not applied (by equivariance it is a no-op in exact arithmetic); with GQA the stream lives on KV heads and (3) averages a
 group's query heads. Init (the reference trains from scratch with ``nn.Linear``'s random init
 everywhere): ``gamma = 0``, ``W_down = 0`` (``W_up``, ``W_x`` as ``nn.Linear``), so a patched
 pretrained model starts exactly as RoPE and learns the context dependence.
@@ -38,7 +38,8 @@ Attention and KV cache: the stream is attended with the weights of the values bu
 part of them (``attends_stream``): the values keep the model's head width, so the KV cache
 holds the model's own shapes and the attention stays one fused kernel (the attention core
 appends the stream to the values and zero-pads q and k to the same width, which leaves every
-score unchanged; ``attention/forward.py``). A cached key needs the stream it had, so the
+score unchanged; ``attention/backend.py``, and on CPU with gradients ``attention/stream_flash.py``:
+the fused backward operator too, no second forward). A cached key needs the stream it had, so the
 stream ``E^l_j`` of the cached keys is TAPE's decoding state (``call.state``), aligned with the
 cache's keys through sliding windows, cropping, batch selection and beam reordering.
 
@@ -199,7 +200,9 @@ class TAPE(Encoding[TAPEConfig]):
         return recomputed(rotate_q, q, stream), recomputed(rotate_with_stream, k, stream), v
 
     def attended_stream(self, call: LayerCall, k_len: int) -> torch.Tensor:
-        """E^l of the ``k_len`` keys attended: the cached keys' (decoding state) and the new ones'."""
+        """E^l of the ``k_len`` keys attended: the cached keys' (decoding state) and the new ones';
+        none (zero features) in the last layer, whose (3) would not reach an attention: its
+        attention is then the model's own, at the model's head width."""
         stream = call.memo.carry[("tape-in", call.layer_idx)]  # (B, Hkv, T, D)
         if call.state is not None:
             cached = call.state.get(STATE_KEY)  # (B, Hkv, Tcached, D)
@@ -212,19 +215,23 @@ class TAPE(Encoding[TAPEConfig]):
                 f"tape: the KV cache holds {k_len} keys but the positional-stream state knows "
                 f"{stream.shape[-2]}; a cache must be filled by this patched model from its first token"
             )
+        if call.layer_idx >= self.gamma.shape[0]:
+            return stream.new_empty(*stream.shape[:-1], 0)  # (B, Hkv, Tk, 0); not a view: keeps no storage
         return stream  # (B, Hkv, Tk, D)
 
     def adjust_output(self, call: LayerCall, out: torch.Tensor) -> torch.Tensor:
         layer_idx, memo = call.layer_idx, call.memo
-        b, t = out.shape[:2]
         d = self.geometry.head_dim
-        out = out.view(b, t, -1, 2 * d)  # (B, T, Hq, 2D): attended values, attended stream
+        last = layer_idx >= self.gamma.shape[0]  # attended no stream (attended_stream)
+        # (B, T, Hq*D + Hq*D): every head's attended values, then stream; the last layer's (B, T, Hq*D)
+        values = out.shape[-1] if last else out.shape[-1] // 2
         # E^l's last use in this layer: not kept until backward by the memo (a recomputation
         # under gradient checkpointing sets it again in adjust_qkv)
         stream = memo.carry.pop(("tape-in", layer_idx))  # (B, Hkv, T, D)
-        if layer_idx < self.gamma.shape[0]:
-            pos = out[..., d:].transpose(1, 2)  # (B, Hq, T, D) = sum_j a_tj E_j
-            pos = pos.reshape(b, -1, self.groups, t, d).mean(2).to(stream.dtype)  # (B, Hkv, T, D)
+        if not last:
+            pos = out[..., values:].unflatten(-1, (-1, d)).transpose(1, 2)  # (B, Hq, T, D) = sum_j a_tj E_j
+            if self.groups > 1:  # a group's query heads averaged; with MHA a view of the output
+                pos = pos.unflatten(1, (-1, self.groups)).mean(2)  # (B, Hkv, T, D)
             gamma = self.gamma[layer_idx].to(stream.dtype)[None, :, None, None]
-            memo.carry[("tape", layer_idx)] = stream + gamma * pos  # (3)
-        return out[..., :d].reshape(b, t, -1)
+            memo.carry[("tape", layer_idx)] = stream + gamma * pos.to(stream.dtype)  # (3)
+        return out[..., :values]  # (B, T, Hq*D), a view: the output projection keeps no copy

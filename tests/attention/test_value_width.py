@@ -61,14 +61,16 @@ def test_tape_keeps_its_stream_as_decoding_state_of_the_cached_length():
 
 
 def _reference(q, k, v, stream, bias, scale):
-    """softmax(q k^T * scale + bias, causal) (v, stream), fp64, from the definition."""
+    """softmax(q k^T * scale + bias, causal) (v, stream), fp64, from the definition: per query,
+    every head's attended values, then every head's attended stream (B, Tq, Hq*D + Hq*S)."""
     groups = q.shape[1] // k.shape[1]
     k, v, stream = (x.repeat_interleave(groups, dim=1).double() for x in (k, v, stream))
     scores = q.double() @ k.transpose(-1, -2) * scale + bias.double()
     t_q, t_k = scores.shape[-2:]
     causal = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return torch.cat((weights @ v, weights @ stream), -1).transpose(1, 2)  # (B, Tq, Hq, D + S)
+    values, attended = (x.transpose(1, 2).flatten(2) for x in (weights @ v, weights @ stream))
+    return torch.cat((values, attended), -1)  # (B, Tq, Hq*D + Hq*S)
 
 
 @pytest.mark.parametrize("encoding", ["nope", "alibi"])
