@@ -59,18 +59,32 @@ def _check(q, k, v, table, grad, q_len, block, tolerance, table_grad=True):
     extra_keys=st.integers(0, 9),
     block=st.sampled_from([1, 4, 8, 16, 256]),
     backward_block=st.sampled_from([1, 3, 8, 128]),
+    explicit_heads=st.sampled_from([1, 2, 8]),
     dtype=st.sampled_from([torch.float64, torch.float32]),
     table_grad=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_toeplitz_attention_and_gradients_equal_the_written_out_formula(
-    batch, heads, q_len, rows_cut, extra_keys, block, backward_block, dtype, table_grad, seed, monkeypatch
+    batch,
+    heads,
+    q_len,
+    rows_cut,
+    extra_keys,
+    block,
+    backward_block,
+    explicit_heads,
+    dtype,
+    table_grad,
+    seed,
+    monkeypatch,
 ):
     """Output and the gradients of q, k, v and the table equal autograd through the written-out
     formula (fp64 within 1e-10, fp32 within 1e-5) for any forward and backward block sizes, the
     first n <= Tq queries (FIRE's rows below its threshold) and more keys than queries (a cache);
-    a table without gradient (ALiBi, Sandwich, frozen) takes torch's fused backward instead."""
+    a table without gradient (ALiBi, Sandwich, frozen) takes torch's fused backward instead; the
+    explicit backward any number of heads per call."""
     monkeypatch.setattr(toeplitz, "BACKWARD_BLOCK", backward_block)
+    monkeypatch.setattr(toeplitz, "EXPLICIT_HEADS", explicit_heads)
     rows = max(1, q_len - rows_cut)
     q, k, v, table, grad = _case(seed, batch, heads, rows, q_len, q_len + extra_keys, 4, dtype)
     _check(q, k, v, table, grad, q_len, block, 1e-10 if dtype == torch.float64 else 1e-5, table_grad)
@@ -87,7 +101,8 @@ def test_block_edges_and_a_frozen_table(q_len, monkeypatch):
         monkeypatch.setattr(toeplitz, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     _check(q, k, v, table, grad, q_len, 256, 1e-5)
     _check(q, k, v, table, grad, q_len, 256, 1e-5, table_grad=False)
-    assert calls == ["toeplitz_gradients", "fused_gradients"], calls
+    # the learned table explicitly, one call per head (EXPLICIT_HEADS); the frozen one fused
+    assert calls == ["toeplitz_gradients", "toeplitz_gradients", "fused_gradients"], calls
 
 
 def test_a_steep_fixed_table_takes_the_explicit_backward(monkeypatch):
