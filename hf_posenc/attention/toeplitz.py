@@ -158,10 +158,12 @@ def head_plan(q: torch.Tensor, k: torch.Tensor, line: torch.Tensor, distances: i
         counts = (suffix >= threshold[:, None]).sum(dim=1)  # D_h
         finite = torch.isfinite(threshold) & torch.isfinite(values).all(dim=1)
         counts = torch.where(finite, counts, distances)
-        # the biases inside each head's window: positions D0 - D_h + 1 .. D0
-        inside = torch.arange(distances, device=values.device)[None, :] >= (distances - counts)[:, None]
-        top = values.masked_fill(~inside, -math.inf).amax(dim=1)
-        low = values.masked_fill(~inside, math.inf).amin(dim=1)
+        # the biases inside each head's window, the distances 0 .. D_h - 1: the running extremes
+        # over the distances in increasing order, read at D_h - 1
+        by_distance = values.flip(1)  # (H, D0 + 1)
+        last = (counts - 1).clamp(min=0)[:, None]
+        top = torch.cummax(by_distance, dim=1).values.gather(1, last)[:, 0]
+        low = torch.cummin(by_distance, dim=1).values.gather(1, last)[:, 0]
         reach = top - low + 2 * bound + math.log(max(distances, 1))
         fused = finite & (reach <= FAST_EXP)
     return HeadPlan(counts.tolist(), fused.tolist() if _fused_backward_runs(q) else [False] * len(fused))

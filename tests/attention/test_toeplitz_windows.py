@@ -78,7 +78,8 @@ def test_every_key_outside_a_window_weighs_below_2_to_the_minus_150(
 ):
     """For any q, k (per-token norms over 2^±6) and table, each key at a distance >= D_h of its
     query has, in exact fp64 arithmetic, a weight below 2^-150 times the diagonal key's (so below
-    2^-150 of the row's sum): leaving it out changes no fp32 softmax."""
+    2^-150 of the row's sum): leaving it out changes no fp32 softmax. A head marked for the fused
+    backward has every exponent s_ij - lse_i of its window at or above -FAST_EXP."""
     k_len = q_len + extra_keys
     q, k, _, _ = _inputs(seed, 1, heads, q_len, q_len, k_len, dim, torch.float32, norm_spread)
     table = _steep_table(heads, k_len, slopes, seed, torch.float32)
@@ -89,11 +90,17 @@ def test_every_key_outside_a_window_weighs_below_2_to_the_minus_150(
     distance = torch.arange(q_len)[:, None] + extra_keys - torch.arange(k_len)[None, :]  # (n, Tk)
     scores = qd @ kd.transpose(-1, -2) * scale + used[:, distance.clamp(min=0)]  # (1, H, n, Tk)
     diagonal = scores.gather(-1, (torch.arange(q_len) + extra_keys).view(1, 1, -1, 1).expand(1, heads, -1, 1))
+    causal = distance >= 0
+    lse = scores.masked_fill(~causal, -math.inf).logsumexp(dim=-1)  # (1, H, n)
     for head, window in enumerate(plan.windows):
         outside = distance >= window  # (n, Tk), causal only (window >= 1)
         if outside.any():
             gap = (scores[0, head] - diagonal[0, head])[outside]
             assert float(gap.max()) < -150 * math.log(2), (head, window, float(gap.max()))
+        if plan.fused[head]:  # every exponent of the head's window on aten's fast exp path
+            inside = causal & ~outside
+            exponents = (scores[0, head] - lse[0, head][:, None])[inside]
+            assert float(exponents.min()) >= -toeplitz.FAST_EXP, (head, float(exponents.min()))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
