@@ -41,6 +41,8 @@ from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, SeparableBias
 from .backend import AUTO, AttentionCall, Backend, register_backend
+from . import rebuilt_flash
+from .rebuilt_flash import RebuiltBiasFlashAttention
 from .separable import attend_separable
 from .toeplitz import attend_toeplitz
 
@@ -266,11 +268,17 @@ def attend_chunked(
             return form.folded(start, stop, k_start, k_end, allowed, q.dtype, scratch())
 
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
+        if flash_rebuilt:  # the fused kernel's forward, its log-sum-exp kept for backward
+            shared: dict = {} if memo is None else memo.get(("rebuilt_flash_buffers",), dict)
+            return RebuiltBiasFlashAttention.apply(
+                q_block, k_block, v_block, softmax_scale, build, shared, *tensors.values()
+            )
         return RebuiltBiasAttention.apply(q_block, k_block, v_block, softmax_scale, build, *tensors.values())
 
     recompute = torch.is_grad_enabled() and len(spans) > 1
     # forms that can be rebuilt from their tensors keep nothing per block and skip the second SDPA forward
     rebuildable = bias.tensors() if recompute and dropout_p == 0.0 else None
+    flash_rebuilt = rebuildable is not None and rebuilt_flash.serves(q, mask, dropout_p)
     outputs = []
     if toeplitz_rows:
         assert distance is not None

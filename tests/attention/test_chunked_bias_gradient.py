@@ -56,7 +56,8 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
         ("t5", {}, "toeplitz"),
         ("kerple", {}, "toeplitz"),
         ("fire", {}, "toeplitz"),  # every query below L: a Toeplitz table
-        ("fire", {"init_L": 6.0}, "rebuilt"),  # past L: blocks rebuilt in backward
+        # past L: blocks rebuilt in backward, on CPU in fp32 on the fused kernel with its lse kept
+        ("fire", {"init_L": 6.0}, "rebuilt_flash"),
         ("fox", {}, "separable"),
     ],
     ids=lambda v: str(v),
@@ -65,16 +66,18 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
     """Training a learned-bias encoding on the chunked backend never sends SDPA a float mask
     that needs its gradient: a Toeplitz table goes through ToeplitzAttention (reversed queries,
     one function over all its blocks), a bias written
-    out per block is rebuilt in backward from its form's tensors (RebuiltBiasAttention, no
-    second SDPA forward), a separable one (FoX) rides in q and k (attend_separable, SDPA's own
+    out per block is rebuilt in backward from its form's tensors (no second SDPA forward; on CPU
+    in fp32 without padding RebuiltBiasFlashAttention, the fused kernel's lse kept, else
+    RebuiltBiasAttention), a separable one (FoX) rides in q and k (attend_separable, SDPA's own
     backward); every parameter's gradient equals the eager backend's (fp32, 1e-5)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
-    calls = {"toeplitz": 0, "recompute": 0, "separable": 0, "rebuilt": 0}
+    calls = {"toeplitz": 0, "recompute": 0, "separable": 0, "rebuilt": 0, "rebuilt_flash": 0}
     originals = {
         "toeplitz": toeplitz.ToeplitzAttention.apply,
         "recompute": chunked.BiasedBlockAttention.apply,
         "separable": chunked.attend_separable,
         "rebuilt": chunked.RebuiltBiasAttention.apply,
+        "rebuilt_flash": chunked.RebuiltBiasFlashAttention.apply,
     }
 
     def counting(kind):
@@ -88,6 +91,7 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
     monkeypatch.setattr(chunked.BiasedBlockAttention, "apply", counting("recompute"))
     monkeypatch.setattr(chunked, "attend_separable", counting("separable"))
     monkeypatch.setattr(chunked.RebuiltBiasAttention, "apply", counting("rebuilt"))
+    monkeypatch.setattr(chunked.RebuiltBiasFlashAttention, "apply", counting("rebuilt_flash"))
     ids = token_ids(2, 40)
     grads = {}
     for backend in ("chunked", "eager"):

@@ -1,0 +1,129 @@
+"""One causal query block whose bias is written out per block (FIRE past its threshold) and needs
+its gradient, trained on torch's fused CPU flash-attention kernel with the block's log-sum-exp
+kept, on CPU in fp32/fp64 without a padding mask (:class:`RebuiltBiasFlashAttention`).
+
+Forward: the block's bias built without gradients (into the chunked backend's shared buffer),
+the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with it as the mask, which also
+returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp (O(rows))
+and the bias form's O(T) tensors, as :class:`~.chunked.RebuiltBiasAttention` keeps.
+
+Backward: the bias built once more, with gradients, from the form's tensors, and the
+FlashAttention-2 gradients from the kept statistics (Dao 2023, Algorithm 2):
+
+    P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
+    dQ = s dS K,  dK = s dS^T Q,  dbias = dS (summed over a batch the bias is shared by)
+
+computed in one (B, H, R, K) buffer: bias - lse written there, then ``baddbmm_`` adds the
+scores (the exponent in base 2: log2(e) times it), weights below 2^-100 flushed to 0 and
+``exp2_`` (torch's exp leaves its fast path for inputs below about -87 and for the masked
+keys, see :mod:`hf_posenc.core.underflow`), multiplied in place by dO V^T - rowsum(dO * O)
+(one product of dO widened by a column of -rowsum(dO * O) and V widened by ones), and dbias
+sent through the rebuilt bias's own backward. No softmax (the statistics are kept) and no
+second forward; the block's (rows x keys) buffers exist only while it is computed.
+
+Before, the block's backward recomputed its weights by a softmax of explicitly recomputed
+scores (:func:`~.chunked.block_gradients`) and built its bias twice (once without gradients
+in forward, once with them in backward, which stays).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .softmax_parts import CPU_FLASH
+from .toeplitz import FLUSH, LOG2E
+from .toeplitz import _buffer as work_buffer
+
+#: dtypes the block's forward and backward run in (the fused kernel computes in them)
+FLASH_DTYPES = (torch.float32, torch.float64)
+
+
+def serves(q: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether :class:`RebuiltBiasFlashAttention` serves the blocks of this call: CPU, fp32/fp64,
+    no padding mask (a query that may attend nothing would get the fused kernel's uniform
+    weights in forward, which the kept statistics do not recompute), no dropout, this torch has
+    the fused kernel, not under torch.compile."""
+    return (
+        CPU_FLASH is not None
+        and q.device.type == "cpu"
+        and q.dtype in FLASH_DTYPES
+        and mask is None
+        and dropout_p == 0.0
+        and not torch.compiler.is_compiling()
+    )
+
+
+class RebuiltBiasFlashAttention(torch.autograd.Function):
+    """q (B, H, R, D), k/v (B, H, K, D) of one causal block, ``build(*tensors)`` -> its bias
+    (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``buffers`` (a dict
+    where backward keeps its work buffer for the next block, or None), the form's tensors ->
+    softmax(q k^T scale + bias) v, (B, H, R, D); gradients of q, k, v and the tensors. See the
+    module's docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, build, buffers: dict | None, *tensors: torch.Tensor):
+        assert CPU_FLASH is not None
+        with torch.no_grad():
+            bias = build(*tensors)
+        out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        ctx.scale, ctx.build, ctx.buffers = scale, build, buffers
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        scale = ctx.scale
+        with torch.enable_grad():
+            inputs = [
+                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[6:], strict=True)
+            ]
+            bias = ctx.build(*inputs)  # (B|1, H, R, K), with gradients to the form's tensors
+        (batch, heads, rows, dim), keys = q.shape, k.shape[2]
+        bh = batch * heads
+        q3, k3 = q.reshape(bh, rows, dim), k.reshape(bh, keys, dim)
+        # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column, V with ones
+        grad_aug = torch.empty(bh, rows, dim + 1, dtype=q.dtype, device=q.device)
+        grad_aug[..., :dim].copy_(grad_out.reshape(bh, rows, dim))
+        torch.neg((grad_out * out).sum(-1).reshape(bh, rows), out=grad_aug[..., dim])
+        grad3 = grad_aug[..., :dim]
+        v_aug = torch.ones(bh, keys, dim + 1, dtype=q.dtype, device=q.device)
+        v_aug[..., :dim].copy_(v.reshape(bh, keys, dim))
+        # log2(e) (bias - lse + s q k^T): bias - lse first (a masked key's minimum stays finite),
+        # in place when the bias has the batch's rows (its backward reads none of its values)
+        scores = bias.detach()
+        if scores.shape[0] == batch and scores.is_contiguous():
+            scores.sub_(lse[..., None])
+        else:
+            scores = torch.sub(scores, lse[..., None])  # (B, H, R, K)
+        s3 = scores.view(bh, rows, keys)
+        s3.baddbmm_(q3, k3.transpose(1, 2), beta=LOG2E, alpha=scale * LOG2E)
+        # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and BLAS)
+        torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
+        grad_v = torch.bmm(s3.transpose(1, 2), grad3)  # (BH, K, D) P^T dO
+        # dO V^T - delta in a work buffer shared by the blocks (and layers) of one forward
+        grad_p = work_buffer(ctx.buffers, "grad_p", bh * rows * keys, q.dtype, q.device)
+        grad_p = torch.bmm(
+            grad_aug, v_aug.transpose(1, 2), out=grad_p[: bh * rows * keys].view(bh, rows, keys)
+        )
+        s3.mul_(grad_p)  # dS = P * (dO V^T - delta)
+        grad_q = torch.bmm(s3, k3).mul_(scale)
+        grad_k = torch.bmm(s3.transpose(1, 2), q3).mul_(scale)
+        wanted = [t for t in inputs if t.requires_grad]
+        found: tuple[torch.Tensor | None, ...] = ()
+        if wanted and bias.requires_grad:
+            grad_bias = scores.sum_to_size(bias.shape)  # (B|1, H, R, K) dS
+            found = torch.autograd.grad(bias, wanted, grad_bias, allow_unused=True)
+        by_input = iter(found)
+        tensor_grads = [next(by_input) if t.requires_grad and found else None for t in inputs]
+        return (
+            grad_q.view(q.shape),
+            grad_k.view(k.shape),
+            grad_v.view(v.shape),
+            None,
+            None,
+            None,
+            *tensor_grads,
+        )
