@@ -40,8 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, SeparableBias
-from .backend import AUTO, AttentionCall, Backend, register_backend
 from . import rebuilt_flash
+from .backend import AUTO, AttentionCall, Backend, register_backend
 from .rebuilt_flash import RebuiltBiasFlashAttention
 from .separable import attend_separable
 from .toeplitz import attend_toeplitz
