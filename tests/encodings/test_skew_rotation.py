@@ -293,7 +293,7 @@ def test_inference_peak_grows_as_ropes(name):
     """Issue 21.5 (<= 1.2x RoPE's memory): an inference forward's peak allocation grows from T
     to 2T by at most RoPE's growth plus three (Hkv, d/2) fp32 values per token (the angles, their
     cosine and sine): the rotation's temporaries (x W, the turned halves, their products, the
-    turned x W^T) are written into one buffer of q's size at a time. Before, they held up to four
+    turned x W^T) are written into buffers of q's size, one at a time. Before, they held up to four
     more (B, H, T, d) fp32 tensors at the peak (forward peak 1.23x native at T=4096 in the
     benchmark's model)."""
     model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=4).eval()
