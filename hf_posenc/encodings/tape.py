@@ -106,12 +106,57 @@ def initial_stream(positions: torch.Tensor, theta: float, dim: int, heads: int, 
 
 def rotate_with_stream(x: torch.Tensor, stream: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """(2): x (B,H,T,D), stream (B,H/groups,T,D) = (C, S) -> x * (C,C) + rotate_half(x) * (S,S),
-    KV head g's stream serving query heads g*groups .. (g+1)*groups-1."""
-    # = (x1 c - x2 s, x2 c + x1 s) on the halves (x1, x2) of x, the same bits (x1 c + (-x2) s is
-    # x1 c - x2 s exactly), without (B, H, T, D) copies of (C, C), (S, S) and rotate_half(x)
-    c, s = stream[:, :, None].chunk(2, dim=-1)  # (B, Hkv, 1, T, D/2), broadcast over a group's heads
-    x1, x2 = x.unflatten(1, (-1, groups)).chunk(2, dim=-1)  # (B, Hkv, groups, T, D/2)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(1, 2)  # (B, H, T, D)
+    KV head g's stream serving query heads g*groups .. (g+1)*groups-1.
+
+    = (x1 c - x2 s, x2 c + x1 s) on the halves (x1, x2) of x, written into one output (no
+    (B, H, T, D) copies of (C, C), (S, S) or rotate_half(x)); its backward is the transposed
+    rotation, (g1 c + g2 s, g2 c - g1 s), and dC = sum_group (g1 x1 + g2 x2),
+    dS = sum_group (g2 x1 - g1 x2), each a product and a fused multiply-add per half."""
+    if torch.compiler.is_compiling():
+        c, s = stream[:, :, None].chunk(2, dim=-1)  # (B, Hkv, 1, T, D/2)
+        x1, x2 = x.unflatten(1, (-1, groups)).chunk(2, dim=-1)  # (B, Hkv, groups, T, D/2)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(1, 2)
+    return _StreamRotation.apply(x, stream, groups)
+
+
+def _rotate_into(
+    out: torch.Tensor, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float
+) -> torch.Tensor:
+    """out = (x1 c - sign x2 s, x2 c + sign x1 s) on the halves of x (sign -1: the transpose)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-sign)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s, value=sign)
+    return out
+
+
+class _StreamRotation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, stream: torch.Tensor, groups: int) -> torch.Tensor:
+        ctx.save_for_backward(x, stream)
+        ctx.groups = groups
+        c, s = stream[:, :, None].chunk(2, dim=-1)  # (B, Hkv, 1, T, D/2), broadcast over a group's heads
+        grouped = x.unflatten(1, (-1, groups))  # (B, Hkv, groups, T, D)
+        return _rotate_into(torch.empty_like(grouped), grouped, c, s, 1.0).flatten(1, 2)  # (B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, stream = ctx.saved_tensors
+        c, s = stream[:, :, None].chunk(2, dim=-1)
+        g = grad.unflatten(1, (-1, ctx.groups))  # (B, Hkv, groups, T, D)
+        dx = dstream = None
+        if ctx.needs_input_grad[0]:
+            dx = _rotate_into(torch.empty_like(g), g, c, s, -1.0).flatten(1, 2)
+        if ctx.needs_input_grad[1]:
+            grouped = x.unflatten(1, (-1, ctx.groups))
+            g1, g2 = g.chunk(2, dim=-1)
+            x1, x2 = grouped.chunk(2, dim=-1)
+            both = torch.empty_like(g)  # (B, Hkv, groups, T, D): (dC, dS) per query head
+            d_c, d_s = both.chunk(2, dim=-1)
+            torch.mul(g1, x1, out=d_c).addcmul_(g2, x2)
+            torch.mul(g2, x1, out=d_s).addcmul_(g1, x2, value=-1.0)
+            dstream = both.sum(2) if ctx.groups > 1 else both.squeeze(2)  # (B, Hkv, T, D)
+        return dx, dstream, None
 
 
 def pe_layer(
