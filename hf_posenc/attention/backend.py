@@ -164,11 +164,11 @@ def dispatch_with_stream(
     (values wider than q/k would send SDPA to its O(T^2) math path). Otherwise, two calls with
     the same queries and keys (their weights are the same function of them).
 
-    With gradients on CPU (fp32/fp64, no dropout, no weights asked for) the fused call's backward
-    is torch's fused CPU flash backward operator, given the forward's output and log-sum-exp
-    (:mod:`.stream_flash`): one forward and one backward, keeping q, k, v, the stream, the output
-    (the views the layer keeps anyway) and the log-sum-exp. Elsewhere with gradients the fused
-    call keeps only q, k, v and the stream and runs again in backward
+    On CPU (fp32/fp64, no dropout, no weights asked for) the fused call is torch's fused CPU flash
+    operator, and its backward the fused backward operator, given the forward's output and
+    log-sum-exp (:mod:`.stream_flash`): one forward and one backward, keeping q, k, v, the
+    stream, the output (the views the layer keeps anyway) and the log-sum-exp. Elsewhere (GPUs,
+    bf16) with gradients the fused call keeps only q, k, v and the stream and runs again in backward
     (:func:`~hf_posenc.core.recompute.recomputed`): kept as is, the kernel would hold its padded
     q and k, the widened values and its output, all (Dv + S) wide, twice what plain attention
     keeps per token. The price there is one more forward of the attention per training step.

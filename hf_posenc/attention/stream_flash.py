@@ -33,6 +33,9 @@ from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 if TYPE_CHECKING:
     from .backend import AttentionCall
 
+#: whether calls without gradients come here too (else: one fused SDPA call, values and stream
+#: concatenated after it)
+FORWARD_TOO = False
 #: kernel calls per layer (fewer where there are fewer KV heads): see :func:`_head_chunks`
 HEAD_CHUNKS = 4
 
@@ -40,8 +43,9 @@ HEAD_CHUNKS = 4
 def serves(call: AttentionCall) -> bool:
     """Whether the fused CPU kernel computes this call: a ``backend=`` choice under which SDPA
     serves (not ``eager``), CPU, fp32/fp64, no bias or explicit-score stage, no dropout, no
-    weights asked for, gradients wanted (without them one plain fused call is as cheap), not
-    under ``torch.compile``."""
+    weights asked for, not under ``torch.compile``. Without gradients too: its forward writes
+    the output in place, a quarter of the heads at a time (the whole-width SDPA call and the
+    copy into this layout held about twice the memory at T=4096)."""
     from .core import SdpaBackend  # here: core imports the backend module, which imports this one
 
     return (
@@ -54,7 +58,6 @@ def serves(call: AttentionCall) -> bool:
         and not call.explicit
         and call.dropout_p == 0.0
         and not call.want_weights
-        and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )
 

@@ -109,9 +109,9 @@ def test_output_and_gradients_equal_the_definition(
         torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_dispatch_routes_cpu_training_calls_to_the_fused_kernel(monkeypatch):
-    """With gradients on CPU fp32 the stream call is one fused kernel (its forward runs once);
-    without gradients, or in bf16, the previous path serves (one fused SDPA call)."""
+def test_dispatch_routes_cpu_calls_to_the_fused_kernel(monkeypatch):
+    """On CPU in fp32, with gradients and without, the stream call is the fused kernel (its
+    forward runs once per call); in bf16 the previous path serves (one fused SDPA call)."""
     runs = []
     original = stream_flash._forward
     monkeypatch.setattr(stream_flash, "_forward", lambda *a, **kw: runs.append(1) or original(*a, **kw))
@@ -121,9 +121,10 @@ def test_dispatch_routes_cpu_training_calls_to_the_fused_kernel(monkeypatch):
     assert runs == [1] and out.requires_grad
     with torch.no_grad():
         dispatch_with_stream(_call(q, k, v, None, 0.25), stream)
+    assert runs == [1, 1]
     low = [x.detach().bfloat16() for x in (q, k, v)]
     dispatch_with_stream(_call(*low, None, 0.25), stream)
-    assert runs == [1]
+    assert runs == [1, 1]
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
