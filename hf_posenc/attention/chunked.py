@@ -270,8 +270,12 @@ def attend_chunked(
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         if flash_rebuilt:  # the fused kernel's forward, its log-sum-exp kept for backward
             shared: dict = {} if memo is None else memo.get(("rebuilt_flash_buffers",), dict)
+
+            def build_reversed() -> torch.Tensor | None:  # the causal block over keys k_end-1 .. 0
+                return bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
+
             return RebuiltBiasFlashAttention.apply(
-                q_block, k_block, v_block, softmax_scale, build, shared, *tensors.values()
+                q_block, k_block, v_block, softmax_scale, build, build_reversed, shared, *tensors.values()
             )
         return RebuiltBiasAttention.apply(q_block, k_block, v_block, softmax_scale, build, *tensors.values())
 

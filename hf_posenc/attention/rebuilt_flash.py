@@ -57,17 +57,26 @@ def serves(q: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool
 
 class RebuiltBiasFlashAttention(torch.autograd.Function):
     """q (B, H, R, D), k/v (B, H, K, D) of one causal block, ``build(*tensors)`` -> its bias
-    (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``buffers`` (a dict
+    (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``build_reversed()``
+    -> the same over the keys in reverse order, without gradients, or None (then forward
+    takes ``build``; either may be given as None / return None), ``buffers`` (a dict
     where backward keeps its work buffer for the next block, or None), the form's tensors ->
     softmax(q k^T scale + bias) v, (B, H, R, D); gradients of q, k, v and the tensors. See the
     module's docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, build, buffers: dict | None, *tensors: torch.Tensor):
+    def forward(
+        ctx, q, k, v, scale: float, build, build_reversed, buffers: dict | None, *tensors: torch.Tensor
+    ):
         assert CPU_FLASH is not None
         with torch.no_grad():
-            bias = build(*tensors)
-        out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+            # over the keys in reverse order where the form builds that cheaper (attention does not
+            # depend on the keys' order; the block's k and v flipped, (B, H, K, D) each)
+            backwards = None if build_reversed is None else build_reversed()
+            if backwards is not None:
+                out, lse = CPU_FLASH(q, k.flip(2), v.flip(2), 0.0, False, attn_mask=backwards, scale=scale)
+            else:
+                out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=build(*tensors), scale=scale)
         ctx.scale, ctx.build, ctx.buffers = scale, build, buffers
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         return out
@@ -78,7 +87,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         scale = ctx.scale
         with torch.enable_grad():
             inputs = [
-                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[6:], strict=True)
+                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[7:], strict=True)
             ]
             bias = ctx.build(*inputs)  # (B|1, H, R, K), with gradients to the form's tensors
         (batch, heads, rows, dim), keys = q.shape, k.shape[2]
@@ -122,6 +131,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             grad_q.view(q.shape),
             grad_k.view(k.shape),
             grad_v.view(v.shape),
+            None,
             None,
             None,
             None,

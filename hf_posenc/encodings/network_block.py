@@ -20,10 +20,13 @@ recomputed per slab: dW = dS F^T (Hq, 2 + K'); the switching units' gradient
 G = W[:, 2:]^T dS masked where the unit is off (K', scores) gives (do, du) = G (1, x)^T; and
 dx = W[:, 1]^T dS + u^T G. All products over the block's scores, no per-score loop over heads
 or units, no cumulative sums; W and (o, u) are built from the network's parameters by autograd
-(:func:`network_columns`), so their gradients reach w1, b1, w2, b2. The backward runs in tiles
-of :data:`NETWORK_TILE_KEYS` keys, each with the units that switch inside its own x range as
-features; a unit on over the whole tile is linear there, so its terms come from the tile's sums
-(sum dS, sum dS x) per head (:func:`_tile_gradients`).
+(:func:`network_columns`), so their gradients reach w1, b1, w2, b2. The backward runs over
+slabs of whole rows, dS read in place (a (Hq, scores) view of the block's gradient, no copy),
+each slab's features and G in two buffers that stay in cache; the causal future is zeroed only
+when it holds a nonzero gradient (attention's dS is 0 there). Before, it ran in tiles of 256
+keys, each with the units switching inside its own x range as features and dS and x copied
+into tile buffers: measured (one layer at T=2048, one thread, under load) about the same time
+with tiles of 256 to 1024 keys, the copies and the Python per tile being most of it.
 """
 
 from __future__ import annotations
@@ -35,10 +38,6 @@ import torch
 #: scores of a block per matrix product: the slab's features (2 + K' rows) stay in cache, and each
 #: product is one parallel region of the intra-op threads
 NETWORK_CHUNK = 16384
-#: keys per tile of a block's backward: each tile takes as features only the units that switch inside
-#: its own x range (x runs from about 1 at the farthest keys to 0 at the query, so most tiles hold
-#: few of the block's breakpoints), the others from the tile's two sums per head
-NETWORK_TILE_KEYS = 256
 #: a block is served from the network when its K' switching units satisfy K' + 2 <= this * Hq
 NETWORK_COLUMNS_PER_HEAD = 3
 
@@ -219,96 +218,53 @@ class NetworkBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weights, units, allowed = ctx.saved_tensors
-        (_, rows, keys), heads = x.shape, weights.shape[0]
-        grad = grad.float()
-        if allowed is not None:
-            grad = grad.masked_fill(~allowed, 0.0)
+        (_, rows, keys), heads, count = x.shape, weights.shape[0], units.shape[0]
+        grad = _attendable_gradient(grad.float(), allowed, rows, keys, ctx.reverse)
         if grad.shape[0] > x.shape[0]:  # one x for every batch row
             grad = grad.sum(dim=0, keepdim=True)
+        grad = grad.contiguous()
         grad_weights, grad_units = torch.zeros_like(weights), torch.zeros_like(units)
         grad_x = torch.empty_like(x)
-        width = min(keys, NETWORK_TILE_KEYS)
-        slab = max(1, NETWORK_CHUNK // width)
-        size = min(slab, rows) * width
-        features = x.new_empty(weights.shape[1], size)
+        slab = max(1, NETWORK_CHUNK // keys) * keys  # scores per product: whole rows
+        size = min(slab, rows * keys)
+        features = x.new_empty(2 + count, size)  # (1, x, relu(o + u x)) of one slab
         features[0] = 1.0
-        scores_buffer, line_buffer = x.new_empty(heads, size), x.new_empty(1, size)
+        hidden_grad = x.new_empty(count, size)
+        linear = weights[:, 1:2].t()  # (1, Hq): dS's weight in dx through the x column
+        unit_out = weights[:, 2:].t()  # (K', Hq)
+        slopes = units[:, 1:2].t()  # (1, K') u
         for b in range(x.shape[0]):
-            for first in range(0, rows, slab):
-                last = min(rows, first + slab)
-                for start in range(0, keys, width):
-                    stop = min(keys, start + width)
-                    tile_rows, tile_keys = slice(first, last), slice(start, stop)
-                    n = (last - first) * (stop - start)
-                    values = features[1, :n]
-                    values.view(last - first, stop - start).copy_(x[b, tile_rows, tile_keys])
-                    scores = scores_buffer[:, :n]  # (Hq, n) dS of the tile
-                    scores.view(heads, last - first, stop - start).copy_(grad[b, :, tile_rows, tile_keys])
-                    if allowed is None:  # a future key passes no gradient
-                        future = _future_tile(rows, keys, first, last, start, stop, x.device, ctx.reverse)
-                        if future is not None:
-                            scores.view(heads, last - first, stop - start).masked_fill_(future, 0.0)
-                    _tile_gradients(
-                        features, values, scores, weights, units, grad_weights, grad_units, line_buffer[:, :n]
-                    )
-                    grad_x[b, tile_rows, tile_keys].copy_(line_buffer[0, :n].view(last - first, stop - start))
+            flat_grad = grad[b].view(heads, rows * keys)  # (Hq, rows * keys) dS
+            flat_x, flat_dx = x[b].reshape(rows * keys), grad_x[b].view(rows * keys)
+            for start in range(0, rows * keys, slab):
+                stop = min(rows * keys, start + slab)
+                chunk = features[:, : stop - start]
+                chunk[1].copy_(flat_x[start:stop])
+                scores = flat_grad[:, start:stop]  # (Hq, n) a view of dS
+                line = flat_dx[start:stop].view(1, -1)
+                torch.mm(linear, scores, out=line)
+                if count:
+                    torch.mm(units, chunk[:2], out=chunk[2:]).clamp_(min=0)
+                    hidden = hidden_grad[:, : stop - start]  # dL/d relu(.), zero where the unit is off
+                    torch.mm(unit_out, scores, out=hidden)
+                    torch.ops.aten.threshold_backward.grad_input(hidden, chunk[2:], 0.0, grad_input=hidden)
+                    grad_units.addmm_(hidden, chunk[:2].t())
+                    line.addmm_(slopes, hidden)
+                grad_weights.addmm_(scores, chunk.t())
         return grad_x, grad_weights, grad_units, None, None, None, None
 
 
-def _future_tile(
-    rows: int, keys: int, first: int, last: int, start: int, stop: int, device: torch.device, reverse: bool
-) -> torch.Tensor | None:
-    """(last - first, stop - start) bool, True where query a may not attend key j of the tile (the
-    block's causal mask bottom-right aligned: j > a + keys - rows; with ``reverse`` the keys in
-    reverse order), or None when the tile has no such key."""
-    queries = torch.arange(first, last, device=device)[:, None]
-    tile_keys = torch.arange(start, stop, device=device)[None]
-    if reverse:  # reversed key j' is key keys - 1 - j'
-        tile_keys = keys - 1 - tile_keys
-    if not bool((tile_keys > queries + keys - rows).any()):
-        return None
-    return tile_keys > queries + keys - rows
-
-
-def _tile_gradients(
-    features: torch.Tensor,
-    values: torch.Tensor,
-    scores: torch.Tensor,
-    weights: torch.Tensor,
-    units: torch.Tensor,
-    grad_weights: torch.Tensor,
-    grad_units: torch.Tensor,
-    line: torch.Tensor,
-) -> None:
-    """One tile of :meth:`NetworkBlock.backward`: x ``values`` (n,) (row 1 of ``features``), dS
-    ``scores`` (Hq, n); adds to ``grad_weights``, ``grad_units`` and writes dx into ``line`` (1, n).
-
-    Over the tile's own x range each of the block's K' units is linear (on: relu(o + u x) = o + u
-    x), zero (off) or switching; only the switching ones are features. The on ones' gradients come
-    from the tile's two sums (sum dS, sum dS x) per head: dW_k = o_k sum dS + u_k sum dS x, (do_k,
-    du_k) = W_k^T (sum dS, sum dS x), and dx gets u_k W_k^T dS through the linear column."""
-    low, high = torch.aminmax(values)
-    at_low, at_high = units[:, 0] + units[:, 1] * low, units[:, 0] + units[:, 1] * high  # (K',)
-    on = (at_low > 0) & (at_high > 0)  # relu is the identity on the whole tile (derivative 1)
-    switching = ((at_low > 0) | (at_high > 0)) & ~on
-    on_units, active = on.nonzero()[:, 0], switching.nonzero()[:, 0]
-    count, n = active.numel(), values.shape[0]
-    chunk = features[: 2 + count, :n]  # (2 + K'', n): 1, x, relu(o + u x) of the switching units
-    if count:
-        torch.mm(units[active], chunk[:2], out=chunk[2:]).clamp_(min=0)
-    sums = scores @ chunk.t()  # (Hq, 2 + K'')
-    grad_weights[:, :2] += sums[:, :2]
-    linear = weights[:, 1]  # (Hq,) dS's weight in dx
-    if on_units.numel():
-        on_weights = weights[:, 2 + on_units]  # (Hq, K_on)
-        grad_weights.index_add_(1, 2 + on_units, sums[:, :2] @ units[on_units].t())
-        grad_units.index_add_(0, on_units, on_weights.t() @ sums[:, :2])
-        linear = linear + on_weights @ units[on_units, 1]
-    torch.mm(linear[None], scores, out=line)
-    if count:
-        grad_weights.index_add_(1, 2 + active, sums[:, 2:])
-        hidden = weights[:, 2 + active].t() @ scores  # (K'', n) dL/d relu(.)
-        # relu's backward: zero where the unit is off (its feature is 0)
-        hidden = torch.ops.aten.threshold_backward(hidden, chunk[2:], 0.0)
-        grad_units.index_add_(0, active, hidden @ chunk[:2].t())
-        line.addmm_(units[active, 1][None], hidden)
+def _attendable_gradient(
+    grad: torch.Tensor, allowed: torch.Tensor | None, rows: int, keys: int, reverse: bool
+) -> torch.Tensor:
+    """The block's gradient (B', Hq, rows, keys) with the masked entries at 0 (they pass none): a
+    new tensor where ``allowed`` is given or the causal future holds a nonzero value, else
+    ``grad`` itself (attention's dS is 0 there already: its weights are)."""
+    if allowed is not None:
+        return grad.masked_fill(~allowed, 0.0)
+    tail, future = _future(rows, keys, grad.device, reverse)
+    if not bool((grad[..., tail] != 0).logical_and_(future).any()):
+        return grad
+    grad = grad.clone()
+    grad[..., tail].masked_fill_(future, 0.0)
+    return grad

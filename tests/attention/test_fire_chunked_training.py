@@ -109,11 +109,11 @@ def _summed_magnitudes(function, positions, grad_scores) -> list[torch.Tensor]:
     width=st.integers(1, 12),
     pads=st.one_of(st.none(), st.integers(0, 5)),
     network=st.booleans(),
-    tile=st.sampled_from([1, 3, 256]),
+    chunk=st.sampled_from([1, 40, 16384]),
     seed=st.integers(0, 2**16),
 )
 def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
-    length, block, threshold, c, width, pads, network, tile, seed
+    length, block, threshold, c, width, pads, network, chunk, seed
 ):
     generator = torch.Generator().manual_seed(seed)
     function = _function(width, c, threshold, generator)
@@ -144,7 +144,7 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
 
     with (
         mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", 100 if network else 0),
-        mock.patch.object(network_block, "NETWORK_TILE_KEYS", tile),  # keys per tile of its backward
+        mock.patch.object(network_block, "NETWORK_CHUNK", chunk),  # scores per slab, both directions
         mock.patch.object(network_block.NetworkBlock, "apply", counting),
     ):
         bias = function.bias(positions, length, length)

@@ -234,15 +234,14 @@ def test_folded_block_gradients_equal_the_formula_views(
         attendable = allowed
     results = []
     # folded from the linear pieces (columns 0), from the network's products (CPU, columns 100, in
-    # slabs of one row and of all, the backward in tiles of 2 keys and of all), and the formula's view
-    for columns, chunk, tile in ((0, 1, 1), (100, 1, 2), (100, 32768, 256), (None, None, None)):
+    # slabs of one row and of all, in both directions), and the formula's view
+    for columns, chunk in ((0, 1), (100, 1), (100, 32768), (None, None)):
         function.zero_grad()
         bias = function.bias(positions, q_len, k_len)
         if columns is not None:  # the loss reads every entry, masked ones included
             with (
                 mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
                 mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
-                mock.patch.object(network_block, "NETWORK_TILE_KEYS", tile),
             ):
                 block = bias.folded(start, q_len, k_start, k_len, allowed, torch.float32)
             (block * weights).sum().backward()
