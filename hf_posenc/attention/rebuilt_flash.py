@@ -2,9 +2,10 @@
 its gradient, trained on torch's fused CPU flash-attention kernel with the block's log-sum-exp
 kept, on CPU in fp32/fp64 without a padding mask (:class:`RebuiltBiasFlashAttention`).
 
-Forward: the block's bias built without gradients (into the chunked backend's shared buffer),
-the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with it as the mask, which also
-returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp (O(rows))
+Forward: the block's bias built without gradients (into the chunked backend's shared buffer;
+over the keys in reverse order where the form builds it cheaper that way, FIRE on CPU, with the
+block's k and v flipped), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with
+it as the mask, which also returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp (O(rows))
 and the bias form's O(T) tensors, as :class:`~.chunked.RebuiltBiasAttention` keeps.
 
 Backward: the bias built once more, with gradients, from the form's tensors, and the
