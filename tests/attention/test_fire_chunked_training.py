@@ -22,7 +22,7 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.attention.chunked import attend_chunked
@@ -117,6 +117,10 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
 ):
     generator = torch.Generator().manual_seed(seed)
     function = _function(width, c, threshold, generator)
+    # not at max(L, i)'s kink: where L (fp32 or fp64) meets a position, the gradient of L is
+    # undefined (torch splits a tie of max between both; fp32 and fp64 round L to either side)
+    big_l = float(function.threshold().detach())
+    assume(all(abs(big_l - p) > 1e-3 for p in range(length)))
     batch = 1 if pads is None else 2
     q, k, v = (torch.randn(batch, HEADS, length, WIDTH_D, generator=generator) for _ in range(3))
     grad = torch.randn(batch, length, HEADS, WIDTH_D, generator=generator)
