@@ -123,15 +123,15 @@ class HeadPlan:
     windows: list[int]
     fused: list[bool]
 
-    def sets(self) -> list[tuple[int, int, int, bool]]:
-        """(first head, stop head, window, fused) of the runs of neighbouring heads that share both."""
-        runs: list[tuple[int, int, int, bool]] = []
-        for head, pair in enumerate(zip(self.windows, self.fused, strict=True)):
-            if runs and runs[-1][2:] == pair:
-                runs[-1] = (runs[-1][0], head + 1, *pair)
+    def runs(self) -> list[tuple[int, int, bool]]:
+        """(first head, stop head, fused) of the runs of neighbouring heads with the same backward."""
+        found: list[tuple[int, int, bool]] = []
+        for head, fused in enumerate(self.fused):
+            if found and found[-1][2] == fused:
+                found[-1] = (found[-1][0], head + 1, fused)
             else:
-                runs.append((head, head + 1, *pair))
-        return runs
+                found.append((head, head + 1, fused))
+        return found
 
 
 def head_plan(q: torch.Tensor, k: torch.Tensor, line: torch.Tensor, distances: int, scale: float) -> HeadPlan:
@@ -257,43 +257,52 @@ class ToeplitzAttention(torch.autograd.Function):
         q, k, v, line, out, lse = ctx.saved_tensors
         plan: HeadPlan | None = ctx.plan
         line_grad = ctx.needs_input_grad[3]
-        heads = q.shape[1]
-        # runs of heads (first, stop, window, fused): a learned table every head explicitly over
-        # every key; a table without gradient (ALiBi, Sandwich, a frozen table) per run of heads
-        # with one window, torch's fused backward where its exp stays fast, else the explicit one
-        runs = [(0, heads, None, False)] if plan is None or line_grad else plan.sets()
-        parts: list[tuple[torch.Tensor | None, ...]] = []  # (dq, dk, dv, dline) per call
-        for h0, h1, window, fused in runs:
+        if plan is None or line_grad:  # a learned table: every head explicitly over every key
+            grads = toeplitz_gradients(
+                q,
+                k,
+                v,
+                line,
+                out,
+                lse,
+                grad_out,
+                ctx.scale,
+                ctx.q_len,
+                ctx.backward_block,
+                line_grad,
+                ctx.buffers,
+            )
+            return (*grads, None, None, None, None, None, None)
+        # a table without gradient (ALiBi, Sandwich, a frozen table): per run of neighbouring heads,
+        # torch's fused backward where its exp stays fast, else the explicit one, each head over
+        # the keys of its window
+        parts: list[tuple[torch.Tensor | None, ...]] = []  # (dq, dk, dv, None) per run of heads
+        for h0, h1, fused in plan.runs():
+            part = slice(h0, h1)
+            inputs = (
+                q[:, part],
+                k[:, part],
+                v[:, part],
+                line[part],
+                out[:, part],
+                lse[:, part],
+                grad_out[:, part],
+            )
             if fused:
-                calls = [(h0, h1)]
-            else:  # the explicit backward a few heads at a time (EXPLICIT_HEADS)
-                calls = [(h, min(h1, h + EXPLICIT_HEADS)) for h in range(h0, h1, EXPLICIT_HEADS)]
-            for c0, c1 in calls:
-                part = slice(c0, c1)
-                inputs = (
-                    q[:, part],
-                    k[:, part],
-                    v[:, part],
-                    line[part],
-                    out[:, part],
-                    lse[:, part],
-                    grad_out[:, part],
-                )
-                if fused:
-                    parts.append(fused_gradients(*inputs, ctx.scale, ctx.q_len, ctx.block, window))
-                else:
-                    parts.append(
-                        toeplitz_gradients(
-                            *inputs, ctx.scale, ctx.q_len, ctx.backward_block, line_grad, ctx.buffers, window
-                        )
-                    )
-        grads: list[torch.Tensor | None] = []
-        for index, found in enumerate(zip(*parts, strict=True)):
-            if found[0] is None:
-                grads.append(None)
+                window = max(plan.windows[h0:h1])
+                parts.append(fused_gradients(*inputs, ctx.scale, ctx.q_len, ctx.block, window))
             else:
-                grads.append(torch.cat(found, dim=0 if index == 3 else 1) if len(found) > 1 else found[0])
-        return (*grads, None, None, None, None, None, None)
+                windows = plan.windows[h0:h1]
+                parts.append(
+                    toeplitz_gradients(
+                        *inputs, ctx.scale, ctx.q_len, ctx.backward_block, False, ctx.buffers, windows
+                    )
+                )
+        by_input = [
+            torch.cat(found, dim=1) if len(parts) > 1 else found[0]
+            for found in list(zip(*parts, strict=True))[:3]
+        ]
+        return (*by_input, None, None, None, None, None, None, None)
 
 
 def _fused_backward_runs(q: torch.Tensor) -> bool:
@@ -354,74 +363,90 @@ def toeplitz_gradients(
     block: int,
     line_grad: bool = True,
     buffers: dict | None = None,
-    window: int | None = None,
+    windows: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (their inputs' dtypes) and dline (``line``'s dtype, None unless ``line_grad``)
     of :class:`ToeplitzAttention` (formulas in the module's docstring); ``lse`` in reversed row
-    order; with a ``window`` (:func:`head_plan`, the largest of these heads'), over the keys it reaches."""
+    order; with ``windows`` (per head, :func:`head_plan`) each head over the keys its window reaches.
+
+    :data:`EXPLICIT_HEADS` heads at a time, each through every block: the work tensors are laid out
+    head-major ((H * B, ...), row h * B + b), so a head's rows are one contiguous range."""
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     batch, heads, rows, dim = q.shape
     k_len = k.shape[2]
-    bh = batch * heads
-    # (BH, n|Tk, D) in the working dtype, rows reversed (temporaries of backward only)
-    q3 = q.flip(2).to(work).reshape(bh, rows, dim)
-    k3 = k.to(work).reshape(bh, k_len, dim)
+    hb = heads * batch
+
+    def head_major(x: torch.Tensor) -> torch.Tensor:  # (B, H, m, D) -> (H * B, m, D), a view where it can
+        return x.transpose(0, 1).to(work).reshape(hb, x.shape[2], x.shape[3])
+
+    # (HB, n|Tk, D) in the working dtype, rows reversed (temporaries of backward only)
+    q3, k3 = head_major(q.flip(2)), head_major(k)
     # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column
-    # (BH, n, D+1), V with ones (BH, Tk, D+1) (no (R, K) pass filling the -delta in)
-    grad_aug = torch.empty(bh, rows, dim + 1, dtype=work, device=q.device)
-    grad_aug[..., :dim].copy_(grad_out.flip(2).reshape(bh, rows, dim))
+    # (HB, n, D+1), V with ones (HB, Tk, D+1) (no (R, K) pass filling the -delta in)
+    grad_aug = torch.empty(hb, rows, dim + 1, dtype=work, device=q.device)
+    grad_aug[..., :dim].copy_(head_major(grad_out.flip(2)))
     delta = (grad_out.to(work) * out.to(work)).sum(-1).flip(2)  # (B, H, n), reversed rows
-    torch.neg(delta.reshape(bh, rows), out=grad_aug[..., dim])
+    torch.neg(delta.transpose(0, 1).reshape(hb, rows), out=grad_aug[..., dim])
     grad3 = grad_aug[..., :dim]
-    v_aug = torch.ones(bh, k_len, dim + 1, dtype=work, device=q.device)
-    v_aug[..., :dim].copy_(v.reshape(bh, k_len, dim))
+    v_aug = torch.ones(hb, k_len, dim + 1, dtype=work, device=q.device)
+    v_aug[..., :dim].copy_(head_major(v))
     # the exponent in base 2 (P = 2^(log2(e) (S - lse))): torch's exp2 has no slow path for the
     # masked keys' -inf and huge negatives, its exp does (measured ~100x per element)
     line2 = line.to(work) * LOG2E  # (H, L), the future at -inf
-    lse2 = (lse.to(work) * LOG2E).unsqueeze(-1)  # (B, H, n, 1)
+    lse2 = (lse.to(work) * LOG2E).transpose(0, 1).unsqueeze(-1)  # (H, B, n, 1)
     grad_q = torch.empty_like(q3)
-    # dK^T and dV^T (BH, D, Tk): each block's (D, K) products accumulate in place (beta = 1)
-    grad_kt = torch.zeros(bh, dim, k_len, dtype=work, device=q.device)
-    grad_vt = torch.zeros(bh, dim, k_len, dtype=work, device=q.device)
+    # dK^T and dV^T (HB, D, Tk): each block's (D, K) products accumulate in place (beta = 1)
+    grad_kt = torch.zeros(hb, dim, k_len, dtype=work, device=q.device)
+    grad_vt = torch.zeros(hb, dim, k_len, dtype=work, device=q.device)
     grad_line = torch.zeros(line.shape, dtype=work, device=line.device) if line_grad else None
 
     spans = _blocks(rows, q_len, k_len, block)
     longest = max(count for _, count, _ in spans)
     widest = max(count * (keys + count) for _, count, keys in spans)
-    buffer = _buffer(buffers, "buffer", bh * widest, work, q.device)
-    scratch = _buffer(buffers, "scratch", bh * longest * k_len, work, q.device)
-    for r0, count, keys in spans:
-        first = _first_key(window, count, keys)
-        span = keys - first  # K: the block's keys first .. keys - 1
-        width = span + count - 1  # W: the anti-diagonals a + j of an (R, K) block
-        size = count * (width + 1)  # per (batch, head): R rows of stride W + 1
-        # (B, H, R, K) and (BH, R, K) views of the buffer with row stride W + 1
-        s4 = buffer.as_strided((batch, heads, count, span), (heads * size, size, width + 1, 1))
-        s3 = buffer.as_strided((bh, count, span), (size, width + 1, 1))
-        rows_q, rows_grad = q3[:, r0 : r0 + count], grad3[:, r0 : r0 + count]
-        k_block = k3[:, first:keys]
-        torch.sub(hankel_view(line2, r0 + first, count, span), lse2[:, :, r0 : r0 + count], out=s4)
-        s3.baddbmm_(rows_q, k_block.transpose(1, 2), alpha=scale * LOG2E)  # log2(e) (S - lse)
-        # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
-        # BLAS), an absolute change below 2^FLUSH per weight
-        torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
-        grad_vt[:, :, first:keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
-        grad_p = scratch[: bh * count * span].view(bh, count, span)
-        # dO V^T - delta
-        torch.bmm(grad_aug[:, r0 : r0 + count], v_aug[:, first:keys].transpose(1, 2), out=grad_p)
-        s3.mul_(grad_p)  # dS
-        torch.bmm(s3, k_block, out=grad_q[:, r0 : r0 + count])
-        grad_kt[:, :, first:keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS
-        if grad_line is not None:
-            # the R entries after each row of the view, zeroed: read with row stride W, row a
-            # holds dS[a, j] at column a + j and zeros elsewhere
-            buffer.as_strided((bh, count, count), (size, width + 1, 1), span).zero_()
-            diagonal = buffer.as_strided((batch, heads, count, width), (heads * size, size, width, 1))
-            grad_line[:, r0 + first : r0 + first + width].add_(diagonal.sum(dim=(0, 2)))
-    grad_q = grad_q.mul_(scale).view(batch, heads, rows, dim).flip(2).to(dtype)
-    grad_k = grad_kt.mul_(scale).view(batch, heads, dim, k_len).transpose(2, 3).to(k.dtype)
-    grad_v = grad_vt.view(batch, heads, dim, k_len).transpose(2, 3).to(v.dtype)
+    step = max(1, min(EXPLICIT_HEADS, heads))
+    buffer = _buffer(buffers, "buffer", step * batch * widest, work, q.device)
+    scratch = _buffer(buffers, "scratch", step * batch * longest * k_len, work, q.device)
+    for h0 in range(0, heads, step):
+        h1 = min(heads, h0 + step)
+        group, flat = h1 - h0, slice(h0 * batch, h1 * batch)  # heads, and their (H * B) rows
+        count_bh = group * batch
+        window = None if windows is None else max(windows[h0:h1])
+        q_g, grad_g, aug_g, k_g, v_g = q3[flat], grad3[flat], grad_aug[flat], k3[flat], v_aug[flat]
+        dq_g, dkt_g, dvt_g = grad_q[flat], grad_kt[flat], grad_vt[flat]
+        line_g, lse_g = line2[h0:h1], lse2[h0:h1]
+        for r0, count, keys in spans:
+            first = _first_key(window, count, keys)
+            span = keys - first  # K: the block's keys first .. keys - 1
+            width = span + count - 1  # W: the anti-diagonals a + j of an (R, K) block
+            size = count * (width + 1)  # per (head, batch): R rows of stride W + 1
+            # (H', B, R, K) and (H'B, R, K) views of the buffer with row stride W + 1
+            s4 = buffer.as_strided((group, batch, count, span), (batch * size, size, width + 1, 1))
+            s3 = buffer.as_strided((count_bh, count, span), (size, width + 1, 1))
+            rows_q, rows_grad = q_g[:, r0 : r0 + count], grad_g[:, r0 : r0 + count]
+            k_block = k_g[:, first:keys]
+            bias = hankel_view(line_g, r0 + first, count, span).transpose(0, 1)  # (H', 1, R, K)
+            torch.sub(bias, lse_g[:, :, r0 : r0 + count], out=s4)
+            s3.baddbmm_(rows_q, k_block.transpose(1, 2), alpha=scale * LOG2E)  # log2(e) (S - lse)
+            # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
+            # BLAS), an absolute change below 2^FLUSH per weight
+            torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
+            dvt_g[:, :, first:keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
+            grad_p = scratch[: count_bh * count * span].view(count_bh, count, span)
+            # dO V^T - delta
+            torch.bmm(aug_g[:, r0 : r0 + count], v_g[:, first:keys].transpose(1, 2), out=grad_p)
+            s3.mul_(grad_p)  # dS
+            torch.bmm(s3, k_block, out=dq_g[:, r0 : r0 + count])
+            dkt_g[:, :, first:keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS
+            if grad_line is not None:
+                # the R entries after each row of the view, zeroed: read with row stride W, row a
+                # holds dS[a, j] at column a + j and zeros elsewhere
+                buffer.as_strided((count_bh, count, count), (size, width + 1, 1), span).zero_()
+                diagonal = buffer.as_strided((group, batch, count, width), (batch * size, size, width, 1))
+                grad_line[h0:h1, r0 + first : r0 + first + width].add_(diagonal.sum(dim=(1, 2)))
+    grad_q = grad_q.mul_(scale).view(heads, batch, rows, dim).transpose(0, 1).flip(2).to(dtype)
+    grad_k = grad_kt.mul_(scale).view(heads, batch, dim, k_len).permute(1, 0, 3, 2).to(k.dtype)
+    grad_v = grad_vt.view(heads, batch, dim, k_len).permute(1, 0, 3, 2).to(v.dtype)
     return grad_q, grad_k, grad_v, None if grad_line is None else grad_line.to(line.dtype)
 
 
