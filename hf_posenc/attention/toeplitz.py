@@ -134,7 +134,9 @@ class HeadPlan:
         return found
 
 
-def head_plan(q: torch.Tensor, k: torch.Tensor, line: torch.Tensor, distances: int, scale: float) -> HeadPlan:
+def head_plan(
+    q: torch.Tensor, k: torch.Tensor, line: torch.Tensor, distances: int, scale: float, backward: bool = True
+) -> HeadPlan:
     """The :class:`HeadPlan` of q (B, H, n, D), k (B, H, Tk, D) and the line of :func:`toeplitz_line`
     over ``distances`` (= D0 + 1). O(B H T D) for the norms, O(H T) for the table, one host read.
 
@@ -145,9 +147,15 @@ def head_plan(q: torch.Tensor, k: torch.Tensor, line: torch.Tensor, distances: i
     maximum of the table: any table) every key's weight is below e^-CUTOFF < 2^-150 times the
     diagonal key's. Fused: ``s_ij - lse_i >= -(spread + 2 B_h + log K)`` with ``spread`` the
     range of the head's biases inside its window and K its keys; above -:data:`FAST_EXP` aten's
-    exp stays on its fast path (NaN or infinite values: every key kept, the explicit backward)."""
+    exp stays on its fast path (NaN or infinite values: every key kept, the explicit backward).
+
+    Without ``backward`` (no gradient will be asked for) a table whose every head stays within
+    CUTOFF of its distance-0 bias has no window whatever B is, and the norms are not computed."""
     values = line[:, :distances].float()  # (H, D0 + 1): distance D0 - p at position p
+    heads = values.shape[0]
     with torch.no_grad():
+        if not backward and float((values[:, -1] - values.amin(dim=1)).max()) <= CUTOFF:
+            return HeadPlan([distances] * heads, [False] * heads)
         q_norm = torch.linalg.vector_norm(q.float(), dim=-1).amax(dim=(0, 2))  # (H,)
         k_norm = torch.linalg.vector_norm(k.float(), dim=-1).amax(dim=(0, 2))
         # margins for the rounding of the norms, the table and the kernel's scores
@@ -490,7 +498,8 @@ def attend_toeplitz(
     if dropout_p == 0.0 and not torch.compiler.is_compiling():
         shared = {} if buffers is None else buffers
         # a table without gradient attends each head's window only (ALiBi's steep heads)
-        plan = None if line.requires_grad else head_plan(q, k, line, rows + k_len - q_len, scale)
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        plan = None if line.requires_grad else head_plan(q, k, line, rows + k_len - q_len, scale, backward)
         return ToeplitzAttention.apply(q, k, v, line, scale, q_len, block, backward_block, shared, plan)
     q_rev = q.flip(2)
     outs = [

@@ -239,3 +239,20 @@ def test_patched_alibi_models_with_windows_train_and_decode_like_eager(monkeypat
         torch.testing.assert_close(chunk[1][n], g, atol=1e-5, rtol=1e-5, msg=n)
     assert torch.equal(chunk[2], eager[2])
     torch.testing.assert_close(chunk[3], eager[3], atol=1e-5, rtol=1e-5)
+
+
+def test_inference_windows_equal_the_formula_and_a_gentle_table_keeps_every_key():
+    """Without gradients (inference): a steep table's windows still leave out keys and the output
+    equals the formula (fp64 1e-10); a table within CUTOFF of its distance-0 bias everywhere keeps
+    every key whatever the norms (the plan skips them)."""
+    length, scale = 300, 0.5
+    steep = _steep_table(2, length, [2.0, 0.01], 4, torch.float64)
+    q, k, v, _ = _inputs(4, 2, 2, length, length, length, 4, torch.float64, 1.0)
+    with torch.no_grad():
+        out = toeplitz.attend_toeplitz(q, k, v, steep, length, scale, 64)
+    torch.testing.assert_close(out, reference(q, k, v, steep, length, scale), atol=1e-10, rtol=1e-10)
+    line = toeplitz.toeplitz_line(steep, length, length, length, 4, q.dtype)
+    assert toeplitz.head_plan(q, k, line, length, scale, backward=False).windows[0] < length
+    gentle = _steep_table(2, length, [0.3, 0.01], 4, torch.float64)  # drops at most 90 + 3 < CUTOFF
+    line = toeplitz.toeplitz_line(gentle, length, length, length, 4, q.dtype)
+    assert toeplitz.head_plan(q * 1e3, k, line, length, scale, backward=False).windows == [length, length]
