@@ -133,11 +133,10 @@ class _Plan:
             far_lse = far_lse + tail.to(q.dtype)[:, None]
             near_lse = lse[:, :, window:]
             merged = torch.logaddexp(near_lse, far_lse)
+            # in place in the output (two passes, no (B, Hq, T - W, D) temporaries)
             near_out = out[:, :, window:]
-            out[:, :, window:] = (
-                torch.exp(near_lse - merged)[..., None] * near_out
-                + torch.exp(far_lse - merged)[..., None] * far_out
-            )
+            near_out.mul_(torch.exp(near_lse - merged)[..., None])
+            near_out.addcmul_(far_out, torch.exp(far_lse - merged)[..., None])
             lse[:, :, window:] = merged
         return out, lse
 
