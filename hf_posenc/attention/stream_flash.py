@@ -24,7 +24,6 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from ..core.layout import causal_mask, expand_kv_heads
 from ..core.recompute import kernel
@@ -92,8 +91,17 @@ def _widened(
     groups = q.shape[1] // k.shape[1]
     width = max(q.shape[-1], v.shape[-1] + stream.shape[-1])
     values = torch.cat((v, stream), dim=-1) if stream.shape[-1] else v  # (B, Hkv, Tk, Dv + S)
-    q, k, values = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (q, k, values))
+    q, k, values = (_padded(x, width) if x.shape[-1] < width else x for x in (q, k, values))
     return q, expand_kv_heads(k, groups), expand_kv_heads(values, groups)
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (..., D) -> (..., width), zeros past D: only the padding is zero-filled (``F.pad`` fills
+    the whole output, then copies x over it)."""
+    out = x.new_empty(*x.shape[:-1], width)
+    out[..., : x.shape[-1]] = x
+    out[..., x.shape[-1] :].zero_()
+    return out
 
 
 def _head_chunks(kv_heads: int, groups: int) -> list[tuple[slice, slice]]:

@@ -170,8 +170,9 @@ def pe_layer(
     (B, P, T, D) products W_up half and gate * (W_up half) (P = 4G channels of D features: 4x
     the stream, twice, and kept by autograd for backward)."""
     dtype = half.dtype
-    gated_up = gate.to(dtype)[..., None] * w_up.to(dtype)  # (B, T, P, G)
-    mixing = torch.einsum("gp,btph->btgh", w_down.to(dtype), gated_up)  # (B, T, G, G): M_t
+    scaled_down = w_down.to(dtype) * gate.to(dtype)[..., None, :]  # (B, T, G, P): W_down diag(gate_t)
+    # (B, T, G, G): M_t, one (B*T*G, P) x (P, G) product (no permuted copy of a (B, T, P, G) tensor)
+    mixing = torch.matmul(scaled_down, w_up.to(dtype))
     return half + torch.einsum("btgh,bhtd->bgtd", mixing, half)
 
 
