@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from conftest import make_model, patch, token_ids
 from hypothesis import HealthCheck, given, settings
@@ -256,3 +257,30 @@ def test_inference_windows_equal_the_formula_and_a_gentle_table_keeps_every_key(
     gentle = _steep_table(2, length, [0.3, 0.01], 4, torch.float64)  # drops at most 90 + 3 < CUTOFF
     line = toeplitz.toeplitz_line(gentle, length, length, length, 4, q.dtype)
     assert toeplitz.head_plan(q * 1e3, k, line, length, scale, backward=False).windows == [length, length]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_windows_are_no_further_from_fp64_than_the_eager_formula(dtype):
+    """A steep frozen table in bf16/fp16 (windows and the per-head backward choice): output and the
+    gradients of q, k, v are no further from the fp64 formula than the written-out formula
+    evaluated in the same dtype (plus a rounding step of it)."""
+    length, scale = 200, 0.5
+    table = _steep_table(3, length, [2.0, 0.25, 0.01], 5, torch.float32)
+    q, k, v, grad = _inputs(5, 2, 3, length, length, length, 8, torch.float32, 0.5)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want = reference(*exact, table.double(), length, scale)
+    want_grads = torch.autograd.grad((want * grad.double()).sum(), exact)
+    errors = {}
+    for name in ("ours", "formula"):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        if name == "ours":
+            out = toeplitz.attend_toeplitz(*leaves, table.to(dtype), length, scale, 64)
+        else:
+            out = reference(*leaves, table.to(dtype), length, scale)
+        got = torch.autograd.grad((out * grad.to(dtype)).sum(), leaves)
+        errors[name] = [
+            (a.double() - b).abs().max().item() for a, b in zip((out, *got), (want, *want_grads), strict=True)
+        ]
+    eps = torch.finfo(dtype).eps
+    for ours, formula in zip(errors["ours"], errors["formula"], strict=True):
+        assert ours <= 2 * formula + 4 * eps, errors
