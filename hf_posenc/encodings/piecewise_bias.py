@@ -225,7 +225,10 @@ class PiecewiseDistanceBias(BlockBias):
         if allowed is not None:  # (B|1, 1, rows, keys)
             segment = segment.masked_fill(~allowed[:, 0], masked)
         slopes = F.pad(self.slopes, (0, masked))  # (Hq, 2K+2): slope 0 ...
-        intercepts = F.pad(self.intercepts, (0, masked), value=torch.finfo(dtype).min)  # ... and the minimum
+        # ... and the minimum (of the block's dtype, within the pieces' fp32: fp64 blocks get fp32's,
+        # which masks as surely; fp64's own does not fit the fp32 intercepts)
+        minimum = max(torch.finfo(dtype).min, torch.finfo(self.intercepts.dtype).min)
+        intercepts = F.pad(self.intercepts, (0, masked), value=minimum)
         out = None
         if scratch is not None and scratch.dtype == x.dtype:  # (B', Hq, rows, keys) written in place
             shape = (segment.shape[0], self.slopes.shape[0], *segment.shape[1:])

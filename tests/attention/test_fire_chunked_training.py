@@ -212,3 +212,35 @@ def test_the_c_gradient_at_small_c_is_as_accurate_as_its_terms(length, c, thresh
     (torch.where(causal, block, 0.0) * grad).sum().backward()
     error = abs(float(function.c.grad[0]) - float(params["c"].grad[0]))
     assert error <= torch.finfo(torch.float32).eps * magnitude, (error, magnitude)
+
+
+def test_fire_training_in_fp64_through_either_way_of_building_a_block():
+    """fp64 q, k, v through the chunked backend (blocks past L from the network's products or
+    from the linear pieces, whose masked pieces once overflowed fp32 with fp64's minimum): the
+    output and every gradient equal autograd of the formula in fp64, within fp32's accuracy of
+    the bias (its pieces are fp32)."""
+    generator = torch.Generator().manual_seed(3)
+    function = _function(6, 0.3, 5.0, generator)
+    length = 20
+    leaves = [
+        torch.randn(1, HEADS, length, WIDTH_D, generator=generator, dtype=torch.float64).requires_grad_()
+        for _ in range(3)
+    ]
+    positions = torch.arange(length)[None]
+    allowed = torch.arange(length)[None, :] <= torch.arange(length)[:, None]
+    weight = torch.randn(1, length, HEADS, WIDTH_D, generator=generator, dtype=torch.float64)
+    expected, _ = _formula_gradients(function, leaves, positions, allowed, 0.5, weight, torch.float64)
+    want = _formula_output(function, leaves, positions, allowed, 0.5)
+    for columns in (100, 0):
+        function.zero_grad()
+        for leaf in leaves:
+            leaf.grad = None
+        with mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns):
+            bias = function.bias(positions, length, length)
+            out = attend_chunked(*leaves, bias=bias, mask=None, softmax_scale=0.5, block=4)
+            (out * weight).sum().backward()
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        got = [t.grad for t in leaves] + [p.grad.double() for p in function.parameters()]
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
