@@ -1,8 +1,13 @@
-"""The saturating-band backend: causal attention whose ``transform_scores`` stage is, past a point
-of each row, the logit plus a per-query constant (a
-:class:`~hf_posenc.encodings.saturating_transform.SaturatingTransform`, CoPE's): an explicit band
-of keys near each block of queries, one fused kernel call for the keys before it, merged by
-log-sum-exp.
+"""The saturating-band backend: causal attention whose explicit score stage needs only a band of
+keys near each block of queries (a :class:`~hf_posenc.encodings.saturating_transform.BandForm`):
+
+- a ``transform_scores`` stage that is, past a point of each row, the logit plus a per-query
+  constant (:class:`~hf_posenc.encodings.saturating_transform.SaturatingTransform`, CoPE's): an
+  explicit band plus one fused kernel call for the keys before it, merged by log-sum-exp (below);
+- a ``normalize`` stage whose weights before the band are exactly 0
+  (:class:`~hf_posenc.encodings.saturating_transform.VanishingWeights`, stick-breaking's past
+  fp32's underflow): the band alone, ``out = W_band V_band``; backward recomputes the band under
+  autograd (``dW = dO V^T``, ``dV = W^T dO``).
 
 For one block of queries ``[s, e)`` (:data:`BLOCK` rows) and the band of keys ``[f, e)``:
 
@@ -33,8 +38,8 @@ far part is the fused kernel's, instead of O(T^2) explicit scores, gates and the
 sums (CoPE's band is about 2 (npos_max - 1) keys when its gates are near 1/2).
 
 Registered as backend ``saturating_band`` (under ``auto`` and ``chunked``) for calls of an
-encoding that gives the form (``Encoding.saturating_transform``) and no other explicit stage
-(no ``logits`` or ``normalize``, no bias), causal with no padding mask and no cache
+encoding that gives a form (``Encoding.band_form``) for its one explicit stage (no ``logits``,
+no bias), causal with no padding mask and no cache
 (Tq = Tk) longer than one block and the first band width, fp32/fp64 on CPU (the fused kernel's dtypes), no dropout, no weights asked for, not
 under torch.compile. Other calls (decoding, padding, windows, bf16, GPU) take the explicit paths.
 """
@@ -46,8 +51,8 @@ from typing import Any
 
 import torch
 
-from ..encodings.base import saturates
-from ..encodings.saturating_transform import SaturatingTransform
+from ..encodings.base import has_band_form
+from ..encodings.saturating_transform import BandForm, SaturatingTransform, VanishingWeights
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD, stack_groups, unstack_groups
 
@@ -60,7 +65,7 @@ DTYPES = (torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class BandPlan:
     scale: float
     groups: int
     block: int
@@ -69,32 +74,38 @@ class _Plan:
     def spans(self, length: int) -> list[tuple[int, int]]:
         return [(start, min(length, start + self.block)) for start in range(0, length, self.block)]
 
-    def band_logits(
-        self, form: SaturatingTransform, q_rows: torch.Tensor, keys: torch.Tensor, start: int, first: int
+    def band_of(
+        self, form: BandForm, q_rows: torch.Tensor, keys: torch.Tensor, start: int, first: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The band of queries ``q_rows`` (B, Hq, R, D) from ``start`` over ``keys`` (B, Hkv, K, D)
-        from key ``first``: (transformed logits (B, Hq, R, K), -inf where the causal mask
-        forbids; saturated (B, Hq, R))."""
+        """``form.band`` of queries ``q_rows`` (B, Hq, R, D) from ``start`` over ``keys`` (B, Hkv,
+        K, D) from key ``first``: (its (B, Hq, R, K) values, its (B, Hq, R) flag that nothing
+        before the band is needed)."""
         rows = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device)
         key_index = torch.arange(first, first + keys.shape[-2], device=q_rows.device)
         allowed = key_index[None, :] <= rows[:, None]  # (R, K)
+        own = key_index[None, :] == rows[:, None]  # (R, K) the query's own key
         stacked = stack_groups(q_rows, self.groups)  # (B, Hkv, G*R, D)
         scores = torch.matmul(stacked, keys.transpose(-1, -2)) * self.scale  # (B, Hkv, G*R, K)
-        logits, saturated = form.band(q_rows, unstack_groups(scores, self.groups), allowed)
-        return logits.masked_fill(~allowed, float("-inf")), saturated
+        return form.band(q_rows, unstack_groups(scores, self.groups), allowed, own)
 
     def band(
-        self, form: SaturatingTransform, q: torch.Tensor, k: torch.Tensor, start: int, stop: int, width: int
+        self, form: BandForm, q: torch.Tensor, k: torch.Tensor, start: int, stop: int, width: int
     ) -> tuple[int, torch.Tensor]:
-        """The block's band, starting ``width`` keys before ``start`` and doubling until every row
-        is saturated before it (or it reaches key 0): (its first key, its transformed logits
-        (B, Hq, R, K), -inf where masked)."""
+        """The block's band, starting ``width`` keys before ``start`` and doubling until the form
+        says no row needs a key before it (or it reaches key 0): (its first key, the form's
+        (B, Hq, R, K) values over it)."""
         while True:
             first = max(0, start - width)
-            logits, saturated = self.band_logits(form, q[:, :, start:stop], k[:, :, first:stop], start, first)
-            if first == 0 or bool(saturated.all()):
-                return first, logits
+            values, done = self.band_of(form, q[:, :, start:stop], k[:, :, first:stop], start, first)
+            if first == 0 or bool(done.all()):
+                return first, values
             width *= 2
+
+    def causal_logits(self, logits: torch.Tensor, start: int, first: int) -> torch.Tensor:
+        """A band's logits (B, Hq, R, K) with -inf on the future keys."""
+        rows = torch.arange(start, start + logits.shape[-2], device=logits.device)
+        key_index = torch.arange(first, first + logits.shape[-1], device=logits.device)
+        return logits.masked_fill(key_index[None, :] > rows[:, None], float("-inf"))
 
     def forward(
         self, form: SaturatingTransform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -108,6 +119,7 @@ class _Plan:
         width = self.band_keys  # each block starts from the width the one before needed
         for start, stop in self.spans(length):
             first, logits = self.band(form, q, k, start, stop, width)  # (B, Hq, R, K)
+            logits = self.causal_logits(logits, start, first)
             width = max(width, start - first)
             firsts.append(first)
             q_rows = q[:, :, start:stop]
@@ -161,7 +173,8 @@ class _Plan:
                     {name: t.detach().requires_grad_() for name, t in tensors.items()} if need_form else {}
                 )
                 leaf_form = form.replace(**leaves) if leaves else form
-                logits, _ = self.band_logits(leaf_form, q_leaf, k_leaf, start, first)
+                logits, _ = self.band_of(leaf_form, q_leaf, k_leaf, start, first)
+                logits = self.causal_logits(logits, start, first)
                 tail = leaf_form.tail(q_leaf) if first > 0 else None
             with torch.no_grad():
                 probs = torch.exp(logits.detach() - block_lse[..., None])  # (B, Hq, R, K)
@@ -209,7 +222,9 @@ class _SaturatingBandAttention(torch.autograd.Function):
     """The merged attention with the O(T) saved state of a fused kernel (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, form: SaturatingTransform, names: tuple[str, ...], q, k, v, *tensors):
+    def forward(
+        ctx: Any, plan: BandPlan, form: SaturatingTransform, names: tuple[str, ...], q, k, v, *tensors
+    ):
         form = form.replace(**dict(zip(names, tensors, strict=True)))
         out, lse, firsts = plan.forward(form, q, k, v)
         ctx.plan, ctx.form, ctx.names, ctx.firsts = plan, form, names, firsts
@@ -227,12 +242,73 @@ class _SaturatingBandAttention(torch.autograd.Function):
         return (None, None, None, grad_q, grad_k, grad_v, *(grad_form.get(name) for name in ctx.names))
 
 
+def _vanishing_forward(plan: BandPlan, form: BandForm, q, k, v) -> tuple[torch.Tensor, list[int]]:
+    """Weights that vanish before each block's band: out = W_band V_band, laid out (B, T, Hq, D)."""
+    length, g = q.shape[-2], plan.groups
+    out = q.new_empty(q.shape[0], length, q.shape[1], v.shape[-1]).transpose(1, 2)  # (B, Hq, T, D)
+    firsts, width = [], plan.band_keys
+    for start, stop in plan.spans(length):
+        first, weights = plan.band(form, q, k, start, stop, width)  # (B, Hq, R, K)
+        width = max(width, start - first)
+        firsts.append(first)
+        band = torch.matmul(stack_groups(weights.to(v.dtype), g), v[:, :, first:stop])
+        out[:, :, start:stop] = unstack_groups(band, g)
+    return out, firsts
+
+
+class _VanishingBandAttention(torch.autograd.Function):
+    """Vanishing weights over each block's band; backward recomputes the band under autograd
+    (dW = dO V^T, dV = W^T dO), keeping q, k, v and the form's tensors (O(T))."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: BandPlan, form: BandForm, names: tuple[str, ...], q, k, v, *tensors):
+        form = form.replace(**dict(zip(names, tensors, strict=True)))
+        out, firsts = _vanishing_forward(plan, form, q, k, v)
+        ctx.plan, ctx.form, ctx.names, ctx.firsts = plan, form, names, firsts
+        ctx.save_for_backward(q, k, v, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, *tensors = ctx.saved_tensors
+        plan, g = ctx.plan, ctx.plan.groups
+        form = ctx.form.replace(**dict(zip(ctx.names, tensors, strict=True)))
+        need_form = any(ctx.needs_input_grad[6:])
+        grad_out = grad_out.to(v.dtype)
+        grad_q, grad_k, grad_v = (x.new_zeros(x.shape) for x in (q, k, v))
+        grad_form = {name: torch.zeros_like(t) for name, t in form.tensors().items()} if need_form else {}
+        for (start, stop), first in zip(plan.spans(q.shape[-2]), ctx.firsts, strict=True):
+            d_out = stack_groups(grad_out[:, :, start:stop], g)  # (B, Hkv, G*R, D)
+            with torch.enable_grad():
+                q_leaf = q[:, :, start:stop].detach().requires_grad_()
+                k_leaf = k.detach()[:, :, first:stop].requires_grad_()
+                leaves = (
+                    {n: t.detach().requires_grad_() for n, t in form.tensors().items()} if need_form else {}
+                )
+                weights, _ = plan.band_of(
+                    form.replace(**leaves) if leaves else form, q_leaf, k_leaf, start, first
+                )
+            with torch.no_grad():
+                stacked = stack_groups(weights.detach().to(v.dtype), g)  # (B, Hkv, G*R, K)
+                grad_v[:, :, first:stop] += torch.matmul(stacked.transpose(-1, -2), d_out)
+                d_weights = unstack_groups(torch.matmul(d_out, v[:, :, first:stop].transpose(-1, -2)), g)
+            found = torch.autograd.grad(
+                weights, [q_leaf, k_leaf, *leaves.values()], d_weights.to(weights.dtype), allow_unused=True
+            )
+            grad_q[:, :, start:stop] += _or_zero(found[0], q_leaf)
+            grad_k[:, :, first:stop] += _or_zero(found[1], k_leaf)
+            for name, grad in zip(leaves, found[2:], strict=True):
+                if grad is not None:
+                    grad_form[name] += grad
+        return (None, None, None, grad_q, grad_k, grad_v, *(grad_form.get(name) for name in ctx.names))
+
+
 def attend_saturating_band(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    form: SaturatingTransform,
+    form: BandForm,
     softmax_scale: float,
     block: int | None = None,
     band_keys: int | None = None,
@@ -241,12 +317,21 @@ def attend_saturating_band(
 
     ``block``: queries per block (default :data:`BLOCK`); ``band_keys``: the band's first width
     before a block (default :data:`BAND_KEYS`)."""
-    plan = _Plan(softmax_scale, q.shape[1] // k.shape[1], block or BLOCK, band_keys or BAND_KEYS)
+    plan = BandPlan(softmax_scale, q.shape[1] // k.shape[1], block or BLOCK, band_keys or BAND_KEYS)
     tensors = form.tensors()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values())):
-        out = _SaturatingBandAttention.apply(plan, form, tuple(tensors), q, k, v, *tensors.values())
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors.values()))
+    if isinstance(form, VanishingWeights):
+        if training:
+            out = _VanishingBandAttention.apply(plan, form, tuple(tensors), q, k, v, *tensors.values())
+        else:
+            out, _ = _vanishing_forward(plan, form, q, k, v)
+    elif isinstance(form, SaturatingTransform):
+        if training:
+            out = _SaturatingBandAttention.apply(plan, form, tuple(tensors), q, k, v, *tensors.values())
+        else:
+            out, _, _ = plan.forward(form, q, k, v)
     else:
-        out, _, _ = plan.forward(form, q, k, v)
+        raise TypeError(f"form {type(form).__name__}: a SaturatingTransform or VanishingWeights")
     return out.transpose(1, 2)  # (B, T, Hq, D)
 
 
@@ -259,8 +344,9 @@ class SaturatingBandBackend(Backend):
     def serves(self, call: AttentionCall) -> bool:
         q, k, v = call.q, call.k, call.v
         return (
-            call.stages & {"logits", "transform_scores", "normalize", "score_bias"} == {"transform_scores"}
-            and saturates(call.encoding)
+            len(call.stages & {"logits", "transform_scores", "normalize", "score_bias"}) == 1
+            and bool(call.stages & {"transform_scores", "normalize"})
+            and has_band_form(call.encoding)
             and call.bias is None
             and call.mask is None
             and call.dropout_p == 0.0
@@ -276,6 +362,6 @@ class SaturatingBandBackend(Backend):
         )
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        form = call.encoding.saturating_transform(call.score)
+        form = call.encoding.band_form(call.score)
         out = attend_saturating_band(call.q, call.k, call.v, form=form, softmax_scale=call.softmax_scale)
         return out.to(call.v.dtype), None

@@ -37,7 +37,7 @@ from ..core.memo import ForwardMemo
 from ..models.base import ModelGeometry
 from .block_bias import BlockBias
 from .call import ForwardCall, LayerCall, NeighbourSplit, ScoreCall
-from .saturating_transform import SaturatingTransform
+from .saturating_transform import BandForm
 
 MARKER_BUFFER = "reload_with_hf_posenc_from_pretrained"
 #: instance attribute holding values an encoding module keeps between forwards (not module state:
@@ -266,12 +266,14 @@ class Encoding(nn.Module, Generic[ConfigT]):
         (:func:`splits_neighbours`)."""
         raise NotImplementedError
 
-    def saturating_transform(self, call: ScoreCall) -> SaturatingTransform:
-        """For a ``transform_scores`` stage that is the logit plus a per-query constant for every
-        key beyond a point of its row (CoPE past its last position): the stage as a
-        :class:`~hf_posenc.encodings.saturating_transform.SaturatingTransform`, so a backend can
-        attend the far keys with a fused kernel (:mod:`hf_posenc.attention.saturating_band`).
-        Encodings that implement it say so by overriding it (:func:`saturates`)."""
+    def band_form(self, call: ScoreCall) -> BandForm:
+        """For an explicit score stage that needs only a band of keys near each query, the rest of
+        the row being the logit plus a per-query constant (a ``transform_scores`` stage: CoPE past
+        its last position) or weights that are exactly 0 (a ``normalize`` stage: stick-breaking
+        past fp32's underflow): the stage as a
+        :class:`~hf_posenc.encodings.saturating_transform.BandForm`, so a backend can attend the
+        far keys with a fused kernel or skip them (:mod:`hf_posenc.attention.saturating_band`).
+        Encodings that implement it say so by overriding it (:func:`has_band_form`)."""
         raise NotImplementedError
 
     def score_bias(self, call: ScoreCall) -> BlockBias:
@@ -335,9 +337,9 @@ def splits_neighbours(encoding: Encoding) -> bool:
     return type(encoding).neighbour_split is not Encoding.neighbour_split
 
 
-def saturates(encoding: Encoding) -> bool:
-    """Whether ``encoding`` gives its ``transform_scores`` as a :class:`SaturatingTransform`."""
-    return type(encoding).saturating_transform is not Encoding.saturating_transform
+def has_band_form(encoding: Encoding) -> bool:
+    """Whether ``encoding`` gives its explicit score stage as a :class:`BandForm`."""
+    return type(encoding).band_form is not Encoding.band_form
 
 
 def module_cache(module: nn.Module) -> dict[Any, Any]:

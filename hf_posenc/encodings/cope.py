@@ -111,7 +111,7 @@ class CoPE(Encoding[CoPEConfig]):
         scale = self.geometry.head_dim**-0.5
         return scores + interpolate_position_logits(z, positions) * scale
 
-    def saturating_transform(self, call: ScoreCall) -> CountedPositions:
+    def band_form(self, call: ScoreCall) -> CountedPositions:
         return CountedPositions(
             self.table(call.layer_idx), self.config.npos_max, self.geometry.head_dim**-0.5
         )
@@ -128,7 +128,7 @@ class CountedPositions(SaturatingTransform):
     scale: float  # the position logit's, 1 / sqrt(head_dim) as in transform_scores
 
     def band(
-        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         counts = counted_positions(torch.sigmoid(scores), allowed)  # (B, Hq, R, K) not clamped
         saturated = counts[..., 0] > self.npos_max - 1 + SATURATION_MARGIN  # (B, Hq, R)

@@ -1,53 +1,56 @@
-"""A ``transform_scores`` stage that becomes a per-query constant past a point of each row: the
-form an encoding gives so that a backend may attend the far keys with a fused kernel.
-
-For a causal row of query i (keys j <= i) with scaled logits ``S_ij = scale * q_i . k_j``, a
-saturating transform T satisfies, for some key ``f_i`` (found by the backend from the band):
-
-    T(S)_ij = S_ij + tail_i      for every key j < f_i       (and the gradient of T(S)_ij with
-                                                              respect to the band's S is 0 there)
-
-so the far keys' softmax is plain attention shifted by the constant ``tail_i`` and only a band of
-keys near the query needs the explicit transform. CoPE (Golovneva et al., 2024) is one: its
-contextual position ``p_ij = min(sum_{t=j}^{i} g_it, npos_max - 1)`` stops at ``npos_max - 1`` once
-the gates summed from the query back reach it, and from there on its logit is
-``S_ij + scale * q_i . e[npos_max - 1]``.
+"""Explicit score stages that need only a band of keys near each query, past which a row is
+either a plain logit plus a per-query constant (:class:`SaturatingTransform`) or has weights
+that are exactly zero (:class:`VanishingWeights`): the forms an encoding gives so that a backend
+(:mod:`hf_posenc.attention.saturating_band`) computes the band explicitly and the rest with a
+fused kernel, or not at all.
 
 A form answers, for a block of queries and a band of their keys (the band's first key the same
-for every row of the block):
+for every row of the block; ``allowed`` the causal mask inside it, ``own`` each query's own key):
+:meth:`BandForm.band` gives the band's values (differentiable in the queries, the band's scores
+and the form's tensors) and, per row, whether every key before the band has the far form. Its
+tensors (:meth:`BandForm.tensors`, rebuilt with :meth:`BandForm.replace`) are the parameters its
+formulas read, so a backend's backward can ask autograd for their gradients.
 
-- :meth:`band`: the transformed logits of the band (differentiable in the queries, the band's
-  scores and the form's tensors) and, per row, whether every key before the band is saturated;
-- :meth:`tail`: ``tail_i`` of the rows (differentiable in the queries and the form's tensors).
+**Saturating transform** (a ``transform_scores`` stage): for the scaled logits
+``S_ij = scale * q_i . k_j`` of a causal row, ``T(S)_ij = S_ij + tail_i`` for every key ``j`` before
+the band, and the gradient of ``T(S)_ij`` with respect to the band's S is 0 there; so the far
+keys' softmax is plain attention shifted by the constant ``tail_i``. CoPE (Golovneva et al., 2024)
+is one: its contextual position ``p_ij = min(sum_{t=j}^{i} g_it, npos_max - 1)`` stops at
+``npos_max - 1`` once the gates summed from the query back reach it, and from there on its logit
+is ``S_ij + scale * q_i . e[npos_max - 1]``.
 
-Its tensors (:meth:`tensors`, rebuilt with :meth:`replace`) are the parameters its formulas read,
-so a backend's backward can ask autograd for their gradients.
+**Vanishing weights** (a ``normalize`` stage): the weights of every key before the band are
+exactly 0, with zero gradient, in the eager computation itself. Stick-breaking attention (Tan et
+al., 2024) is one: ``log A_ij = log sigmoid(z_ij) + sum_{t > j} log sigmoid(-z_it)`` only falls as
+j moves back from the query, and its weights are flushed to 0 below fp32's smallest normal number
+(``core.underflow.exp_flushed``), so once the band's sum of ``log sigmoid(-z)`` passes that
+bound every earlier key's weight is 0.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import TypeVar
 
 import torch
 
+FormT = TypeVar("FormT", bound="BandForm")
+
 
 @dataclasses.dataclass(frozen=True)
-class SaturatingTransform(abc.ABC):
+class BandForm(abc.ABC):
     """See the module docstring."""
 
     @abc.abstractmethod
     def band(
-        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (B, Hq, R, D) the block's queries, ``scores`` (B, Hq, R, K) their scaled logits over the
-        band's K keys, ``allowed`` (R, K) bool (the causal mask inside the band) -> (transformed
-        logits (B, Hq, R, K), masked entries arbitrary; saturated (B, Hq, R) bool: every key
-        before the band has the tail form, with a margin that holds for any summation order)."""
-
-    @abc.abstractmethod
-    def tail(self, q: torch.Tensor) -> torch.Tensor:
-        """q (B, Hq, R, D) -> tail_i (B, Hq, R), in q's dtype."""
+        band's K keys, ``allowed`` (R, K) bool (the causal mask inside the band), ``own`` (R, K)
+        bool (each query's own key) -> (the band's values (B, Hq, R, K): transformed logits or
+        weights; done (B, Hq, R) bool: every key before the band has the far form, with a margin
+        that holds for any summation order)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields, by name (the parameters its formulas read)."""
@@ -57,6 +60,22 @@ class SaturatingTransform(abc.ABC):
             if isinstance(getattr(self, field.name), torch.Tensor)
         }
 
-    def replace(self, **tensors: torch.Tensor) -> SaturatingTransform:
+    def replace(self: FormT, **tensors: torch.Tensor) -> FormT:
         """A copy with some tensor fields replaced (e.g. by leaves that collect gradients)."""
         return dataclasses.replace(self, **tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaturatingTransform(BandForm):
+    """A ``transform_scores`` stage whose far keys have the logit plus ``tail`` (module docstring);
+    :meth:`band` gives transformed logits (masked entries arbitrary)."""
+
+    @abc.abstractmethod
+    def tail(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, R, D) -> tail_i (B, Hq, R), in q's dtype."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VanishingWeights(BandForm):
+    """A ``normalize`` stage whose far keys have weight 0 (module docstring); :meth:`band` gives
+    the band's attention weights (0 on masked keys)."""

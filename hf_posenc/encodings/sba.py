@@ -22,6 +22,7 @@ SBA has no positional encoding of its own and no parameters; decoding needs no s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from ..core.registry import register_encoding
 from ..core.underflow import exp_flushed
 from .base import Encoding
 from .call import ScoreCall
+from .saturating_transform import VanishingWeights
 
 REMAINDERS = ("current", "drop")
 
@@ -50,18 +52,39 @@ class SBAConfig(EncodingConfig):
         check_choice(self.encoding, "remainder", self.remainder, REMAINDERS)
 
 
+#: a band whose sum of log(1 - beta) over its keys (the first included) lies below this leaves
+#: every earlier key a log-weight below exp_flushed's clamp (log of fp32's smallest normal + 1/2),
+#: so a weight of exactly 0 with no gradient; one unit of margin
+VANISHED = math.log(torch.finfo(torch.float32).tiny) + 0.5 - 1.0
+
+
 def stick_breaking_weights(scores: torch.Tensor, breaks: torch.Tensor) -> torch.Tensor:
     """scores (..., Tq, Tk) -> A (..., Tq, Tk) fp32, over the keys ``breaks`` (bool, broadcastable).
 
     A_ij = sigmoid(z_ij) * prod_{k > j, breaks_ik} (1 - sigmoid(z_ik)) where breaks_ij, else 0.
     """
+    return _stick_breaking(scores, breaks)[0]
+
+
+def _stick_breaking(scores: torch.Tensor, breaks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A as :func:`stick_breaking_weights`, the sum of log(1 - beta) over every key of the row
+    from its first (..., Tq))."""
     z = scores.float()
     log_keep = F.logsigmoid(-z).masked_fill_(~breaks, 0.0)  # log(1 - beta), 0 off the stick
     # sum over k > j: reversed cumulative sum shifted by one key (no subtraction, no cancellation)
-    after = F.pad(log_keep.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+    sums = log_keep.flip(-1).cumsum(-1).flip(-1)  # (..., Tq, Tk) sum over k >= j
+    after = F.pad(sums[..., 1:], (0, 1))
     log_weights = after.add_(F.logsigmoid(z)).masked_fill_(~breaks, float("-inf"))  # (..., Tq, Tk)
     # exp_flushed: most log-weights lie far below zero, where torch.exp leaves its fast path on CPU
-    return exp_flushed(log_weights)
+    return exp_flushed(log_weights), sums[..., 0]
+
+
+def _with_remainder(weights: torch.Tensor, own: torch.Tensor, remainder: str) -> torch.Tensor:
+    """``remainder="current"``: the leftover mass 1 - sum_j A_ij added to the query's own key."""
+    if remainder == "current":
+        left = (1.0 - weights.sum(-1, keepdim=True)).clamp(min=0.0)  # (..., Tq, 1)
+        weights = weights + left * own
+    return weights
 
 
 @register_encoding
@@ -87,7 +110,24 @@ class StickBreaking(Encoding[SBAConfig]):
             allowed = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
         breaks = allowed if cfg.attend_current else allowed & ~own  # (B|1, 1, Tq, Tk)
         weights = stick_breaking_weights(scores, breaks)  # (B, Hq, Tq, Tk)
-        if cfg.remainder == "current":
-            left = (1.0 - weights.sum(-1, keepdim=True)).clamp(min=0.0)  # (B, Hq, Tq, 1)
-            weights = weights + left * own
-        return weights
+        return _with_remainder(weights, own, cfg.remainder)
+
+    def band_form(self, call: ScoreCall) -> StickBreakingBand:
+        return StickBreakingBand(self.config.attend_current, self.config.remainder)
+
+
+@dataclasses.dataclass(frozen=True)
+class StickBreakingBand(VanishingWeights):
+    """Stick-breaking as :class:`VanishingWeights`: once the band's log(1 - beta) summed from its
+    first key to the query passes :data:`VANISHED`, every key before the band has weight 0 (its
+    log-weight adds more non-positive terms to that sum), as the eager weights have."""
+
+    attend_current: bool
+    remainder: str
+
+    def band(
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        breaks = allowed if self.attend_current else allowed & ~own  # (R, K)
+        weights, kept = _stick_breaking(scores, breaks)  # (B, Hq, R, K), (B, Hq, R)
+        return _with_remainder(weights, own, self.remainder), kept < VANISHED
