@@ -52,10 +52,12 @@ BACKWARD_BLOCK = 128
 #: e^-CUTOFF < 2^-150 times the diagonal key's, under half of fp32's smallest subnormal relative to
 #: the row's sum (the fused kernel itself rounds it to 0)
 CUTOFF = 104.0
-#: heads per call of the explicit backward: one head's (R, K) block (1 MiB at R = 128, K = 2048,
-#: fp32) and its dP stay in a core's L2 cache through the five products and the elementwise
-#: passes (attention alone, learned table, one thread, under load: 0.84x the time of all 8 heads
-#: at once at T=2048, 0.80x at T=4096)
+#: heads per call of the explicit backward when the heads have key windows (a table without
+#: gradient: ALiBi's steep heads), so each head reads only its own window. A learned table (no
+#: windows) takes all heads per call: the bench's kerple training step (T=2048, vocab 256, 8 heads
+#: of 32, idle, torch's two threads, medians of 6 alternating steps in one process) read 1.49x
+#: native one head at a time, 1.41x two, 1.33x four, 1.28x all eight (one thread: 1.18x / 1.16x
+#: for one / eight); ALiBi's read 1.21x / 1.20x / 1.24x / 1.25x
 EXPLICIT_HEADS = 1
 #: a head's first key in a block is rounded down to a multiple of this, so that neighbouring heads
 #: with about the same window share one kernel call
@@ -377,8 +379,9 @@ def toeplitz_gradients(
     of :class:`ToeplitzAttention` (formulas in the module's docstring); ``lse`` in reversed row
     order; with ``windows`` (per head, :func:`head_plan`) each head over the keys its window reaches.
 
-    :data:`EXPLICIT_HEADS` heads at a time, each through every block: the work tensors are laid out
-    head-major ((H * B, ...), row h * B + b), so a head's rows are one contiguous range."""
+    With ``windows``, :data:`EXPLICIT_HEADS` heads at a time, each through every block (without,
+    all heads at once): the work tensors are laid out head-major ((H * B, ...), row h * B + b), so
+    a head's rows are one contiguous range."""
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     batch, heads, rows, dim = q.shape
@@ -412,7 +415,7 @@ def toeplitz_gradients(
     spans = _blocks(rows, q_len, k_len, block)
     longest = max(count for _, count, _ in spans)
     widest = max(count * (keys + count) for _, count, keys in spans)
-    step = max(1, min(EXPLICIT_HEADS, heads))
+    step = heads if windows is None else max(1, min(EXPLICIT_HEADS, heads))
     buffer = _buffer(buffers, "buffer", step * batch * widest, work, q.device)
     scratch = _buffer(buffers, "scratch", step * batch * longest * k_len, work, q.device)
     for h0 in range(0, heads, step):

@@ -81,8 +81,9 @@ def test_toeplitz_attention_and_gradients_equal_the_written_out_formula(
     """Output and the gradients of q, k, v and the table equal autograd through the written-out
     formula (fp64 within 1e-10, fp32 within 1e-5) for any forward and backward block sizes, the
     first n <= Tq queries (FIRE's rows below its threshold) and more keys than queries (a cache);
-    a table without gradient (ALiBi, Sandwich, frozen) takes torch's fused backward instead; the
-    explicit backward any number of heads per call."""
+    a table without gradient (ALiBi, Sandwich, frozen) takes torch's fused backward instead, or
+    the explicit one per head window, any number of windowed heads per call (a learned table's
+    explicit backward takes all heads at once)."""
     monkeypatch.setattr(toeplitz, "BACKWARD_BLOCK", backward_block)
     monkeypatch.setattr(toeplitz, "EXPLICIT_HEADS", explicit_heads)
     rows = max(1, q_len - rows_cut)
