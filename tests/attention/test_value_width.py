@@ -15,6 +15,7 @@ from conftest import make_model, patch, token_ids
 from encoding_cases import ALL_CASES, CASES_BY_ENCODING, case_id
 from transformers import DynamicCache
 
+from hf_posenc.attention import stream_flash
 from hf_posenc.attention.backend import AttentionCall, dispatch_with_stream
 from hf_posenc.compat import cache_keyword
 from hf_posenc.core.registry import encoding_names, get_encoding
@@ -25,21 +26,29 @@ DEFAULTS = [cases[0] for cases in CASES_BY_ENCODING.values()]
 
 @pytest.mark.parametrize("case", DEFAULTS, ids=[case_id(c) for c in DEFAULTS])
 def test_sdpa_and_the_cache_see_the_models_head_width(case, monkeypatch):
-    """Every SDPA call of a patched forward gets q, k, v of one width (the model's head_dim),
-    and the cache filled by it holds keys and values of the model's head width."""
+    """Every fused-kernel call of a patched forward (SDPA, and the CPU flash operator that an
+    encoding attending a stream calls directly) gets q, k, v of one width, and the cache filled
+    by it holds keys and values of the model's head width. An encoding that attends a stream
+    (TAPE) makes at least one such call: its widened values must not leave the fused kernel."""
     model = patch(make_model("llama"), case[0], case[1])
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     widths = []
-    original = F.scaled_dot_product_attention
 
-    def recording(q, k, v, *args, **kwargs):
-        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
-        return original(q, k, v, *args, **kwargs)
+    def recording(original):
+        def record(q, k, v, *args, **kwargs):
+            widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+            return original(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+        return record
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording(F.scaled_dot_product_attention))
+    if stream_flash.CPU_FLASH is not None:
+        monkeypatch.setattr(stream_flash, "CPU_FLASH", recording(stream_flash.CPU_FLASH))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(token_ids(1, 12), **{cache_keyword(model): cache}, use_cache=True)
+    if get_encoding(case[0]).attends_stream:
+        assert widths, "no fused-kernel call recorded for a stream-attending encoding"
     for q_width, k_width, v_width in widths:
         assert q_width == k_width == v_width, f"SDPA got widths q={q_width} k={k_width} v={v_width}"
     for layer in cache.layers:
