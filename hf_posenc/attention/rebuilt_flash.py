@@ -34,8 +34,7 @@ import math
 import torch
 
 from .softmax_parts import CPU_FLASH
-from .toeplitz import FLUSH, LOG2E
-from .toeplitz import _buffer as work_buffer
+from .toeplitz_layout import FLUSH, LOG2E, work_buffer
 
 #: dtypes the block's forward and backward run in (the fused kernel computes in them)
 FLASH_DTYPES = (torch.float32, torch.float64)

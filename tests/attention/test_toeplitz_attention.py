@@ -15,7 +15,7 @@ from conftest import make_model, patch, token_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_posenc.attention import chunked, toeplitz
+from hf_posenc.attention import chunked, toeplitz, toeplitz_backward
 
 
 def reference(q, k, v, table, q_len: int, scale: float) -> torch.Tensor:
@@ -85,7 +85,7 @@ def test_toeplitz_attention_and_gradients_equal_the_written_out_formula(
     the explicit one per head window, any number of windowed heads per call (a learned table's
     explicit backward takes all heads at once)."""
     monkeypatch.setattr(toeplitz, "BACKWARD_BLOCK", backward_block)
-    monkeypatch.setattr(toeplitz, "EXPLICIT_HEADS", explicit_heads)
+    monkeypatch.setattr(toeplitz_backward, "EXPLICIT_HEADS", explicit_heads)
     rows = max(1, q_len - rows_cut)
     q, k, v, table, grad = _case(seed, batch, heads, rows, q_len, q_len + extra_keys, 4, dtype)
     _check(q, k, v, table, grad, q_len, block, 1e-10 if dtype == torch.float64 else 1e-5, table_grad)

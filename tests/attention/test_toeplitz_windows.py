@@ -1,4 +1,4 @@
-"""Key windows of the Toeplitz path for tables without gradient (``toeplitz.head_plan``, issue
+"""Key windows of the Toeplitz path for tables without gradient (``toeplitz_windows.head_plan``, issue
 21.6: ALiBi's steep heads). A key whose bias lies more than 2 B + CUTOFF below the bias of
 distance 0, with B = scale * max |q_i| * max |k_j|, is left out of the head's blocks. Checked:
 the bound itself (every key left out has a weight below 2^-150 times the diagonal key's, exactly
@@ -18,7 +18,7 @@ from conftest import make_model, patch, token_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_posenc.attention import chunked, toeplitz
+from hf_posenc.attention import chunked, toeplitz, toeplitz_windows
 
 
 def reference(q, k, v, table, q_len: int, scale: float) -> torch.Tensor:
@@ -60,7 +60,7 @@ def _steep_table(heads: int, k_len: int, slopes: list[float], seed: int, dtype) 
 def _plan(q, k, table, q_len, scale):
     rows, k_len = q.shape[2], k.shape[2]
     line = toeplitz.toeplitz_line(table, rows, q_len, k_len, 4, q.dtype)
-    return toeplitz.head_plan(q, k, line, rows + k_len - q_len, scale)
+    return toeplitz_windows.head_plan(q, k, line, rows + k_len - q_len, scale)
 
 
 @settings(max_examples=60, deadline=None)
@@ -101,7 +101,7 @@ def test_every_key_outside_a_window_weighs_below_2_to_the_minus_150(
         if plan.fused[head]:  # every exponent of the head's window on aten's fast exp path
             inside = causal & ~outside
             exponents = (scores[0, head] - lse[0, head][:, None])[inside]
-            assert float(exponents.min()) >= -toeplitz.FAST_EXP, (head, float(exponents.min()))
+            assert float(exponents.min()) >= -toeplitz_windows.FAST_EXP, (head, float(exponents.min()))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -139,7 +139,7 @@ def test_windowed_attention_equals_the_written_out_formula(
     gradients of q, k, v equal autograd through the formula over every key (fp64 1e-10 with
     per-token norms over 2^±4, fp32 1e-5 over 2^±1)."""
     monkeypatch.setattr(toeplitz, "BACKWARD_BLOCK", backward_block)
-    monkeypatch.setattr(toeplitz, "KEY_ALIGN", key_align)
+    monkeypatch.setattr(toeplitz_windows, "KEY_ALIGN", key_align)
     rows = max(1, q_len - rows_cut)
     k_len = q_len + extra_keys
     # fp32: norms within 2^±1 (scores of hundreds carry fp32 rounding above 1e-5 in any formula)
@@ -253,10 +253,13 @@ def test_inference_windows_equal_the_formula_and_a_gentle_table_keeps_every_key(
         out = toeplitz.attend_toeplitz(q, k, v, steep, length, scale, 64)
     torch.testing.assert_close(out, reference(q, k, v, steep, length, scale), atol=1e-10, rtol=1e-10)
     line = toeplitz.toeplitz_line(steep, length, length, length, 4, q.dtype)
-    assert toeplitz.head_plan(q, k, line, length, scale, backward=False).windows[0] < length
+    assert toeplitz_windows.head_plan(q, k, line, length, scale, backward=False).windows[0] < length
     gentle = _steep_table(2, length, [0.3, 0.01], 4, torch.float64)  # drops at most 90 + 3 < CUTOFF
     line = toeplitz.toeplitz_line(gentle, length, length, length, 4, q.dtype)
-    assert toeplitz.head_plan(q * 1e3, k, line, length, scale, backward=False).windows == [length, length]
+    assert toeplitz_windows.head_plan(q * 1e3, k, line, length, scale, backward=False).windows == [
+        length,
+        length,
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
