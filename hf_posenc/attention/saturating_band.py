@@ -52,9 +52,15 @@ from typing import Any
 import torch
 
 from ..encodings.base import has_band_form
-from ..encodings.saturating_transform import BandForm, SaturatingTransform, VanishingWeights
+from ..encodings.saturating_transform import BandForm, FormT, SaturatingTransform, VanishingWeights
 from .backend import AUTO, AttentionCall, Backend, register_backend
-from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD, stack_groups, unstack_groups
+from .softmax_parts import (
+    CPU_FLASH_BACKWARD,
+    cpu_flash_backward,
+    cpu_flash_forward,
+    stack_groups,
+    unstack_groups,
+)
 
 #: queries per block
 BLOCK = 64
@@ -101,11 +107,45 @@ class BandPlan:
                 return first, values
             width *= 2
 
-    def causal_logits(self, logits: torch.Tensor, start: int, first: int) -> torch.Tensor:
-        """A band's logits (B, Hq, R, K) with -inf on the future keys."""
-        rows = torch.arange(start, start + logits.shape[-2], device=logits.device)
-        key_index = torch.arange(first, first + logits.shape[-1], device=logits.device)
-        return logits.masked_fill(key_index[None, :] > rows[:, None], float("-inf"))
+    def leaf_band(
+        self,
+        form: FormT,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        start: int,
+        stop: int,
+        first: int,
+        need_form: bool,
+    ) -> tuple[torch.Tensor, FormT, list[torch.Tensor], list[str]]:
+        """The block's band recomputed under autograd from leaves (backward): (its values, the form
+        on leaves of its tensors (``need_form``) or the form itself, the leaves [q rows, band keys,
+        form tensors...], the form tensors' names)."""
+        with torch.enable_grad():
+            q_leaf = q[:, :, start:stop].detach().requires_grad_()
+            k_leaf = k.detach()[:, :, first:stop].requires_grad_()  # the band's keys only
+            leaves = {n: t.detach().requires_grad_() for n, t in form.tensors().items()} if need_form else {}
+            leaf_form = form.replace(**leaves) if leaves else form
+            values, _ = self.band_of(leaf_form, q_leaf, k_leaf, start, first)
+        return values, leaf_form, [q_leaf, k_leaf, *leaves.values()], list(leaves)
+
+    @staticmethod
+    def add_leaf_grads(
+        found: tuple[torch.Tensor | None, ...],
+        leaves: list[torch.Tensor],
+        names: list[str],
+        grad_q: torch.Tensor,
+        grad_k: torch.Tensor,
+        grad_form: dict[str, torch.Tensor],
+        start: int,
+        stop: int,
+        first: int,
+    ) -> None:
+        """Adds autograd's gradients of :meth:`leaf_band`'s leaves into the full gradients."""
+        grad_q[:, :, start:stop] += _or_zero(found[0], leaves[0])
+        grad_k[:, :, first:stop] += _or_zero(found[1], leaves[1])
+        for name, grad in zip(names, found[2:], strict=True):
+            if grad is not None:
+                grad_form[name] += grad
 
     def forward(
         self, form: SaturatingTransform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -119,7 +159,6 @@ class BandPlan:
         width = self.band_keys  # each block starts from the width the one before needed
         for start, stop in self.spans(length):
             first, logits = self.band(form, q, k, start, stop, width)  # (B, Hq, R, K)
-            logits = self.causal_logits(logits, start, first)
             width = max(width, start - first)
             firsts.append(first)
             q_rows = q[:, :, start:stop]
@@ -132,9 +171,8 @@ class BandPlan:
                 out[:, :, start:stop] = band_out
                 lse[:, :, start:stop] = band_lse
                 continue
-            assert CPU_FLASH is not None  # the backend serves CPU calls only where torch has it
-            far_out, far_lse = CPU_FLASH(
-                stack_groups(q_rows, g), k[:, :, :first], v[:, :, :first], 0.0, False, scale=self.scale
+            far_out, far_lse = cpu_flash_forward(
+                stack_groups(q_rows, g), k[:, :, :first], v[:, :, :first], None, self.scale
             )  # (B, Hkv, G*R, D), (B, Hkv, G*R)
             far_lse = unstack_groups(far_lse, g) + form.tail(q_rows)  # (B, Hq, R)
             merged = torch.logaddexp(band_lse, far_lse)
@@ -166,16 +204,9 @@ class BandPlan:
         for (start, stop), first in zip(self.spans(length), firsts, strict=True):
             rows = slice(start, stop)
             d_out, block_lse = grad_out[:, :, rows], lse[:, :, rows]
+            logits, leaf_form, leaves, names = self.leaf_band(form, q, k, start, stop, first, need_form)
             with torch.enable_grad():
-                q_leaf = q[:, :, rows].detach().requires_grad_()
-                k_leaf = k.detach()[:, :, first:stop].requires_grad_()  # the band's keys only
-                leaves = (
-                    {name: t.detach().requires_grad_() for name, t in tensors.items()} if need_form else {}
-                )
-                leaf_form = form.replace(**leaves) if leaves else form
-                logits, _ = self.band_of(leaf_form, q_leaf, k_leaf, start, first)
-                logits = self.causal_logits(logits, start, first)
-                tail = leaf_form.tail(q_leaf) if first > 0 else None
+                tail = leaf_form.tail(leaves[0]) if first > 0 else None
             with torch.no_grad():
                 probs = torch.exp(logits.detach() - block_lse[..., None])  # (B, Hq, R, K)
                 values = v[:, :, first:stop]
@@ -187,26 +218,19 @@ class BandPlan:
             if tail is not None:
                 outputs.append(tail)
                 grads.append(-d_logits.sum(-1))  # every row of dL sums to zero
-            inputs = [q_leaf, k_leaf, *leaves.values()]
-            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-            grad_q[:, :, rows] += _or_zero(found[0], q_leaf)
-            grad_k[:, :, first:stop] += _or_zero(found[1], k_leaf)
-            for name, grad in zip(leaves, found[2:], strict=True):
-                if grad is not None:
-                    grad_form[name] += grad
+            found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+            self.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
             if tail is None:  # no far keys
                 continue
-            assert CPU_FLASH_BACKWARD is not None
-            dq, dk, dv = CPU_FLASH_BACKWARD(
+            dq, dk, dv = cpu_flash_backward(
                 stack_groups(d_out, g),
                 stack_groups(q[:, :, rows], g),
                 k[:, :, :first],
                 v[:, :, :first],
                 stack_groups(out[:, :, rows], g),
                 stack_groups((block_lse - tail.detach())[..., None], g)[..., 0],
-                0.0,
-                False,
-                scale=self.scale,
+                None,
+                self.scale,
             )
             grad_q[:, :, rows] += unstack_groups(dq, g)
             grad_k[:, :, :first] += dk
@@ -279,27 +303,13 @@ class _VanishingBandAttention(torch.autograd.Function):
         grad_form = {name: torch.zeros_like(t) for name, t in form.tensors().items()} if need_form else {}
         for (start, stop), first in zip(plan.spans(q.shape[-2]), ctx.firsts, strict=True):
             d_out = stack_groups(grad_out[:, :, start:stop], g)  # (B, Hkv, G*R, D)
-            with torch.enable_grad():
-                q_leaf = q[:, :, start:stop].detach().requires_grad_()
-                k_leaf = k.detach()[:, :, first:stop].requires_grad_()
-                leaves = (
-                    {n: t.detach().requires_grad_() for n, t in form.tensors().items()} if need_form else {}
-                )
-                weights, _ = plan.band_of(
-                    form.replace(**leaves) if leaves else form, q_leaf, k_leaf, start, first
-                )
+            weights, _, leaves, names = plan.leaf_band(form, q, k, start, stop, first, need_form)
             with torch.no_grad():
                 stacked = stack_groups(weights.detach().to(v.dtype), g)  # (B, Hkv, G*R, K)
                 grad_v[:, :, first:stop] += torch.matmul(stacked.transpose(-1, -2), d_out)
                 d_weights = unstack_groups(torch.matmul(d_out, v[:, :, first:stop].transpose(-1, -2)), g)
-            found = torch.autograd.grad(
-                weights, [q_leaf, k_leaf, *leaves.values()], d_weights.to(weights.dtype), allow_unused=True
-            )
-            grad_q[:, :, start:stop] += _or_zero(found[0], q_leaf)
-            grad_k[:, :, first:stop] += _or_zero(found[1], k_leaf)
-            for name, grad in zip(leaves, found[2:], strict=True):
-                if grad is not None:
-                    grad_form[name] += grad
+            found = torch.autograd.grad(weights, leaves, d_weights.to(weights.dtype), allow_unused=True)
+            plan.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
         return (None, None, None, grad_q, grad_k, grad_v, *(grad_form.get(name) for name in ctx.names))
 
 

@@ -135,7 +135,8 @@ class CountedPositions(SaturatingTransform):
         dtype = _compute_dtype(q)
         z = torch.matmul(q.to(dtype), self.table.to(dtype).T)  # (B, Hq, R, npos)
         positions = counts.clamp(max=self.npos_max - 1)
-        return scores + interpolate_position_logits(z, positions) * self.scale, saturated
+        logits = scores + interpolate_position_logits(z, positions) * self.scale
+        return logits.masked_fill(~allowed, float("-inf")), saturated
 
     def tail(self, q: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(q)

@@ -68,7 +68,7 @@ class BandForm(abc.ABC):
 @dataclasses.dataclass(frozen=True)
 class SaturatingTransform(BandForm):
     """A ``transform_scores`` stage whose far keys have the logit plus ``tail`` (module docstring);
-    :meth:`band` gives transformed logits (masked entries arbitrary)."""
+    :meth:`band` gives transformed logits, -inf on the keys ``allowed`` forbids."""
 
     @abc.abstractmethod
     def tail(self, q: torch.Tensor) -> torch.Tensor:

@@ -17,18 +17,9 @@ import torch
 from conftest import make_model, patch, token_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from references.attention import toeplitz_attention as reference
 
 from hf_posenc.attention import chunked, toeplitz, toeplitz_windows
-
-
-def reference(q, k, v, table, q_len: int, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + table[h, i - j], j <= i) v for the first n of q_len queries
-    (query i at key position i + Tk - q_len), every tensor written out."""
-    n, k_len = q.shape[2], k.shape[2]
-    distance = torch.arange(n)[:, None] + (k_len - q_len) - torch.arange(k_len)[None, :]  # (n, Tk)
-    bias = table[:, distance.clamp(min=0)].masked_fill(distance < 0, float("-inf"))  # (H, n, Tk)
-    weights = torch.softmax(q @ k.transpose(-1, -2) * scale + bias, dim=-1)
-    return weights @ v
 
 
 def _inputs(seed, batch, heads, rows, q_len, k_len, dim, dtype, norm_spread):

@@ -203,3 +203,14 @@ def two_map_attention_layer(
                 weights = torch.softmax(torch.tensor(scores, dtype=torch.float64), dim=0)
                 out[b, i, h] = sum(w * v[b, j, g] for w, j in zip(weights, keys, strict=True))
     return output_projection(module, out.reshape(batch, length, -1))
+
+
+def toeplitz_attention(q, k, v, table, q_len: int, scale: float):
+    """softmax(q k^T * scale + table[h, i - j], j <= i) v for the first n of q_len queries
+    (query i at key position i + Tk - q_len), every tensor written out: q (B, H, n, D), k/v
+    (B, H, Tk, D), table (H, >= n + Tk - q_len) -> (B, H, n, D)."""
+    n, k_len = q.shape[2], k.shape[2]
+    distance = torch.arange(n)[:, None] + (k_len - q_len) - torch.arange(k_len)[None, :]  # (n, Tk)
+    bias = table[:, distance.clamp(min=0)].masked_fill(distance < 0, float("-inf"))  # (H, n, Tk)
+    weights = torch.softmax(q @ k.transpose(-1, -2) * scale + bias, dim=-1)
+    return weights @ v
