@@ -3,6 +3,8 @@
 # `hf-posenc bench --device cuda --dtype bfloat16` against native SDPA in the same run, profiles.
 # Run from the repository root on a CUDA machine:
 #   OUT=/some/dir STAGES="tests bias frozen other lengths buckets sweep dropin s2 profile" bash scripts/gpu_session.sh
+# Narrower stages: TESTS_K (a pytest -k expression within the CUDA tests), BIAS_ENCODINGS,
+# OTHER_ENCODINGS, OTHER_MODES, BUCKETS_ARGS (gpu_flex_buckets.py arguments), PROFILES.
 # Wheels in .whl/ (transformers, flash-linear-attention, fla-core) are installed first when present.
 # Each stage has its own time limit (STAGE_<NAME>=seconds) and the script goes on after a stage
 # fails; everything lands in $OUT (log.txt, results.tar.gz).
@@ -35,7 +37,7 @@ PY
   B="python3 -m hf_posenc bench --device cuda --dtype bfloat16 --hidden-size 1024 --num-heads 16 --num-layers 4 --vocab-size 32000 --repeats 5 --warmup 2"
   if wants tests; then
     stage "CUDA tests (auto == eager: logits, gradients, cached decoding)"
-    timeout ${STAGE_TESTS:-150} python3 -m pytest -v -p no:cacheprovider -n 8 tests/attention -k cuda -m "slow or not slow" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | cut -c1-300
+    timeout ${STAGE_TESTS:-150} python3 -m pytest -v -p no:cacheprovider -n 8 tests/attention -k "cuda and (${TESTS_K:-cuda})" -m "slow or not slow" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | cut -c1-300
   fi
   if wants bias; then
     stage "bench: score-bias encodings and rope/expe/nope, T=8192, forward and forward+backward (head_dim 64)"
@@ -47,7 +49,7 @@ PY
   fi
   if wants other; then
     stage "bench: the other encodings at T=8192 forward, and decoding after a 2048-token prompt"
-    timeout ${STAGE_OTHER:-100} $B --encodings cope cape sba tape comrope liere xpos t5 alibi --modes forward decode --lengths 8192 --decode-tokens 64 --output-dir "$OUT/work/bench-other"
+    timeout ${STAGE_OTHER:-100} $B --encodings ${OTHER_ENCODINGS:-cope cape sba tape comrope liere xpos t5 alibi} --modes ${OTHER_MODES:-forward decode} --lengths 8192 --decode-tokens 64 --output-dir "$OUT/work/bench-other"
   fi
   if wants lengths; then
     stage "bench: T=2048 and 32768 forward+backward for alibi, t5, fire, fox"
@@ -55,7 +57,7 @@ PY
   fi
   if wants buckets; then
     stage "FlexAttention length buckets: compilations per length, first-call time, bucketed == exact shape (scripts/gpu_flex_buckets.py)"
-    timeout ${STAGE_BUCKETS:-300} python3 scripts/gpu_flex_buckets.py 2>&1 | grep -v Warning
+    timeout ${STAGE_BUCKETS:-300} python3 scripts/gpu_flex_buckets.py ${BUCKETS_ARGS:-} 2>&1 | grep -v Warning
   fi
   if wants sweep; then
     stage "FlexAttention alone: tile rungs and learned-table gradients (scripts/gpu_flex_sweep.py)"
