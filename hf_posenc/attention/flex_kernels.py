@@ -132,9 +132,19 @@ def _probe_backward(attempt: Callable[..., torch.Tensor], q, k, v, options: dict
     builds the backward kernel now. ``autograd.grad`` asks only for the copies' gradients, so no
     parameter's ``.grad`` is touched."""
     copies = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-    out = attempt(*copies, options)
-    wanted = [t for t in copies if t.requires_grad]
-    torch.autograd.grad(out.float().sum(), wanted, allow_unused=True)
+    # the probe's graph keeps what it saves as it is, whatever saved-tensor hooks the caller runs
+    # under: inside a recomputed step's forward (core/recompute.py) the hooks refuse every unpack
+    # (that graph is never run backward), which would fail every rung's probe for a reason that
+    # has nothing to do with the kernel and send the whole kind of call to the chunked backend
+    with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        out = attempt(*copies, options)
+        wanted = [t for t in copies if t.requires_grad]
+        torch.autograd.grad(out.float().sum(), wanted, allow_unused=True)
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor as it is (the probe's pack and unpack hook)."""
+    return tensor
 
 
 def ladder(cls: KernelClass) -> tuple[tuple[str, dict[str, object]], ...]:

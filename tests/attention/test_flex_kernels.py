@@ -106,6 +106,28 @@ def test_a_backward_that_runs_out_of_resource_is_caught_by_the_probe_before_any_
     assert flex_kernels.kernel_choices() == {"cpu/float32/d8/bias/forward+backward": "tiles-64"}
 
 
+def test_a_training_call_inside_a_recomputed_step_probes_its_backward_and_keeps_the_first_rung():
+    """A recomputed step (FoX's token shift: core/recompute.py) runs its forward under hooks that
+    refuse to unpack saved tensors; the ladder's probe must still build and run its backward
+    there, so the first rung serves and the kind is not sent to the chunked backend. Gradients
+    through the recomputed call equal those of the written-out attention."""
+    from hf_posenc.core.recompute import recomputed
+
+    attempt, calls = _attempt_failing_on(set())
+    q, k, v = _qkv(requires_grad=True)
+    used: dict[str, str] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "could not build a kernel" warning
+        out = recomputed(lambda q, k, v: attend_with_ladder(attempt, q, k, v, used=used), q, k, v)
+    assert used == {"cpu/float32/d8/bias/forward+backward": "flex (default)"}
+    out.square().sum().backward()
+    expected = [t.detach().requires_grad_() for t in _qkv(requires_grad=True)]
+    _reference_attention(*expected).square().sum().backward()
+    for got, reference in zip((q, k, v), expected, strict=True):
+        torch.testing.assert_close(got.grad, reference.grad)
+    assert flex_kernels.kernel_choices() == {"cpu/float32/d8/bias/forward+backward": "default"}
+
+
 def test_only_the_kind_whose_every_rung_failed_falls_back_with_one_warning():
     every = {name for name, _ in KERNEL_LADDER}
     attempt, calls = _attempt_failing_on(every)
