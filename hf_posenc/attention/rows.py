@@ -39,21 +39,33 @@ from .host_heap import trim_host_heap
 #: and 4096 no slower than 256-row blocks (within the +-15 % noise, often faster); 2^20 is the
 #: smaller of the budgets that never lost, so a block's temporaries stay small.
 SCORE_BUDGET = 1 << 20
+#: the same budget off the CPU (a GPU): 2^25 elements (128 MiB of fp32 scores). There each block
+#: costs a dozen or more kernel launches whatever its size, so small blocks are launch-bound: with
+#: the CPU's budget (16-row blocks at 8192 keys and 16 heads, 512 blocks a layer) CoPE's and
+#: CAPE's forward at T=8192 read 169x and 161x native on an H100 (bf16, B=1), against 27.5x and
+#: 25.4x with 256-row blocks on an H200 (README "Measured on a GPU"); 2^25 gives those 256-row
+#: blocks again at 8192 keys (memory 2.8x / 2.3x native there) and halves them as keys double.
+#: Not yet re-measured on a GPU with this value.
+DEVICE_SCORE_BUDGET = 1 << 25
 #: the fewest rows of a block (and the multiple block sizes are rounded down to): a block of
 #: fewer queries is mostly per-call overhead. Beyond ``SCORE_BUDGET / (16 * batch * heads)`` keys
 #: a block holds 16 rows and its scores grow with the keys again.
 MIN_ROWS = 16
 
 
-def block_rows(batch: int, heads: int, keys: int) -> int:
-    """Queries of a block whose scores span ``keys`` keys: ``SCORE_BUDGET // (batch * heads * keys)``
+def block_rows(batch: int, heads: int, keys: int, device_type: str = "cpu") -> int:
+    """Queries of a block whose scores span ``keys`` keys: ``budget // (batch * heads * keys)``
     rounded down to a multiple of :data:`MIN_ROWS`, at least ``MIN_ROWS`` and at most
-    :data:`~.chunked.QUERY_BLOCK` (read at call time, so tests that shrink it shrink these blocks)."""
-    rows = SCORE_BUDGET // max(1, batch * heads * keys)
+    :data:`~.chunked.QUERY_BLOCK` (read at call time, so tests that shrink it shrink these blocks);
+    the budget is :data:`SCORE_BUDGET` on the CPU, :data:`DEVICE_SCORE_BUDGET` elsewhere."""
+    budget = SCORE_BUDGET if device_type == "cpu" else DEVICE_SCORE_BUDGET
+    rows = budget // max(1, batch * heads * keys)
     return min(chunked.QUERY_BLOCK, max(MIN_ROWS, rows // MIN_ROWS * MIN_ROWS))
 
 
-def query_spans(batch: int, heads: int, q_len: int, k_len: int) -> list[tuple[int, int]]:
+def query_spans(
+    batch: int, heads: int, q_len: int, k_len: int, device_type: str = "cpu"
+) -> list[tuple[int, int]]:
     """The blocks ``[start, stop)`` of ``q_len`` queries over ``k_len`` keys (bottom-right aligned):
     each as long as :func:`block_rows` allows for the keys its longest possible span would reach
     (its last query's causal keys, were it ``QUERY_BLOCK`` long), so early blocks, with fewer
@@ -61,7 +73,7 @@ def query_spans(batch: int, heads: int, q_len: int, k_len: int) -> list[tuple[in
     spans, start = [], 0
     while start < q_len:
         reach = causal_keys(q_len, k_len, min(q_len, start + chunked.QUERY_BLOCK))
-        stop = min(q_len, start + block_rows(batch, heads, reach))
+        stop = min(q_len, start + block_rows(batch, heads, reach, device_type))
         spans.append((start, stop))
         start = stop
     return spans
@@ -80,13 +92,13 @@ class RowBlocksBackend(Backend):
             and "logits" not in call.stages
             and bool(call.stages & {"transform_scores", "normalize"})
             and call.encoding.rows_independent()
-            and call.score.q_len > block_rows(batch, heads, call.score.k_len)
+            and call.score.q_len > block_rows(batch, heads, call.score.k_len, call.q.device.type)
         )
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         q_len, k_len = call.score.q_len, call.score.k_len
         batch, heads = call.q.shape[:2]
-        spans = query_spans(batch, heads, q_len, k_len)
+        spans = query_spans(batch, heads, q_len, k_len, call.q.device.type)
         # skipping keys reads the mask on the host: not under torch.compile (see attend_chunked)
         firsts = [0] * len(spans)
         if call.mask is not None and not torch.compiler.is_compiling():

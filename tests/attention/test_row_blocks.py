@@ -45,6 +45,18 @@ def test_block_rows_is_the_largest_multiple_of_16_within_the_budget(batch, heads
         assert (n + 16) * per_row > budget
 
 
+def test_blocks_off_the_cpu_are_larger_so_a_long_call_is_not_launch_bound():
+    """On a GPU (any device but the CPU) a block's scores may reach 2^25 elements: at 8192 keys
+    and 16 heads a block holds 256 queries (32 blocks a layer), where the CPU's 2^20 gives 16
+    (over 400 blocks, each a dozen kernel launches); the spans of both cover every query once."""
+    assert rows.block_rows(1, 16, 8192, "cuda") == 256
+    assert rows.block_rows(1, 16, 8192, "cpu") == 16
+    spans = {device: rows.query_spans(1, 16, 8192, 8192, device) for device in ("cuda", "cpu")}
+    assert len(spans["cuda"]) == 32 and len(spans["cpu"]) > 400
+    for device_spans in spans.values():
+        assert [s for span in device_spans for s in range(*span)] == list(range(8192))
+
+
 def test_block_rows_follow_the_key_count():
     """With the default budget, a long sequence gets shorter blocks than a short one, and the
     early blocks of a call (fewer causal keys) are at least as long as the late ones."""
