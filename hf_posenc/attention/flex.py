@@ -180,9 +180,14 @@ def _padding_block_mask(mask: torch.Tensor, batch: int, layout: _Layout, device:
 
 
 def _pad_length(x: torch.Tensor, size: int) -> torch.Tensor:
-    """(B, H, T, D) zero-padded to (B, H, size, D) (``x`` itself when T == size)."""
+    """(B, H, T, D) zero-padded to (B, H, size, D), contiguous either way.
+
+    Contiguous also when T == size (no padding): q, k and v usually arrive as transposed views of
+    (B, T, H, D), and the compiled kernel is specialised on strides as well as sizes, so a call at
+    a bucket's own length would otherwise compile a second graph beside the padded calls' one
+    (seen on an H100 and on CPU: T=8192 after T=8000)."""
     extra = size - x.shape[-2]
-    return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
+    return x.contiguous() if extra == 0 else F.pad(x, (0, 0, 0, extra))
 
 
 def _score_mod(bias: BlockBias, grid: ScoreGrid | None = None) -> Callable | None:

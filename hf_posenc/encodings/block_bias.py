@@ -296,6 +296,19 @@ class CumulativeBias(SeparableBias):
     def heads(self, start: int, stop: int) -> BlockBias:
         return CumulativeBias(self.increments[:, start:stop], self.key_term[:, start:stop])
 
+    def elementwise(self, grid: ScoreGrid | None = None) -> ElementwiseBias:
+        """``c[i] - c[j]`` read from one captured tensor of running sums (padded to the grid's
+        keys; Tq == Tk, so its queries too). The inherited form captures a query term and a key
+        term, here one tensor twice, or two once padding copies them: the compiled kernel guards
+        on whether its captured tensors are the same object and compiled a second graph for a
+        call at its bucket's own length."""
+        cumulative = self.key_term if grid is None else pad_last(self.key_term, grid.k_size)  # (B, Hq, Tk')
+
+        def cumulative_difference(b, h, q_idx, kv_idx):
+            return cumulative[b, h, q_idx] - cumulative[b, h, kv_idx]
+
+        return cumulative_difference
+
 
 @dataclasses.dataclass(frozen=True)
 class RowBias(BlockBias):

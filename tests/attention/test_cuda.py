@@ -61,8 +61,9 @@ def test_cuda_auto_cached_decoding_equals_eager_full_forward(case):
 @CUDA
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=case_ids(BLOCK_CASES))
 def test_cuda_training_at_two_lengths_of_one_bucket_compiles_once(case):
-    """Training batches of 300 and 270 tokens (left-padded row included) run FlexAttention at one
-    length bucket (384): every parameter's gradient of the loss over the real tokens (not the
+    """Training batches of 300, 270 and 384 tokens (left-padded row included) run FlexAttention at
+    one length bucket (384; the last unpadded, so its q, k and v strides must match the padded
+    calls'): every parameter's gradient of the loss over the real tokens (not the
     first real token, which a fully masked padding query predicts) within 1e-4 of eager's at both
     lengths, and
     torch's compile counter does not move for the second length (no recompilation per length)."""
@@ -70,12 +71,12 @@ def test_cuda_training_at_two_lengths_of_one_bucket_compiles_once(case):
 
     import hf_posenc.attention.flex as flex
 
-    assert flex.bucket_length(300) == flex.bucket_length(270)
+    assert flex.bucket_length(300) == flex.bucket_length(270) == flex.bucket_length(384) == 384
     name, params = case
     models = _pair(name, params)
     counters.clear()
     graphs = None
-    for length in (300, 270):
+    for length in (300, 270, 384):
         ids = token_ids(2, length, seed=length).cuda()
         attention_mask = torch.ones_like(ids)
         attention_mask[1, :5] = 0

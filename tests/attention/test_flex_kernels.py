@@ -215,22 +215,23 @@ def _uncompiled_flex(q, k, v, **kwargs):
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=case_ids(BLOCK_CASES))
 def test_compiled_flex_forward_equals_eager_for_every_bias_form(case, compiled_on_cpu):
     """torch.compile(flex_attention) on CPU, each bias form's score_mod inside the compiled kernel:
-    logits equal backend="eager" (fp32, 1e-5 — the CPU kernel sums in another order), at two
-    lengths of one length bucket (32 and 20 tokens, both run at 128), compiled once (torch's
-    compile counter does not move for the second length)."""
+    logits equal backend="eager" (fp32, 1e-5 and 1e-4 relative — the CPU kernel sums in another
+    order, over up to 128 keys), at three
+    lengths of one length bucket (32, 20 and 128 tokens, all run at 128: the last one unpadded),
+    compiled once (torch's compile counter does not move after the first length)."""
     from torch._dynamo.utils import counters
 
     name, params = case
     models = {b: patch(make_model("llama"), name, params, backend=b) for b in ("eager", "flex")}
     models["flex"].posenc.load_state_dict(models["eager"].posenc.state_dict())
-    assert flex.bucket_length(32) == flex.bucket_length(20)
+    assert flex.bucket_length(32) == flex.bucket_length(20) == flex.bucket_length(128) == 128
     counters.clear()
-    for length in (32, 20):
+    for length in (32, 20, 128):
         ids = token_ids(1, length, seed=length)
         with torch.no_grad():
             reference = models["eager"](ids).logits
             logits = models["flex"](ids).logits
-        torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)
         if length == 32:
             graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
