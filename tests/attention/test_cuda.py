@@ -63,10 +63,9 @@ def test_cuda_auto_cached_decoding_equals_eager_full_forward(case):
 def test_cuda_training_at_two_lengths_of_one_bucket_compiles_once(case):
     """Training batches of 300, 270 and 384 tokens (left-padded row included) run FlexAttention at
     one length bucket (384; the last unpadded, so its q, k and v strides must match the padded
-    calls'): every parameter's gradient of the loss over the real tokens (not the
-    first real token, which a fully masked padding query predicts) within 1e-4 of eager's at both
-    lengths, and
-    torch's compile counter does not move for the second length (no recompilation per length)."""
+    calls'): every parameter's gradient of the loss over the real tokens (not the first real
+    token, which a fully masked padding query predicts) within 1e-4 of eager's at each length, and
+    torch's compile counter does not move after the first length (no recompilation per length)."""
     from torch._dynamo.utils import counters
 
     import hf_posenc.attention.flex as flex
