@@ -197,13 +197,17 @@ class _Plan:
             # P = exp(S - lse), underflowing weights (masked: -inf) flushed to 0 on exp's fast path
             probs = exp_flushed(scores.sub_(block_lse))
             d_out = stack_groups(grad_out[:, :, rows], g).reshape(flat, -1, q.shape[-1])
-            grad_v[:, :, first:stop].view(flat, -1, v.shape[-1]).baddbmm_(probs.transpose(-1, -2), d_out)
+            # a product into a new tensor, then added: baddbmm_ into this strided view (each head's
+            # rows are a slice of its T rows) ran as one addmm_ per batch entry on CPU, 3x the time
+            grad_v[:, :, first:stop].view(flat, -1, v.shape[-1]).add_(
+                torch.bmm(probs.transpose(-1, -2), d_out)
+            )
             block_delta = stack_groups(delta[:, :, rows, None], g).reshape(flat, -1, 1)
             d_scores = probs.mul_(torch.bmm(d_out, values.transpose(-1, -2)).sub_(block_delta))  # dS
             grad_q_rows = torch.bmm(d_scores, keys).mul_(scale).view(batch, kv_heads, -1, q.shape[-1])
             grad_q[:, :, rows] += unstack_groups(grad_q_rows, g)
-            grad_k[:, :, first:stop].view(flat, -1, k.shape[-1]).baddbmm_(
-                d_scores.transpose(-1, -2), q_block, alpha=scale
+            grad_k[:, :, first:stop].view(flat, -1, k.shape[-1]).add_(
+                torch.bmm(d_scores.transpose(-1, -2), q_block), alpha=scale
             )
             if summed is not None:
                 per_head = d_scores.view(batch, kv_heads * g, stop - start, -1).sum(0)  # (Hq, rows, keys)
