@@ -263,8 +263,12 @@ def test_a_stopped_rank_makes_the_other_fail_after_the_ddp_timeout(workspace):
                 continue
         ranks["1"].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        _, err = launcher.communicate(timeout=120)
+        ranks["0"].wait(timeout=120)
         waited = time.monotonic() - stopped
+        # the launcher (torchrun) gives a failed run's other ranks 30 s to answer SIGTERM, which a
+        # stopped process never does: ended here, the test does not wait those 30 s
+        ranks["1"].kill()
+        _, err = launcher.communicate(timeout=120)
     finally:
         for child in psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []:
             child.kill()
