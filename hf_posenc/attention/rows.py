@@ -43,9 +43,9 @@ SCORE_BUDGET = 1 << 20
 #: costs a dozen or more kernel launches whatever its size, so small blocks are launch-bound: with
 #: the CPU's budget (16-row blocks at 8192 keys and 16 heads, 512 blocks a layer) CoPE's and
 #: CAPE's forward at T=8192 read 169x and 161x native on an H100 (bf16, B=1), against 27.5x and
-#: 25.4x with 256-row blocks on an H200 (README "Measured on a GPU"); 2^25 gives those 256-row
-#: blocks again at 8192 keys (memory 2.8x / 2.3x native there) and halves them as keys double.
-#: Not yet re-measured on a GPU with this value.
+#: 25.4x with 256-row blocks on an H200 (README "Measured on an H100 GPU" and "Measured earlier
+#: on an H200 GPU"); 2^25 gives those 256-row blocks again at 8192 keys (memory 2.8x / 2.3x
+#: native there) and halves them as keys double. Not yet re-measured on a GPU with this value.
 DEVICE_SCORE_BUDGET = 1 << 25
 #: the fewest rows of a block (and the multiple block sizes are rounded down to): a block of
 #: fewer queries is mostly per-call overhead. Beyond ``SCORE_BUDGET / (16 * batch * heads)`` keys
