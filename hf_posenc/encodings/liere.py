@@ -50,7 +50,7 @@ from ..errors import InvalidParameterError
 from .base import Encoding
 from .call import LayerCall
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
-from .skew_rotation import dense_basis, eigenbasis, rotate_qk
+from .skew_rotation import KeptDecompositions, dense_basis, eigenbasis, rotate_qk
 
 
 @dataclasses.dataclass
@@ -144,6 +144,8 @@ class LieRE(Encoding[LieREConfig]):
         perm = pair_permutation(self.dim)
         self.register_buffer("perm", perm, persistent=False)
         self.register_buffer("inverse_perm", torch.argsort(perm), persistent=False)
+        #: eigenbases of the generators from earlier forwards without gradients (decoding steps)
+        self.kept_decompositions = KeptDecompositions()
 
     def scaled_range(self) -> ScaledRange | None:
         """exp(p / f A) in float32: matrix_exp and the polar steps stay finite while |p A / f|
@@ -207,8 +209,8 @@ class LieRE(Encoding[LieREConfig]):
         Llama's dim order, mu (heads, d_rot/2) fp64 in W's column order; see :mod:`.skew_rotation`),
         or None when some block's eigenvalues are not separated."""
 
-        def compute():
-            decomposed = eigenbasis(self.skew(layer_idx)[:, 0])  # axes == 1: (H, nb, b, b)
+        def compute(skew: torch.Tensor):
+            decomposed = eigenbasis(skew[:, 0])  # axes == 1: (H, nb, b, b)
             if decomposed is None:
                 return None
             basis, mu = decomposed  # (H, nb, b, b), (H, nb, b/2)
@@ -216,9 +218,14 @@ class LieRE(Encoding[LieREConfig]):
             return dense, mu.flatten(-2)
 
         if torch.is_grad_enabled() and self.generators.requires_grad:
-            return compute()
+            return compute(self.skew(layer_idx))
         key = 0 if self.config.shared_across_layers else layer_idx
-        return memo.get(("liere-eigenbasis", key), compute)
+        if torch.compiler.is_compiling():
+            return memo.get(("liere-eigenbasis", key), lambda: compute(self.skew(layer_idx)))
+        return memo.get(
+            ("liere-eigenbasis", key),
+            lambda: self.kept_decompositions.get(key, self.skew(layer_idx), compute),
+        )
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         decomposed = self.decomposed(call.layer_idx, call.memo)

@@ -305,3 +305,63 @@ def test_inference_peak_grows_as_ropes(name):
     )
     kv_heads, d = 4, 64 // 4
     assert growth <= 256 * 3 * kv_heads * d // 2 * 4, growth
+
+
+def test_kept_decompositions_reuse_equal_generators_and_recompute_changed_ones():
+    """A decomposition is reused for generators of equal values (another tensor object too) and
+    computed again when the values change in place, even through ``.data`` (no version bump), or
+    when the dtype or shape differs."""
+    from hf_posenc.encodings.skew_rotation import KeptDecompositions
+
+    calls: list[torch.Tensor] = []
+
+    def compute(skew: torch.Tensor) -> float:
+        calls.append(skew)
+        return float(skew.sum())
+
+    kept = KeptDecompositions()
+    generators = torch.randn(2, 4, 4)
+    assert kept.get(0, generators, compute) == float(generators.sum())
+    assert kept.get(0, generators.clone(), compute) == float(generators.sum()) and len(calls) == 1
+    generators.data.add_(1.0)  # an edit the version counter does not see
+    assert kept.get(0, generators, compute) == float(generators.sum()) and len(calls) == 2
+    assert kept.get(1, generators, compute) == float(generators.sum()) and len(calls) == 3  # its own key
+    kept.get(0, generators.double(), compute)
+    kept.get(0, generators[:1], compute)
+    assert len(calls) == 5
+
+
+@pytest.mark.parametrize("name", ["comrope", "liere"])
+def test_decoding_steps_reuse_the_decomposition_and_see_changed_generators(name, monkeypatch):
+    """Cached decoding: after the prompt no step runs ``eigh`` again (the generators did not
+    change); after the generators are edited through ``.data`` the next steps' logits equal a
+    model freshly built with the edited values (the full forward over prompt and steps)."""
+    from transformers import DynamicCache
+
+    model = patch(make_model("llama"), name)
+    eighs = []
+    original = torch.linalg.eigh
+
+    def counting(*args, **kwargs):
+        eighs.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", counting)
+    ids = token_ids(1, 24)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :16], past_key_values=cache, use_cache=True)
+        prompt_eighs = len(eighs)
+        for t in range(16, 20):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        assert prompt_eighs > 0 and len(eighs) == prompt_eighs  # steps reuse the kept decompositions
+        for parameter in model.posenc.parameters():
+            parameter.data.add_(0.01 * torch.randn_like(parameter))  # the version counter does not move
+        fresh = patch(make_model("llama"), name, randomize=False)
+        fresh.load_state_dict(model.state_dict())
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, :20], past_key_values=cache, use_cache=True).logits]
+        for t in range(20, 24):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        reference = fresh(ids).logits
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference, atol=1e-5, rtol=0)
