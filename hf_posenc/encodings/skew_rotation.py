@@ -76,13 +76,16 @@ class KeptDecompositions:
     (``torch.equal``): any change of value, however it was made (an optimizer step, a
     ``load_state_dict``, an edit through ``.data``), gets a new decomposition, so nothing stale
     is ever used. Not used under torch.compile (no data-dependent comparison there) nor with
-    gradients (the decomposition is then part of the graph)."""
+    gradients through the generators (the decomposition is then part of the graph). Values made
+    under ``torch.inference_mode`` are kept apart and used there only: an inference tensor may
+    not enter a computation autograd records (a later training step with frozen generators)."""
 
     def __init__(self) -> None:
         self._kept: dict[object, tuple[torch.Tensor, object]] = {}
 
     def get(self, key: object, skew: torch.Tensor, compute: Callable[[torch.Tensor], T]) -> T:
         """``compute(skew)``, or the value it gave for equal generators under ``key`` before."""
+        key = (key, torch.is_inference_mode_enabled())
         kept = self._kept.get(key)
         if (
             kept is not None

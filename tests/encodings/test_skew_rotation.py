@@ -365,3 +365,25 @@ def test_decoding_steps_reuse_the_decomposition_and_see_changed_generators(name,
             steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
         reference = fresh(ids).logits
     torch.testing.assert_close(torch.cat(steps, dim=1), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["comrope", "liere"])
+def test_a_decomposition_kept_in_inference_mode_never_enters_a_training_step(name):
+    """Generators frozen: a forward under torch.inference_mode, then a training step (gradients
+    for the rest of the model) and a forward under no_grad: the step runs (no inference tensor
+    saved for backward) and every forward's logits equal a fresh model's."""
+    model = patch(make_model("llama"), name)
+    model.posenc.requires_grad_(False)
+    fresh = patch(make_model("llama"), name, randomize=False)
+    fresh.load_state_dict(model.state_dict())
+    ids = token_ids(1, 12)
+    with torch.no_grad():
+        reference = fresh(ids).logits
+    with torch.inference_mode():
+        inferred = model(ids).logits.clone()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    with torch.no_grad():
+        again = model(ids).logits
+    for logits in (inferred, out.logits.detach(), again):
+        torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
