@@ -132,9 +132,12 @@ def _layout(q_len: int, k_len: int, device: torch.device, bucketed: bool, cached
 
 @functools.lru_cache(maxsize=64)
 def _bucketed_layout(q_len: int, k_len: int, q_size: int, k_size: int, device: torch.device) -> _Layout:
-    # filled on the device (no host-to-device copy per call), once per (Tq, Tk, Tq', Tk', device)
-    offset = torch.full((), k_len - q_len, dtype=torch.int32, device=device)
-    keys = torch.full((), k_len, dtype=torch.int32, device=device)
+    # filled on the device (no host-to-device copy per call), once per (Tq, Tk, Tq', Tk', device);
+    # never inference tensors (kept for later calls, which may be a training step's: FlexAttention
+    # saves its captured tensors and block mask for backward)
+    with torch.inference_mode(False):
+        offset = torch.full((), k_len - q_len, dtype=torch.int32, device=device)
+        keys = torch.full((), k_len, dtype=torch.int32, device=device)
     return _Layout(q_len, k_len, True, q_size, k_size, offset, keys)
 
 
@@ -158,7 +161,8 @@ def _causal_block_mask(layout: _Layout, device: torch.device):
             def causal(b, h, q_idx, kv_idx):
                 return q_idx + constant >= kv_idx
 
-        cached = create_block_mask(causal, None, None, layout.q_size, layout.k_size, device=device)
+        with torch.inference_mode(False):  # kept for later calls (see _bucketed_layout)
+            cached = create_block_mask(causal, None, None, layout.q_size, layout.k_size, device=device)
         if not torch.compiler.is_compiling():
             _BLOCK_MASKS[key] = cached
     return cached

@@ -322,3 +322,16 @@ def test_flashattention4_is_tried_first_only_where_no_backward_is_needed(monkeyp
     assert flex_kernels.ladder(on_cpu) == KERNEL_LADDER
     monkeypatch.setattr(flex_kernels, "flash4_available", lambda: False)
     assert flex_kernels.ladder(forward) == KERNEL_LADDER
+
+
+def test_what_flex_keeps_across_calls_is_never_an_inference_tensor():
+    """The bucketed layout's offset and key count and the causal block mask, made inside
+    torch.inference_mode, are normal tensors: they are kept for later calls, and a later training
+    step's FlexAttention saves them for backward (which an inference tensor refuses)."""
+    flex._bucketed_layout.cache_clear()  # made here, not by an earlier test
+    flex._BLOCK_MASKS.clear()
+    with torch.inference_mode():
+        layout = flex._layout(300, 300, torch.device("cpu"), True)
+        block_mask = flex._causal_block_mask(layout, torch.device("cpu"))
+    assert not layout.offset.is_inference() and not layout.keys.is_inference()
+    assert not block_mask.kv_num_blocks.is_inference() and not block_mask.kv_indices.is_inference()
