@@ -107,18 +107,23 @@ class FIREFunction(nn.Module):
         of the segment, as the ReLU's derivative is).
         """
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # decoding: reuse the pieces while the MLP is unchanged (not under torch.compile,
-            # which cannot trace data pointers: the compiled step recomputes them, K units)
-            key = tuple(
-                (p.data_ptr(), p._version, p.dtype)
-                for p in (*self.hidden.parameters(), *self.out.parameters())
-            )
-            cache = module_cache(self)  # not module state: "pieces" -> (key, pieces)
+            # decoding: reuse the pieces while the MLP keeps its values, compared with copies kept
+            # beside them (an edit through .data, which moves no version counter, is seen too);
+            # not under torch.compile (no data-dependent comparison: the compiled step recomputes
+            # them, K units)
+            params = (*self.hidden.parameters(), *self.out.parameters())
+            cache = module_cache(self)  # not module state: "pieces" -> (copies, pieces)
             cached = cache.get("pieces")
-            if cached is not None and cached[0] == key:
+            if cached is not None and all(
+                kept.shape == p.shape
+                and kept.dtype == p.dtype
+                and kept.device == p.device
+                and torch.equal(kept, p)
+                for kept, p in zip(cached[0], params, strict=True)
+            ):
                 return cached[1]
             pieces = self._linear_pieces()
-            cache["pieces"] = (key, pieces)
+            cache["pieces"] = (tuple(p.detach().clone() for p in params), pieces)
             return pieces
         return self._linear_pieces()
 

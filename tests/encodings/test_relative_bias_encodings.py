@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 from capture import LENGTH
-from conftest import make_model, patch, randomize_encoding
+from conftest import make_model, patch, randomize_encoding, token_ids
 from encoding_cases import cases_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -259,3 +259,20 @@ def test_fire_score_bias_gives_the_mlp_bias_and_its_gradients():
     for n in mlp_grads:
         assert mlp_grads[n].abs().sum() > 0, n
         torch.testing.assert_close(piece_grads[n], mlp_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_fire_decoding_sees_mlp_values_changed_through_data():
+    """FIRE keeps its MLP's linear pieces between forwards without gradients; an edit of the MLP
+    through ``.data`` (no version counter moves) must reach the next forward: its logits equal
+    those of a model freshly built with the edited values."""
+    model = patch(make_model("llama"), "fire", {"init_L": 6.0})
+    ids = token_ids(1, 20)
+    with torch.no_grad():
+        model(ids)  # pieces kept
+        for parameter in model.posenc.parameters():
+            parameter.data.add_(0.05 * torch.randn_like(parameter))
+        logits = model(ids).logits
+        fresh = patch(make_model("llama"), "fire", {"init_L": 6.0}, randomize=False)
+        fresh.load_state_dict(model.state_dict())
+        reference = fresh(ids).logits
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
