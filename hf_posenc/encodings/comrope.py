@@ -56,9 +56,10 @@ from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
 from .base import Encoding
 from .call import LayerCall
+from .kept_values import KeptValues
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
 from .rope2d import axial_frequencies, check_axes, token_coordinates
-from .skew_rotation import KeptDecompositions, dense_basis, eigenbasis, rotate_qk
+from .skew_rotation import dense_basis, eigenbasis, rotate_qk
 
 VARIANTS = ("ap", "ld")
 EXP_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -137,7 +138,7 @@ class ComRoPE(Encoding[ComRoPEConfig]):
         # P_j per layer and KV head (q heads share their KV head's rotation); P - P^T = start
         self.generator = nn.Parameter(start.div(2).expand(layers, kv_heads, -1, -1, -1).clone())
         #: eigenbases of the generators from earlier forwards without gradients (decoding steps)
-        self.kept_decompositions = KeptDecompositions()
+        self.kept_decompositions = KeptValues()
         one_hot = (torch.arange(self.blocks) % n == torch.arange(n)[:, None]).float()  # (N, m)
         if config.variant == "ld":
             self.axis_scale = nn.Parameter(one_hot.expand(layers, -1, -1).clone())  # (L, N, m)
@@ -201,11 +202,9 @@ class ComRoPE(Encoding[ComRoPEConfig]):
 
         if torch.is_grad_enabled() and self.generator.requires_grad:
             return compute(self.skew(layer_idx))
-        if torch.compiler.is_compiling():
-            return memo.get(("comrope-eigenbasis", layer_idx), lambda: compute(self.skew(layer_idx)))
         return memo.get(
             ("comrope-eigenbasis", layer_idx),
-            lambda: self.kept_decompositions.get(layer_idx, self.skew(layer_idx), compute),
+            lambda: self.kept_decompositions.get(layer_idx, (self.skew(layer_idx),), compute),
         )
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate
 from ..core.registry import register_encoding
 from .base import Encoding, module_cache
 from .call import ScoreCall
+from .kept_values import KeptValues
 from .piecewise_bias import PiecewiseDistanceBias
 
 EPS = 1e-6  # the reference's guard on the normaliser
@@ -106,25 +107,11 @@ class FIREFunction(nn.Module):
         Gradients reach every MLP parameter through A and B (which units are on is a constant
         of the segment, as the ReLU's derivative is).
         """
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # decoding: reuse the pieces while the MLP keeps its values, compared with copies kept
-            # beside them (an edit through .data, which moves no version counter, is seen too);
-            # not under torch.compile (no data-dependent comparison: the compiled step recomputes
-            # them, K units)
+        if not torch.is_grad_enabled():
+            # decoding: the pieces kept while the MLP keeps its values (kept_values.py)
+            kept = module_cache(self).setdefault("pieces", KeptValues())  # not module state
             params = (*self.hidden.parameters(), *self.out.parameters())
-            cache = module_cache(self)  # not module state: "pieces" -> (copies, pieces)
-            cached = cache.get("pieces")
-            if cached is not None and all(
-                kept.shape == p.shape
-                and kept.dtype == p.dtype
-                and kept.device == p.device
-                and torch.equal(kept, p)
-                for kept, p in zip(cached[0], params, strict=True)
-            ):
-                return cached[1]
-            pieces = self._linear_pieces()
-            cache["pieces"] = (tuple(p.detach().clone() for p in params), pieces)
-            return pieces
+            return kept.get("pieces", params, lambda *_: self._linear_pieces())
         return self._linear_pieces()
 
     def _linear_pieces(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -49,8 +49,9 @@ from ..core.registry import register_encoding
 from ..errors import InvalidParameterError
 from .base import Encoding
 from .call import LayerCall
+from .kept_values import KeptValues
 from .rope import check_rotary_settings, fill_rotary_defaults, rotary_dim
-from .skew_rotation import KeptDecompositions, dense_basis, eigenbasis, rotate_qk
+from .skew_rotation import dense_basis, eigenbasis, rotate_qk
 
 
 @dataclasses.dataclass
@@ -145,7 +146,7 @@ class LieRE(Encoding[LieREConfig]):
         self.register_buffer("perm", perm, persistent=False)
         self.register_buffer("inverse_perm", torch.argsort(perm), persistent=False)
         #: eigenbases of the generators from earlier forwards without gradients (decoding steps)
-        self.kept_decompositions = KeptDecompositions()
+        self.kept_decompositions = KeptValues()
 
     def scaled_range(self) -> ScaledRange | None:
         """exp(p / f A) in float32: matrix_exp and the polar steps stay finite while |p A / f|
@@ -220,11 +221,9 @@ class LieRE(Encoding[LieREConfig]):
         if torch.is_grad_enabled() and self.generators.requires_grad:
             return compute(self.skew(layer_idx))
         key = 0 if self.config.shared_across_layers else layer_idx
-        if torch.compiler.is_compiling():
-            return memo.get(("liere-eigenbasis", key), lambda: compute(self.skew(layer_idx)))
         return memo.get(
             ("liere-eigenbasis", key),
-            lambda: self.kept_decompositions.get(key, self.skew(layer_idx), compute),
+            lambda: self.kept_decompositions.get(key, (self.skew(layer_idx),), compute),
         )
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,13 +26,8 @@ test would be a data-dependent branch).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
-
 import torch
 from torch.autograd.function import once_differentiable
-
-T = TypeVar("T")
 
 #: eigenvalues of one block closer than this (relative to the block's largest, at least 1) mean
 #: "not separable": eigh's gradient grows like 1 / gap, and a null eigenvalue has no pair
@@ -66,38 +61,6 @@ def eigenbasis(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     positive = vectors[..., half:]  # (..., b, b/2): eigenvectors of +mu_k
     basis = torch.cat((positive.real, positive.imag), dim=-1) * 2**0.5  # (..., b, b) = (a_k | c_k)
     return basis, mu[..., half:]
-
-
-class KeptDecompositions:
-    """Decompositions of generators computed without gradients, kept from one forward to the next
-    while the generators keep their values: a cached decoding step would otherwise run ``eigh``
-    (and, on a GPU, wait for the host to read the separation check) in every layer for every
-    token. Each use compares the generators with the copy kept beside their decomposition
-    (``torch.equal``): any change of value, however it was made (an optimizer step, a
-    ``load_state_dict``, an edit through ``.data``), gets a new decomposition, so nothing stale
-    is ever used. Not used under torch.compile (no data-dependent comparison there) nor with
-    gradients through the generators (the decomposition is then part of the graph). Values made
-    under ``torch.inference_mode`` are kept apart and used there only: an inference tensor may
-    not enter a computation autograd records (a later training step with frozen generators)."""
-
-    def __init__(self) -> None:
-        self._kept: dict[object, tuple[torch.Tensor, object]] = {}
-
-    def get(self, key: object, skew: torch.Tensor, compute: Callable[[torch.Tensor], T]) -> T:
-        """``compute(skew)``, or the value it gave for equal generators under ``key`` before."""
-        key = (key, torch.is_inference_mode_enabled())
-        kept = self._kept.get(key)
-        if (
-            kept is not None
-            and kept[0].shape == skew.shape
-            and kept[0].dtype == skew.dtype
-            and kept[0].device == skew.device
-            and torch.equal(kept[0], skew)
-        ):
-            return kept[1]  # type: ignore[return-value]
-        value = compute(skew)
-        self._kept[key] = (skew.detach().clone(), value)
-        return value
 
 
 def rotate_blocks(blocks: torch.Tensor, basis: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:

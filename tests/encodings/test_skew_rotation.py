@@ -311,7 +311,7 @@ def test_kept_decompositions_reuse_equal_generators_and_recompute_changed_ones()
     """A decomposition is reused for generators of equal values (another tensor object too) and
     computed again when the values change in place, even through ``.data`` (no version bump), or
     when the dtype or shape differs."""
-    from hf_posenc.encodings.skew_rotation import KeptDecompositions
+    from hf_posenc.encodings.kept_values import KeptValues
 
     calls: list[torch.Tensor] = []
 
@@ -319,15 +319,15 @@ def test_kept_decompositions_reuse_equal_generators_and_recompute_changed_ones()
         calls.append(skew)
         return float(skew.sum())
 
-    kept = KeptDecompositions()
+    kept = KeptValues()
     generators = torch.randn(2, 4, 4)
-    assert kept.get(0, generators, compute) == float(generators.sum())
-    assert kept.get(0, generators.clone(), compute) == float(generators.sum()) and len(calls) == 1
+    assert kept.get(0, (generators,), compute) == float(generators.sum())
+    assert kept.get(0, (generators.clone(),), compute) == float(generators.sum()) and len(calls) == 1
     generators.data.add_(1.0)  # an edit the version counter does not see
-    assert kept.get(0, generators, compute) == float(generators.sum()) and len(calls) == 2
-    assert kept.get(1, generators, compute) == float(generators.sum()) and len(calls) == 3  # its own key
-    kept.get(0, generators.double(), compute)
-    kept.get(0, generators[:1], compute)
+    assert kept.get(0, (generators,), compute) == float(generators.sum()) and len(calls) == 2
+    assert kept.get(1, (generators,), compute) == float(generators.sum()) and len(calls) == 3  # its own key
+    kept.get(0, (generators.double(),), compute)
+    kept.get(0, (generators[:1],), compute)
     assert len(calls) == 5
 
 
