@@ -14,6 +14,7 @@ import torch
 from conftest import make_model, patch, token_ids
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from references.attention import assert_as_accurate_as_the_formula
 from references.attention import toeplitz_attention as reference
 
 from hf_posenc.attention import chunked, toeplitz, toeplitz_backward
@@ -134,18 +135,13 @@ def test_half_precision_is_no_further_from_fp64_than_the_eager_formula_in_it(dty
     exact = [t.double().requires_grad_() for t in (q, k, v, table)]
     want = reference(*exact[:3], exact[3], q_len, 0.7)
     want_grads = torch.autograd.grad((want * grad.double()).sum(), exact)
-    errors = {}
+    runs = {}
     for name in ("ours", "formula"):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, table)]
         run = toeplitz.attend_toeplitz if name == "ours" else reference
         out = run(*leaves[:3], leaves[3], q_len, 0.7, *([16] if name == "ours" else []))
-        got = torch.autograd.grad((out * grad.to(dtype)).sum(), leaves)
-        errors[name] = [
-            (a.double() - b).abs().max().item() for a, b in zip((out, *got), (want, *want_grads), strict=True)
-        ]
-    eps = torch.finfo(dtype).eps
-    for ours, formula in zip(errors["ours"], errors["formula"], strict=True):
-        assert ours <= 2 * formula + 4 * eps, errors
+        runs[name] = (out, *torch.autograd.grad((out * grad.to(dtype)).sum(), leaves))
+    assert_as_accurate_as_the_formula(runs, (want, *want_grads), dtype)
 
 
 def test_the_sdpa_path_for_dropout_and_compilation_equals_the_formula(monkeypatch):

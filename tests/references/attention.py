@@ -214,3 +214,16 @@ def toeplitz_attention(q, k, v, table, q_len: int, scale: float):
     bias = table[:, distance.clamp(min=0)].masked_fill(distance < 0, float("-inf"))  # (H, n, Tk)
     weights = torch.softmax(q @ k.transpose(-1, -2) * scale + bias, dim=-1)
     return weights @ v
+
+
+def assert_as_accurate_as_the_formula(runs: dict[str, tuple], want: tuple, dtype: torch.dtype) -> None:
+    """``runs["ours"]`` and ``runs["formula"]``: (output, *gradients) of one computation in
+    ``dtype``; ``want``: the same in fp64. Ours is no further from fp64 than twice the written-out
+    formula's error in the same dtype, plus 4 eps, for the output and every gradient."""
+    errors = {
+        name: [(a.double() - b).abs().max().item() for a, b in zip(got, want, strict=True)]
+        for name, got in runs.items()
+    }
+    eps = torch.finfo(dtype).eps
+    for ours, formula in zip(errors["ours"], errors["formula"], strict=True):
+        assert ours <= 2 * formula + 4 * eps, errors
