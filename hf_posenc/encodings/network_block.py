@@ -35,9 +35,12 @@ import functools
 
 import torch
 
-#: scores of a block per matrix product: the slab's features (2 + K' rows) stay in cache, and each
-#: product is one parallel region of the intra-op threads
-NETWORK_CHUNK = 16384
+#: scores of a block per matrix product: the slab's features (2 + K' rows, 1.5 MiB at K' = 10) stay
+#: in the 2 MiB of L2 per core, and each product is one parallel region of the intra-op threads.
+#: ``scripts/cpu_constant_ab.py --encoding fire`` (idle, torch's two threads, 2026-11-26): forward
+#: at T=4096 median 0.835 s with 16384, 0.796 s with 32768 (10 alternating rounds; 49152 as 32768,
+#: 8192 about 20 % slower than 16384); training at T=2048 1.190 -> 1.154 s (4 rounds)
+NETWORK_CHUNK = 32768
 #: a block is served from the network when its K' switching units satisfy K' + 2 <= this * Hq
 NETWORK_COLUMNS_PER_HEAD = 3
 

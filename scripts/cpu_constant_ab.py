@@ -1,0 +1,87 @@
+"""A/B a tuning constant of the library in one process: the bench's model (``hf-posenc bench``'s
+defaults: Llama, hidden 256, 8 heads, 4 layers) patched with one encoding, one step timed with
+the constant set to each value in turn, for several alternating rounds, so every value sees
+the same machine state (this 2-core machine is noisy: compare values within one run only).
+
+    python scripts/cpu_constant_ab.py --encoding fire --mode forward --length 4096 \\
+        --constant hf_posenc.encodings.network_block:NETWORK_CHUNK --values 16384 32768
+
+prints each value's step times (seconds, sorted) and median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+
+import torch
+
+import hf_posenc
+from hf_posenc.recipes.benchmark.config import BenchConfig
+from hf_posenc.recipes.tiny import tiny_model
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--encoding", required=True, help="an encoding name, or 'native'")
+    p.add_argument("--mode", choices=("forward", "train"), default="forward")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--constant", required=True, help="module:NAME, e.g. hf_posenc.attention.chunked:QUERY_BLOCK")
+    p.add_argument("--values", required=True, nargs="+", type=int)
+    p.add_argument("--rounds", type=int, default=4)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    module_name, _, name = args.constant.partition(":")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        print(f"--constant: {module_name} has no attribute {name!r}", file=sys.stderr)
+        return 2
+    defaults = BenchConfig(encodings=[args.encoding])
+    torch.manual_seed(0)
+    model = tiny_model(
+        defaults.family,
+        vocab_size=args.vocab_size,
+        hidden_size=defaults.hidden_size,
+        num_layers=defaults.num_layers,
+        num_heads=defaults.num_heads,
+        num_kv_heads=defaults.num_heads,
+        max_positions=args.length,
+    )
+    if args.encoding != "native":
+        hf_posenc.patch_model(model, args.encoding)
+    ids = torch.randint(0, args.vocab_size, (1, args.length))
+
+    def step() -> None:
+        if args.mode == "forward":
+            with torch.no_grad():
+                model(ids, use_cache=False)
+        else:
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids, use_cache=False).loss.backward()
+
+    original = getattr(module, name)
+    times: dict[int, list[float]] = {value: [] for value in args.values}
+    try:
+        step()  # warm-up: first-call allocations and lazy imports
+        for _ in range(args.rounds):
+            for value in args.values:
+                setattr(module, name, value)
+                start = time.perf_counter()
+                step()
+                times[value].append(time.perf_counter() - start)
+    finally:
+        setattr(module, name, original)
+    for value, seconds in times.items():
+        print(f"{name}={value}: median {statistics.median(seconds):.3f} s  {[round(s, 3) for s in sorted(seconds)]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
