@@ -30,7 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("forward", "train"), default="forward")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--vocab-size", type=int, default=256)
-    p.add_argument("--constant", required=True, help="module:NAME, e.g. hf_posenc.attention.chunked:QUERY_BLOCK")
+    p.add_argument(
+        "--constant", required=True, help="module:NAME, e.g. hf_posenc.attention.chunked:QUERY_BLOCK"
+    )
     p.add_argument("--values", required=True, nargs="+", type=int)
     p.add_argument("--rounds", type=int, default=4)
     return p
@@ -39,8 +41,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     module_name, _, name = args.constant.partition(":")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, name):
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        print(f"--constant: no module {module_name!r} (expected module:NAME)", file=sys.stderr)
+        return 2
+    if not name or not hasattr(module, name):
         print(f"--constant: {module_name} has no attribute {name!r}", file=sys.stderr)
         return 2
     defaults = BenchConfig(encodings=[args.encoding])
@@ -79,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         setattr(module, name, original)
     for value, seconds in times.items():
-        print(f"{name}={value}: median {statistics.median(seconds):.3f} s  {[round(s, 3) for s in sorted(seconds)]}")
+        print(
+            f"{name}={value}: median {statistics.median(seconds):.3f} s  {[round(s, 3) for s in sorted(seconds)]}"
+        )
     return 0
 
 
