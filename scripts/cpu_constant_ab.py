@@ -6,22 +6,27 @@ the same machine state (this 2-core machine is noisy: compare values within one 
     python scripts/cpu_constant_ab.py --encoding fire --mode forward --length 4096 \\
         --constant hf_posenc.encodings.network_block:NETWORK_CHUNK --values 16384 32768
 
-prints each value's step times (seconds, sorted) and median.
+prints each value's step times (seconds, sorted) and median. It imports the hf_posenc of the
+checkout it sits in (so a worktree's script times that worktree's code).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import pathlib
 import statistics
 import sys
 import time
 
-import torch
+# the checkout this script is in, not whichever hf_posenc is installed: it times the code beside it
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import hf_posenc
-from hf_posenc.recipes.benchmark.config import BenchConfig
-from hf_posenc.recipes.tiny import tiny_model
+import torch  # noqa: E402
+
+import hf_posenc  # noqa: E402
+from hf_posenc.recipes.benchmark.config import BenchConfig  # noqa: E402
+from hf_posenc.recipes.tiny import tiny_model  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:

@@ -97,6 +97,16 @@ def test_the_structured_forms_are_the_biases_they_name():
     for i in range(3):
         for j in range(4 + i + 1):
             torch.testing.assert_close(linear[:, i, j], -slopes * (4 + i - j), atol=0, rtol=0)
+    # its blocks are computed, not gathered from its table: the same fp32 values bit for bit
+    form = LinearDistanceBias(5, 9, torch.tensor([0.5, 0.0078125, 1 / 3]))
+    as_table = DistanceBias(5, 9, form.table)  # the generic form reads the table
+    for start, stop, k_start, k_end in [(0, 5, 0, 9), (1, 3, 2, 7), (4, 5, 8, 9), (0, 1, 0, 5)]:
+        torch.testing.assert_close(
+            form.span(start, stop, k_start, k_end), as_table.span(start, stop, k_start, k_end), atol=0, rtol=0
+        )
+        torch.testing.assert_close(
+            form.rows(start, stop, k_end), as_table.rows(start, stop, k_end), atol=0, rtol=0
+        )
     g = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
     cumulative = CumulativeBias(g, g.double().cumsum(-1).float()).full()  # (B, H, T, T)
     for i in range(8):

@@ -15,11 +15,62 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_posenc
+from hf_posenc.encodings import cape
 from hf_posenc.encodings.base import probe_call
 from hf_posenc.encodings.cope import contextual_positions, interpolate_position_logits
 from hf_posenc.encodings.sba import stick_breaking_weights
 
 SETTINGS = settings(max_examples=40, deadline=None)
+
+
+# -- CAPE's head mixer -------------------------------------------------------------------------
+
+
+def _mixed_formula(mixer, scores, bias):
+    """x + B + W2 leaky_relu(W1 [x; B] + b1, 0.01) + b2 per (b, i, j), over heads, in fp64."""
+    w1, b1 = mixer.inner.weight.double(), mixer.inner.bias.double()
+    w2, b2 = mixer.outer.weight.double(), mixer.outer.bias.double()
+    u = torch.cat([scores.double(), bias.double().expand_as(scores)], dim=1)  # (B, 2H, R, K)
+    hidden = torch.nn.functional.leaky_relu(torch.einsum("fc,bcrk->bfrk", w1, u) + b1[:, None, None], 0.01)
+    return scores + bias + torch.einsum("hf,bfrk->bhrk", w2, hidden) + b2[:, None, None]
+
+
+@SETTINGS
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    keys=st.integers(1, 9),
+    slab=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_cape_mixer_equals_its_formula_in_slabs_and_with_gradients(batch, heads, rows, keys, slab, seed):
+    """CAPE's f over the heads (head-major products): without gradients over slabs of any size
+    (the last one short), with gradients in one piece, both equal the formula per score in fp64
+    (eq. 4 of Zheng et al. 2024), and so do the gradients of the scores, the bias and the MLP."""
+    generator = torch.Generator().manual_seed(seed)
+    mixer = cape.HeadMixer(heads, 6)
+    with torch.no_grad():
+        for parameter in mixer.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    scores = torch.randn(batch, heads, rows, keys, generator=generator)
+    bias = torch.randn(1, heads, rows, keys, generator=generator)  # shared by the batch, as alibi's
+    expected = _mixed_formula(mixer, scores, bias)
+    original = cape.MIX_SLAB
+    try:
+        cape.MIX_SLAB = slab
+        with torch.no_grad():
+            torch.testing.assert_close(mixer.mix(scores, bias).double(), expected, atol=1e-5, rtol=1e-5)
+    finally:
+        cape.MIX_SLAB = original
+    leaves = (scores.requires_grad_(), bias.requires_grad_())
+    weight = torch.randn(batch, heads, rows, keys, generator=generator)
+    got = torch.autograd.grad((mixer.mix(*leaves) * weight).sum(), (*leaves, *mixer.parameters()))
+    wanted = torch.autograd.grad(
+        (_mixed_formula(mixer, *leaves) * weight).sum(), (*leaves, *mixer.parameters())
+    )
+    for g, w in zip(got, wanted, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-4, rtol=1e-5)
 
 
 # -- starting points --------------------------------------------------------------------------
