@@ -20,7 +20,7 @@ decoding and sliding windows need nothing beyond the base bias itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +101,10 @@ class HeadMixer(nn.Module):
         n = rows * keys
         bias = bias.expand(batch, -1, -1, -1)
         if torch.is_grad_enabled():
-            out = [self._mixed(scores[b].reshape(heads, n), bias[b].reshape(heads, n)) for b in range(batch)]
-            return (out[0][None] if batch == 1 else torch.stack(out)).view(batch, heads, rows, keys)
+            parts = [
+                self._mixed(scores[b].reshape(heads, n), bias[b].reshape(heads, n)) for b in range(batch)
+            ]
+            return (parts[0][None] if batch == 1 else torch.stack(parts)).view(batch, heads, rows, keys)
         out = torch.empty(batch, heads, rows, keys, dtype=torch.float32, device=scores.device)
         slab = min(n, MIX_SLAB)
         buffer = torch.empty(self.inner.out_features, slab, dtype=torch.float32, device=scores.device)
@@ -167,4 +169,5 @@ class CAPE(Encoding[CAPEConfig]):
 
     def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
         bias = self.base.score_bias(call).full().float()  # (B|1, Hq, Tq, Tk)
-        return self.mixers[call.layer_idx].mix(scores.float(), bias)  # (B, Hq, Tq, Tk)
+        mixer = cast(HeadMixer, self.mixers[call.layer_idx])  # __init__ fills mixers with HeadMixers
+        return mixer.mix(scores.float(), bias)  # (B, Hq, Tq, Tk)
