@@ -65,9 +65,10 @@ def attend(
         mask = causal_mask(q_len, k_len, q.device)
 
     if explicit:
-        if logits is None:
-            logits = torch.matmul(q, k.transpose(-1, -2)).float()
-        scores = logits * softmax_scale  # (B, Hq, Tq, Tk)
+        if logits is None:  # a product of its own: scaled in place (its backward reads q and k, not it)
+            scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(softmax_scale)  # (B, Hq, Tq, Tk)
+        else:
+            scores = logits * softmax_scale
         if bias is not None:
             scores = scores + bias
         if transform is not None:
