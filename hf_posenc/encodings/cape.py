@@ -91,48 +91,45 @@ class HeadMixer(nn.Module):
         the heads, (B, H, R, K) fp32.
 
         Head-major, as the tensors are laid out: per batch row, scores S and bias B are (H, N)
-        matrices of the N = R*K scores, so f is W2 LeakyReLU(W1[:, :H] S + W1[:, H:] B + b1) + b2,
-        products and in-place passes over (hidden, N) and (H, N) matrices: no permuted or
-        concatenated (N, 2H) copy of the block and no copy made by a broadcast ``addmm`` input
-        (the token-major form spent about a third of CAPE's forward permuting and concatenating).
-        Without gradients the N scores go in slabs of :data:`MIX_SLAB` through one reused buffer
-        of hidden units, and the output is written in place."""
+        matrices of the N = R*K scores, so the result is S + B + b2 + W2 LeakyReLU(W1[:, :H] S +
+        W1[:, H:] B + b1): products and in-place passes over (hidden, N) and (H, N) matrices, no
+        permuted or concatenated (N, 2H) copy of the block and no copy made by a broadcast
+        ``addmm`` input (the token-major form spent about a third of CAPE's forward permuting and
+        concatenating). Without gradients the N scores go in slabs of :data:`MIX_SLAB` through
+        one reused buffer of hidden units, each slab's W2 product added in place into the output."""
         batch, heads, rows, keys = scores.shape
         n = rows * keys
         bias = bias.expand(batch, -1, -1, -1)
+        b2 = self.outer.bias.float()[:, None]  # (H, 1)
         if torch.is_grad_enabled():
-            parts = [
-                self._mixed(scores[b].reshape(heads, n), bias[b].reshape(heads, n)) for b in range(batch)
-            ]
+            parts = []
+            for b in range(batch):
+                s, base = scores[b].reshape(heads, n), bias[b].reshape(heads, n)  # (H, N)
+                parts.append((s + base).add_(b2).addmm_(self.outer.weight.float(), self._hidden(s, base)))
             return (parts[0][None] if batch == 1 else torch.stack(parts)).view(batch, heads, rows, keys)
         out = torch.empty(batch, heads, rows, keys, dtype=torch.float32, device=scores.device)
         slab = min(n, MIX_SLAB)
         buffer = torch.empty(self.inner.out_features, slab, dtype=torch.float32, device=scores.device)
+        w2 = self.outer.weight.float()  # (H, F)
         for b in range(batch):
             s, base, flat = scores[b].reshape(heads, n), bias[b].reshape(heads, n), out[b].view(heads, n)
+            torch.add(s, base, out=flat).add_(b2)
             for first in range(0, n, slab):
                 last = min(n, first + slab)
                 part = slice(first, last)
-                self._mixed(s[:, part], base[:, part], buffer[:, : last - first], flat[:, part])
+                flat[:, part].addmm_(w2, self._hidden(s[:, part], base[:, part], buffer[:, : last - first]))
         return out
 
-    def _mixed(
-        self,
-        scores: torch.Tensor,
-        bias: torch.Tensor,
-        hidden: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
+    def _hidden(
+        self, scores: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """scores, bias (H, n) -> S + B + f([S; B]) (H, n), into ``hidden`` (F, n) and ``out`` (H,
-        n) when given (without gradients)."""
+        """scores, bias (H, n) -> LeakyReLU(W1[:, :H] S + W1[:, H:] B + b1) (F, n), into ``out`` when
+        given (without gradients)."""
         heads = scores.shape[0]
         w1, b1 = self.inner.weight.float(), self.inner.bias.float()  # (F, 2H), (F,)
-        w2, b2 = self.outer.weight.float(), self.outer.bias.float()  # (H, F), (H,)
-        hidden = torch.mm(w1[:, :heads], scores, out=hidden)  # (F, n)
+        hidden = torch.mm(w1[:, :heads], scores, out=out)  # (F, n)
         hidden.addmm_(w1[:, heads:], bias).add_(b1[:, None])
-        F.leaky_relu_(hidden, NEGATIVE_SLOPE)
-        mixed = torch.mm(w2, hidden, out=out)  # (H, n)
-        return mixed.add_(b2[:, None]).add_(scores).add_(bias)
+        return F.leaky_relu_(hidden, NEGATIVE_SLOPE)
 
 
 @register_encoding
