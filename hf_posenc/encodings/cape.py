@@ -108,7 +108,7 @@ class HeadMixer(nn.Module):
                 parts.append((s + base).add_(b2).addmm_(self.outer.weight.float(), self._hidden(s, base)))
             return (parts[0][None] if batch == 1 else torch.stack(parts)).view(batch, heads, rows, keys)
         out = torch.empty(batch, heads, rows, keys, dtype=torch.float32, device=scores.device)
-        slab = min(n, MIX_SLAB)
+        slab = max(1, min(n, MIX_SLAB))  # (a block of no keys: no slab)
         buffer = torch.empty(self.inner.out_features, slab, dtype=torch.float32, device=scores.device)
         w2 = self.outer.weight.float()  # (H, F)
         for b in range(batch):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from conftest import make_model, token_ids
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hf_posenc
@@ -40,10 +40,12 @@ def _mixed_formula(mixer, scores, bias):
     batch=st.integers(1, 3),
     heads=st.integers(1, 4),
     rows=st.integers(1, 6),
-    keys=st.integers(1, 9),
+    keys=st.integers(0, 9),
     slab=st.integers(1, 40),
     seed=st.integers(0, 2**16),
 )
+@example(batch=2, heads=3, rows=2, keys=0, slab=5, seed=0)  # a block of no keys
+@example(batch=1, heads=4, rows=6, keys=9, slab=7, seed=1)  # slabs cutting rows, the last one short
 def test_cape_mixer_equals_its_formula_in_slabs_and_with_gradients(batch, heads, rows, keys, slab, seed):
     """CAPE's f over the heads (head-major products): without gradients over slabs of any size
     (the last one short), with gradients in one piece, both equal the formula per score in fp64
