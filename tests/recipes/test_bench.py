@@ -168,8 +168,37 @@ def test_timed_calls_run_under_the_timing_allocator_and_memory_readings_under_th
         else:
             assert setting == "memory", events
     assert events.count("timed call") == 2 * 2 * 2 * 2  # (alibi, t5) x (forward, train) x repeats x pair
-    # each row reads native then the model (the same allocator state), plus native's first reading per mode
-    assert events.count("memory reading") == 2 * 2 * 2 + 2
+    # each row reads native then the model (the same allocator state) MEMORY_READINGS times, plus
+    # native's first reading per mode
+    assert events.count("memory reading") == 2 * 2 * 2 * suite.MEMORY_READINGS + 2
+
+
+def test_a_rows_memory_is_the_median_of_alternating_readings(monkeypatch):
+    """Each row's peak memory and its native's are the medians of MEMORY_READINGS readings taken in
+    native/model pairs: a first reading that is off (the allocator switching settings) does not
+    decide the row."""
+    from hf_posenc.recipes.benchmark import BenchConfig, run_suite, suite
+
+    monkeypatch.setattr(suite, "MEMORY_READINGS", 3)
+    order: list[str] = []
+    values = {"native": iter([100, 1000, 40, 41, 42, 43, 44]), "model": iter([900, 50, 52, 51])}
+
+    def peak(self, model, mode, ids):
+        who = "native" if model is self.native else "model"
+        order.append(who)
+        return next(values[who])
+
+    monkeypatch.setattr(suite._Bench, "peak", peak)
+    config = BenchConfig(
+        encodings=["alibi"], lengths=[16], modes=["forward"], vocab_size=64,
+        hidden_size=16, num_layers=1, num_heads=2, repeats=1, warmup=0,
+    )  # fmt: skip
+    rows = [row for row in run_suite(config, progress=False) if row.encoding == "alibi"]
+    assert order == ["native", "native", "model", "native", "model", "native", "model"]
+    assert (rows[0].native_peak_bytes, rows[0].peak_bytes) == (
+        41,
+        52,
+    )  # medians of (1000, 40, 41), (900, 50, 52)
 
 
 def test_the_two_allocator_settings_are_accepted_by_glibc():

@@ -27,6 +27,11 @@ from .measure import PeakMemory, allocator_for_timing, paired_times, return_free
 
 NATIVE = "native"
 MODES = ("forward", "train", "decode")
+#: peak-memory readings per row, native and encoding alternating; each row reports the medians. The
+#: first reading after the timed calls is off (the allocator's switch from the timing setting to
+#: the memory one: comrope's forward at T=4096 read 0.96x then 1.09x, 1.07x, 1.08x, 1.08x of
+#: native; tape's 1.82x then 1.09x-1.16x; idle, five pairs in one process, 2026-11-26)
+MEMORY_READINGS = 3
 
 
 @dataclasses.dataclass
@@ -35,11 +40,11 @@ class Measurement:
     mode: str
     length: int
     seconds: float  # median; decode: per generated token
-    peak_bytes: int  # peak extra memory of one call (0 for decode: not measured)
+    peak_bytes: int  # peak extra memory of one call, median of MEMORY_READINGS (0 for decode: not measured)
     #: median of the native model's calls alternating with this encoding's (None on native rows)
     native_seconds: float | None = None
-    #: the native model's peak extra memory read right before this row's, under the same allocator
-    #: state (None on native rows and for decode)
+    #: the native model's peak extra memory read alternating with this row's readings (their
+    #: median), under the same allocator state (None on native rows and for decode)
     native_peak_bytes: int | None = None
     error: str | None = None  # e.g. out of memory: the call could not run
     #: what served each kind of attention call so far (``patch_info(model)["kernels"]``: the
@@ -157,8 +162,12 @@ class _Bench:
             # native read again beside the model, not only before the first row: after the timed
             # calls (glibc's defaults) the heap holds freed blocks that the memory setting's trim
             # hands back, so both readings must start from the same state (measure.py)
-            native_peak = self.peak(self.native, mode, ids)
-            peak = self.peak(model, mode, ids)
+            readings = [
+                (self.peak(self.native, mode, ids), self.peak(model, mode, ids))
+                for _ in range(MEMORY_READINGS)
+            ]
+            native_peak = int(statistics.median(native for native, _ in readings))
+            peak = int(statistics.median(reading for _, reading in readings))
         except (RuntimeError, MemoryError) as error:
             if not _is_out_of_memory(error) and not isinstance(error, MemoryError):
                 raise
@@ -228,8 +237,9 @@ def ratio_table(results: list[Measurement]) -> str:
     """Markdown: per encoding, mode and length, time and memory as ratios to native.
 
     The time ratio divides by the native calls that alternated with this encoding's calls;
-    the memory ratio by the native model's peak extra memory read right before the row's (the same
-    mode and length; on native rows, its first reading).
+    the memory ratio by the native model's peak extra memory read alternating with the row's
+    readings (medians of :data:`MEMORY_READINGS` each; the same mode and length; on native rows,
+    its first reading).
     """
     native = {(m.mode, m.length): m for m in results if m.encoding == NATIVE}
     lines = [
