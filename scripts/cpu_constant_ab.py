@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import hf_posenc  # noqa: E402
 from hf_posenc.recipes.benchmark.config import BenchConfig  # noqa: E402
-from hf_posenc.recipes.tiny import tiny_model  # noqa: E402
+from hf_posenc.recipes.benchmark.suite import _model as bench_model  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,17 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if not name or not hasattr(module, name):
         print(f"--constant: {module_name} has no attribute {name!r}", file=sys.stderr)
         return 2
-    defaults = BenchConfig(encodings=[args.encoding])
     torch.manual_seed(0)
-    model = tiny_model(
-        defaults.family,
-        vocab_size=args.vocab_size,
-        hidden_size=defaults.hidden_size,
-        num_layers=defaults.num_layers,
-        num_heads=defaults.num_heads,
-        num_kv_heads=defaults.num_heads,
-        max_positions=args.length,
-    )
+    # the bench's own model (its defaults: family, width, layers, heads)
+    model = bench_model(BenchConfig(encodings=[args.encoding], vocab_size=args.vocab_size), args.length)
     if args.encoding != "native":
         hf_posenc.patch_model(model, args.encoding)
     ids = torch.randint(0, args.vocab_size, (1, args.length))
