@@ -6,21 +6,27 @@ installs it."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..encodings.base import Encoding
+from ..errors import UnsupportedModelError
 from .config import EncodingConfig
 from .hybrid import HybridEncoding, part_geometry, patch_module
 from .interpolation import check_scaled_range
+from .registry import adapter_for_config, supported_families
 from .request import (  # noqa: F401  (MAPPING_KEYS, EncodingRequest, check_format_version: re-exported)
     MAPPING_KEYS,
     EncodingRequest,
+    PatchPlan,
     check_format_version,
     plan_request,
+    plan_saved,
     saved_entry,
 )
 from .runtime import PartRuntime, PatchRuntime
@@ -51,13 +57,7 @@ def build_patch(
     """The encoding module(s), runtime and ``config.posenc`` entry of ``encoding`` for ``target``."""
     geometry = adapter.geometry(target.config)
     plan = plan_request(encoding, geometry.num_layers, params)
-    parts: list[Encoding] = []
-    configs: list[EncodingConfig] = []
-    for index, (cls, config) in enumerate(plan.parts):
-        own = part_geometry(geometry, plan.owned(index))
-        configs.append(config.resolve(own))
-        parts.append(cls(configs[-1], own))
-        check_scaled_range(cls.name, parts[-1].scaled_range())
+    parts, configs = _checked_parts(plan, geometry)
     runtimes = [PartRuntime(part, adapter, backend, token=uuid.uuid4().hex) for part in parts]
     layer_runtimes = [
         (runtimes[owner], plan.layers[:layer].count(owner)) for layer, owner in enumerate(plan.layers)
@@ -71,3 +71,65 @@ def build_patch(
         layer_runtimes=layer_runtimes,
         entry=saved_entry([part.name for part in parts], configs, plan.layers),
     )
+
+
+def _checked_parts(plan: PatchPlan, geometry: Any) -> tuple[list[Encoding], list[EncodingConfig]]:
+    """Each part of ``plan`` resolved against the layers it owns and built, its scaled range
+    checked (a linear factor whose scaled positions leave the dtype: one line with the bound)."""
+    parts: list[Encoding] = []
+    configs: list[EncodingConfig] = []
+    for index, (cls, config) in enumerate(plan.parts):
+        own = part_geometry(geometry, plan.owned(index))
+        configs.append(config.resolve(own))
+        parts.append(cls(configs[-1], own))
+        check_scaled_range(cls.name, parts[-1].scaled_range())
+    return parts, configs
+
+
+def check_patch_fits(
+    model_config: Any,
+    encoding: Any = None,
+    params: Mapping[str, Any] | None = None,
+) -> None:
+    """Everything :func:`build_patch` would refuse that the model's config alone decides, without
+    the model's weights: a pattern longer than the depth, a parameter its layers cannot resolve, a
+    scaling whose positions leave the dtype. ``encoding`` None: the checkpoint's own saved
+    ``config.posenc`` with ``params`` as overrides (what ``from_pretrained`` / ``load_model``
+    would rebuild). The recipes run it before they read data or load a model, so a bad request
+    costs one line, not a tokenisation pass. The parts are built on the meta device (no memory,
+    no initialisation). A config no family serves is refused as :func:`patch_model` would."""
+    saved: Mapping[str, Any] = getattr(model_config, "posenc", None) or {}
+    if encoding is None and not saved:
+        return
+    adapter = adapter_for_config(model_config)
+    if adapter is None:
+        raise UnsupportedModelError(
+            f"model_type {getattr(model_config, 'model_type', None)!r} is not supported; "
+            f"supported families: {', '.join(supported_families())}"
+        )
+    geometry = adapter.geometry(model_config)
+    if encoding is not None:
+        plan = plan_request(encoding, geometry.num_layers, params)
+    else:
+        plan = plan_saved(saved, params, geometry.num_layers)
+    check_planned_parts(plan, geometry, initial_values=encoding is not None)
+
+
+#: parts with at most this many tensor elements in all are built a second time on the CPU, so
+#: the checks that read their initial values run too (a fresh patch only: a saved checkpoint's
+#: tensors are not its initial values)
+VALUE_CHECK_ELEMENTS = 1 << 22
+
+
+def check_planned_parts(plan: PatchPlan, geometry: Any, *, initial_values: bool = False) -> None:
+    """:func:`build_patch`'s checks of each part of ``plan`` on a model of ``geometry``, with the
+    parts built on the meta device (no memory, no initialisation). ``initial_values``: the parts
+    will start from their initial values (a fresh patch), so where they are small
+    (:data:`VALUE_CHECK_ELEMENTS`) they are built again on the CPU and the checks that read
+    those values run as well (comrope's and liere's bound on the scaled generators)."""
+    with torch.device("meta"):
+        parts, _ = _checked_parts(plan, geometry)
+    elements = sum(t.numel() for part in parts for t in itertools.chain(part.parameters(), part.buffers()))
+    if initial_values and elements <= VALUE_CHECK_ELEMENTS:
+        with torch.device("cpu"):
+            _checked_parts(plan, geometry)

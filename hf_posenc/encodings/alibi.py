@@ -35,6 +35,12 @@ class ALiBiConfig(PositionInterpolation, EncodingConfig):
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """(num_heads,) fp32 slopes, per Press et al.'s reference ``get_slopes``."""
+    return torch.tensor(alibi_slope_values(num_heads), dtype=torch.float32)
+
+
+def alibi_slope_values(num_heads: int) -> list[float]:
+    """The slopes of :func:`alibi_slopes` as Python floats (read without a tensor: a model built
+    on the meta device has no values to read)."""
 
     def power_of_two(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -44,7 +50,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     slopes = power_of_two(closest)
     if closest != num_heads:
         slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return slopes
 
 
 @register_encoding
@@ -62,7 +68,7 @@ class ALiBi(Encoding[ALiBiConfig]):
         zero attention weight, which is what the bias means there."""
         if self.config.factor == 1.0:
             return None
-        largest = float(alibi_slopes(self.geometry.num_heads).max())
+        largest = max(alibi_slope_values(self.geometry.num_heads))
         return ScaledRange(self.config.factor, "slopes m / f", largest, FLOAT32_MAX, FLOAT32_RANGE)
 
     def score_bias(self, call: ScoreCall) -> LinearDistanceBias:

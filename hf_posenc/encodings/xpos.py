@@ -92,11 +92,17 @@ def decay_base(dim: int, gamma: float) -> torch.Tensor:
     return (torch.arange(half, dtype=torch.float64) / half + gamma) / (1 + gamma)
 
 
+def smallest_decay_base(gamma: float) -> float:
+    """zeta_0 = gamma / (1 + gamma), the smallest of :func:`decay_base` (the same fp64 number),
+    without a tensor: a model built on the meta device has no values to read."""
+    return (0.0 + gamma) / (1 + gamma)
+
+
 def position_limit(dim: int, gamma: float, scale_base: float, factor: float, dtype: torch.dtype) -> int:
     """The first position whose query scale zeta_0^(n/(f*scale_base)) falls below the dtype's
     smallest normal number times 2^HEADROOM_BITS (keys' scale, its inverse, stays below the max)."""
     smallest = math.log(torch.finfo(dtype).tiny) + HEADROOM_BITS * math.log(2.0)  # < 0
-    zeta0 = float(decay_base(dim, gamma)[0])
+    zeta0 = smallest_decay_base(gamma)
     return math.floor(smallest / math.log(zeta0) * scale_base * factor) + 1
 
 
@@ -133,7 +139,7 @@ class XPos(Encoding[XPosConfig]):
         decay = ScaledRange(
             self.decay_factor,
             "decay exponents n ln(1/zeta_0) / (f * scale_base)",
-            longest * -math.log(float(decay_base(self.dim, self.config.gamma)[0])) / self.config.scale_base,
+            longest * -math.log(smallest_decay_base(self.config.gamma)) / self.config.scale_base,
             -(math.log(torch.finfo(torch.float32).tiny) + HEADROOM_BITS * math.log(2.0)),
             f"where the query scale zeta_0^(n/(f*scale_base)) leaves float32 (with 2^{HEADROOM_BITS} to spare)",
             f"positions up to {longest} (max_position_embeddings)",

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, PosencError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -123,10 +123,23 @@ def check_encoding(
 ) -> str | None:
     """Validate an encoding request (name and parameters) against the registry and, for a checkpoint
     saved from a patched model, against the encoding it carries (``params`` then override its saved
-    parameters). Returns the canonical name."""
+    parameters), and, given its config.json (``saved_config``), what patching it would refuse that
+    its config decides (a pattern longer than its depth, a scaling past the dtype). Returns the
+    canonical name."""
+    prefix = f"{where}: " if where else ""
+    canonical = _check_request(encoding, params, saved_config, prefix)
+    if saved_config is not None:
+        _check_fits(saved_config, None if (saved_config.get("posenc") or None) else encoding, params, prefix)
+    return canonical
+
+
+def _check_request(
+    encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None, prefix: str
+) -> str | None:
+    """The checks of :func:`check_encoding` that need only the registry and the saved entry."""
     from ..core.request import canonical_request, check_request, matches_saved, saved_description
 
-    prefix = f"{where}: " if where else ""
+    where = prefix.removesuffix(": ")
     saved = (saved_config or {}).get("posenc") or None
     if saved:
         if encoding is not None and not matches_saved(encoding, saved):
@@ -145,3 +158,22 @@ def check_encoding(
         return None
     check_request(encoding, params)  # a name or a per-layer pattern text (rope*3+nope)
     return canonical_request(encoding)
+
+
+def _check_fits(saved_config: dict, encoding: str | None, params: dict[str, Any] | None, prefix: str) -> None:
+    """What patching the checkpoint of ``saved_config`` (its config.json) with ``encoding`` (None:
+    its own saved encoding, ``params`` overriding) would refuse that its config decides: a
+    pattern longer than its depth, a scaling past the dtype, a model type no family serves."""
+    from transformers import CONFIG_MAPPING
+
+    from ..core.plan import check_patch_fits
+
+    model_type = saved_config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return  # transformers names an unknown model type when it loads the checkpoint
+    try:
+        check_patch_fits(CONFIG_MAPPING[model_type].from_dict(saved_config), encoding, params)
+    except PosencError as error:
+        if not prefix:
+            raise
+        raise type(error)(f"{prefix}{error}") from None

@@ -63,6 +63,7 @@ def plan_model(
     from transformers import AutoConfig
 
     from ...core.loading import extension_of
+    from ...core.plan import check_planned_parts
     from ...core.registry import adapter_for_config, get_encoding
     from ...core.request import (
         canonical_request,
@@ -110,6 +111,7 @@ def plan_model(
             if saved
             else plan_request(encoding, geometry.num_layers, resolved)
         )
+        check_planned_parts(plan, geometry)  # e.g. a scaling past the dtype: one line, nothing loaded
         limit = plan.position_limit(geometry)
         if limit is not None and longest > limit.tokens:
             raise PositionRangeError(

@@ -1,0 +1,113 @@
+"""A request the model's config already refuses ends in one line before any data is read or any
+model loads: a per-layer pattern longer than the checkpoint's depth, a linear scaling whose
+positions leave float32 (on a fresh patch, and as an override of a saved checkpoint's
+scaling), for ``train`` (``--dry-run`` included), ``study`` and ``perplexity``.
+
+Before, ``train`` tokenised its data (and wrote the token cache) and ``perplexity`` read its
+evaluation text before the patch refused these: with a real corpus, minutes of work for a
+one-line mistake. Property: the refusal is one line naming the value and its bound, and no
+data cache or report exists afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from training_runs import one_error, save_base_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_posenc
+from hf_posenc.recipes.cli import main
+from hf_posenc.recipes.data import stdlib_documents
+
+TINY = '{"type": "linear", "factor": 1e-40}'  # rope / alibi: past float32 at any horizon
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("before-data")
+    documents = list(stdlib_documents())[:10]
+    base = save_base_model(root, documents, vocab_size=400, max_positions=64)
+    (root / "data.txt").write_text("\n\n".join(documents[:6]))
+    model = hf_posenc.patch_model(AutoModelForCausalLM.from_pretrained(base), "alibi+t5")
+    model.save_pretrained(root / "alibi-t5")
+    AutoTokenizer.from_pretrained(base).save_pretrained(root / "alibi-t5")
+    return root
+
+
+def train(workspace: Path, tmp_path: Path, model: str, *extra: str) -> int:
+    argv = ["train", "--model", str(workspace / model), "--output-dir", str(tmp_path / "run")]
+    argv += [
+        "--data",
+        str(workspace / "data.txt"),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "1",
+    ]
+    return main([*argv, *extra])
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_train_refuses_a_pattern_longer_than_the_depth_before_reading_data(
+    workspace, tmp_path, capsys, dry_run
+):
+    depth = json.loads((workspace / "base" / "config.json").read_text())["num_hidden_layers"]
+    pattern = f"rope*{depth}+nope"
+    extra = ["--dry-run"] if dry_run else []
+    assert train(workspace, tmp_path, "base", "--encoding", pattern, *extra) == 2
+    line = one_error(capsys)
+    assert repr(pattern) in line and f"{depth + 1} entries" in line and f"{depth} layer(s)" in line, line
+    assert not (tmp_path / "run" / "data-cache").exists()  # nothing was tokenised
+
+
+@pytest.mark.parametrize("encoding", ["rope", "alibi", "liere"])
+def test_train_refuses_a_scaling_past_float32_before_reading_data(workspace, tmp_path, capsys, encoding):
+    factor = '{"type": "linear", "factor": 1e-9}' if encoding == "liere" else TINY
+    assert (
+        train(workspace, tmp_path, "base", "--encoding", encoding, "--encoding-param", f"scaling={factor}")
+        == 2
+    )
+    line = one_error(capsys)
+    assert f"{encoding}: parameter scaling=" in line and "allowed: factor >= " in line, line
+    assert not (tmp_path / "run" / "data-cache").exists()
+
+
+def test_continuing_a_saved_hybrid_with_such_an_override_is_refused_before_reading_data(
+    workspace, tmp_path, capsys
+):
+    assert train(workspace, tmp_path, "alibi-t5", "--encoding-param", f"scaling={TINY}") == 2
+    line = one_error(capsys)
+    assert "alibi: parameter scaling=" in line and "allowed: factor >= " in line, line
+    assert not (tmp_path / "run" / "data-cache").exists()
+
+
+def test_study_refuses_a_pattern_longer_than_the_base_models_depth(workspace, tmp_path, capsys):
+    argv = ["study", "--base-model", str(workspace / "base"), "--output-dir", str(tmp_path / "study")]
+    assert main([*argv, "--encodings", "alibi*3+nope", "--dry-run"]) == 2
+    line = one_error(capsys)
+    assert "'alibi*3+nope'" in line and "4 entries" in line, line
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [("base", ["--encoding", "rope"]), ("alibi-t5", [])],
+    ids=["fresh patch", "override of a saved checkpoint"],
+)
+def test_perplexity_refuses_a_scaling_past_float32_before_reading_its_text(
+    workspace, tmp_path, capsys, model, extra
+):
+    argv = ["perplexity", "--model", str(workspace / model), *extra, "--encoding-param", f"scaling={TINY}"]
+    argv += ["--data", str(workspace / "data.txt"), "--train-length", "16", "--multiples", "1", "2"]
+    assert main([*argv, "--output", str(tmp_path / "report")]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "parameter scaling=" in errors[0] and "allowed: factor >= " in errors[0], (
+        captured
+    )
+    assert "tokens" not in captured.out + captured.err  # the evaluation text was not read
+    assert not (tmp_path / "report" / "results.json").exists()
