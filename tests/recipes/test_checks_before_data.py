@@ -23,6 +23,7 @@ from hf_posenc.recipes.cli import main
 from hf_posenc.recipes.data import stdlib_documents
 
 TINY = '{"type": "linear", "factor": 1e-40}'  # rope / alibi: past float32 at any horizon
+LIERE = '{"type": "linear", "factor": 1e-9}'  # liere: past where its matrix exponential is finite
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_train_refuses_a_pattern_longer_than_the_depth_before_reading_data(
 
 @pytest.mark.parametrize("encoding", ["rope", "alibi", "liere"])
 def test_train_refuses_a_scaling_past_float32_before_reading_data(workspace, tmp_path, capsys, encoding):
-    factor = '{"type": "linear", "factor": 1e-9}' if encoding == "liere" else TINY
+    factor = LIERE if encoding == "liere" else TINY
     assert (
         train(workspace, tmp_path, "base", "--encoding", encoding, "--encoding-param", f"scaling={factor}")
         == 2
@@ -94,14 +95,22 @@ def test_study_refuses_a_pattern_longer_than_the_base_models_depth(workspace, tm
 
 
 @pytest.mark.parametrize(
-    "model, extra",
-    [("base", ["--encoding", "rope"]), ("alibi-t5", [])],
-    ids=["fresh patch", "override of a saved checkpoint"],
+    "model, extra, factor",
+    [
+        ("base", ["--encoding", "rope"], TINY),
+        ("base", ["--encoding", "liere"], LIERE),
+        ("alibi-t5", [], TINY),
+    ],
+    ids=[
+        "fresh patch",
+        "fresh patch, bound read from the initial generators",
+        "override of a saved checkpoint",
+    ],
 )
 def test_perplexity_refuses_a_scaling_past_float32_before_reading_its_text(
-    workspace, tmp_path, capsys, model, extra
+    workspace, tmp_path, capsys, model, extra, factor
 ):
-    argv = ["perplexity", "--model", str(workspace / model), *extra, "--encoding-param", f"scaling={TINY}"]
+    argv = ["perplexity", "--model", str(workspace / model), *extra, "--encoding-param", f"scaling={factor}"]
     argv += ["--data", str(workspace / "data.txt"), "--train-length", "16", "--multiples", "1", "2"]
     assert main([*argv, "--output", str(tmp_path / "report")]) == 2
     captured = capsys.readouterr()
@@ -111,3 +120,11 @@ def test_perplexity_refuses_a_scaling_past_float32_before_reading_its_text(
     )
     assert "tokens" not in captured.out + captured.err  # the evaluation text was not read
     assert not (tmp_path / "report" / "results.json").exists()
+
+
+def test_longeval_refuses_a_scaling_past_float32_before_loading_the_model(workspace, tmp_path, capsys):
+    argv = ["longeval", "--model", str(workspace / "base"), "--encoding", "liere"]
+    argv += ["--encoding-param", f"scaling={LIERE}", "--tasks", "passkey", "--lengths", "512"]
+    assert main([*argv, "--output", str(tmp_path / "retrieval")]) == 2
+    line = one_error(capsys)  # no model loaded
+    assert "liere: parameter scaling=" in line and "allowed: factor >= " in line, line

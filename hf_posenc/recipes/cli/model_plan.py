@@ -111,7 +111,8 @@ def plan_model(
             if saved
             else plan_request(encoding, geometry.num_layers, resolved)
         )
-        check_planned_parts(plan, geometry)  # e.g. a scaling past the dtype: one line, nothing loaded
+        # e.g. a scaling past the dtype: one line, nothing loaded (a fresh patch: its initial values too)
+        check_planned_parts(plan, geometry, initial_values=not saved)
         limit = plan.position_limit(geometry)
         if limit is not None and longest > limit.tokens:
             raise PositionRangeError(
