@@ -1,4 +1,5 @@
-"""One run per output folder: ``hf-posenc train`` and ``study`` hold a lock on their folder.
+"""One run per output folder: ``hf-posenc train``, ``study``, ``perplexity``, ``longeval`` and
+``bench`` hold a lock on their folder.
 
 The lock is an ``fcntl.flock`` on ``<folder>/.hf-posenc.lock``, held by the live process: the
 kernel drops it when the process ends in any way (``kill -9`` included), so a killed run never
@@ -13,11 +14,13 @@ standard library). On a platform without ``fcntl`` the lock is not taken.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -95,3 +98,13 @@ def release(folder: Path) -> None:
     if held[1] == 0:
         del _HELD[key]
         held[0].close()  # closing the file drops the flock
+
+
+@contextlib.contextmanager
+def holding(folder: Path, what: str = "run") -> Iterator[None]:
+    """``folder``'s lock for the duration of the block (:func:`acquire`, then :func:`release`)."""
+    acquire(folder, what)
+    try:
+        yield
+    finally:
+        release(folder)

@@ -1,6 +1,8 @@
-"""One run per output folder (issue 19 finding 4): a second ``hf-posenc train`` or ``study``
-into a folder another live process is writing is refused at once, in one line naming the
-holder, before anything is changed; a holder killed with ``kill -9`` leaves no stuck lock."""
+"""One run per output folder (issue 19 finding 4): a second ``hf-posenc train``, ``study``,
+``perplexity``, ``longeval`` or ``bench`` into a folder another live process is writing is
+refused at once, in one line naming the holder, before anything is changed; a holder killed
+with ``kill -9`` leaves no stuck lock. An evaluation into a folder holding an earlier run's
+results keeps them unless ``--overwrite`` is given."""
 
 from __future__ import annotations
 
@@ -143,3 +145,69 @@ def test_every_process_of_a_two_process_launch_refuses_a_folder_in_use(tmp_path)
     errors = [line for line in completed.stderr.splitlines() if "hf-posenc train: error:" in line]
     assert len(errors) == 2, completed.stderr[-3000:]  # one line from each process, the same
     assert all(f"in use by another hf-posenc train run (pid {child.pid}" in line for line in errors)
+
+
+# -- the evaluation commands: perplexity, longeval, bench -----------------------------------------
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    from training_runs import save_base_model
+
+    from hf_posenc.recipes.data import stdlib_documents
+
+    root = tmp_path_factory.mktemp("eval-lock")
+    documents = list(stdlib_documents())[:10]
+    save_base_model(root, documents, vocab_size=400, max_positions=512)
+    (root / "data.txt").write_text("\n\n".join(documents[:6]))
+    return root
+
+
+def evaluation(command: str, root: Path, output: Path, *extra: str) -> list[str]:
+    """The argv of a small ``command`` run on the base model into ``output``."""
+    if command == "perplexity":
+        return ["perplexity", "--model", str(root / "base"), "--encoding", "alibi", "--data", str(root / "data.txt"),
+                "--train-length", "16", "--multiples", "1", "2", "--output", str(output), *extra]  # fmt: skip
+    if command == "longeval":
+        return ["longeval", "--model", str(root / "base"), "--encoding", "alibi", "--tasks", "passkey",
+                "--lengths", "256", "--samples", "1", "--depths", "0.5", "--output", str(output), *extra]  # fmt: skip
+    return ["bench", "--encodings", "alibi", "--modes", "forward", "--lengths", "16", "--repeats", "1",
+            "--num-layers", "1", "--output-dir", str(output), *extra]  # fmt: skip
+
+
+RESULT_FILES = {"perplexity": "results.json", "longeval": "results.json", "bench": "bench.json"}
+
+
+@pytest.mark.parametrize("command", ["perplexity", "longeval", "bench"])
+def test_an_evaluation_into_a_folder_in_use_is_refused_before_writing(base_model, tmp_path, capsys, command):
+    from hf_posenc.recipes.cli import main
+
+    child = holder(tmp_path)
+    try:
+        assert main(evaluation(command, base_model, tmp_path)) != 0
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"in use by another hf-posenc {command} run" in errors[0], errors
+    assert not (tmp_path / RESULT_FILES[command]).exists()
+
+
+@pytest.mark.slow  # three runs of each command
+@pytest.mark.parametrize("command", ["perplexity", "longeval", "bench"])
+def test_an_evaluation_keeps_an_earlier_runs_results_unless_told_to_replace_them(
+    base_model, tmp_path, capsys, command
+):
+    """A second run into a folder with results is refused in one line, the results untouched;
+    ``--overwrite`` replaces them (before, perplexity and bench replaced them silently)."""
+    from hf_posenc.recipes.cli import main
+
+    assert main(evaluation(command, base_model, tmp_path)) == 0
+    first = (tmp_path / RESULT_FILES[command]).read_bytes()
+    capsys.readouterr()
+    assert main(evaluation(command, base_model, tmp_path)) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "holds another run's results" in errors[0] and "--overwrite" in errors[0], (
+        errors
+    )
+    assert (tmp_path / RESULT_FILES[command]).read_bytes() == first
+    assert main(evaluation(command, base_model, tmp_path, "--overwrite")) == 0
+    assert json.loads((tmp_path / RESULT_FILES[command]).read_text())  # a whole new result file

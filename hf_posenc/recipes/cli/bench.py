@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ...errors import InvalidParameterError
 from ...models import canonical_family, family_names
@@ -75,6 +74,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--output-dir", "--output", dest="output_dir", default="posenc-bench", help="results go here"
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the results of an earlier run in --output-dir"
+    )
     parser.set_defaults(run=command_bench)
 
 
@@ -119,7 +121,9 @@ def check_bench_args(args: argparse.Namespace) -> None:
 
 def command_bench(args: argparse.Namespace) -> int:
     from ...core.registry import canonical_name, list_encodings
+    from .. import run_lock
     from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
+    from ..evaluation.report import check_fresh_output
 
     check_bench_args(args)
     names = (
@@ -127,8 +131,10 @@ def command_bench(args: argparse.Namespace) -> int:
     )
     fields = set(BenchConfig.__dataclass_fields__) - {"encodings"}
     config = BenchConfig(encodings=names, **{k: v for k, v in vars(args).items() if k in fields})
-    results = run_suite(config)
-    paths = write_results(results, config, Path(args.output_dir))
+    output = check_fresh_output(args.output_dir, "bench.json", overwrite=args.overwrite, flag="--output-dir")
+    with run_lock.holding(output, "bench run"):  # a second run into it: one line
+        results = run_suite(config)
+        paths = write_results(results, config, output)
     print(ratio_table(results))
     print(f"[bench] wrote {', '.join(str(p) for p in paths.values())}")
     return 0

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import run_lock
 from ..evaluation.errors import EvaluationError
 from .common import add_model_overrides, add_threads_argument, parse_encoding_params
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
@@ -28,17 +29,10 @@ DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "
 
 def check_output(path: str, overwrite: bool) -> Path:
     """A writable folder that holds no other run's results (unless ``overwrite``)."""
-    from ..evaluation.report import check_output_dir
+    from ..evaluation.report import check_fresh_output
     from ..longeval.report import FILE_NAMES
 
-    folder = Path(path)
-    previous = folder / FILE_NAMES["json"]
-    if previous.exists() and not overwrite:
-        raise EvaluationError(
-            f"--output-dir {path!r} holds another run's results ({previous.name}); choose another folder or "
-            "add --overwrite to replace them"
-        )
-    return check_output_dir(folder)
+    return check_fresh_output(path, FILE_NAMES["json"], overwrite=overwrite, flag="--output-dir")
 
 
 def train_length_of(directory: Path, given: int | None) -> int | None:
@@ -227,11 +221,16 @@ def write_outputs(args, checked, results, metadata, *, final: bool) -> dict[str,
 def command_longeval(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()
+    checked = check_inputs(args)  # everything is checked before the first model is loaded
+    with run_lock.holding(checked["output"], "longeval run"):  # a second run into it: one line
+        return _evaluate_models(args, checked)
+
+
+def _evaluate_models(args: argparse.Namespace, checked: dict[str, Any]) -> int:
     from ..longeval.report import format_table
     from ..provenance import provenance
 
-    hf_logging.set_verbosity_error()
-    checked = check_inputs(args)  # everything is checked before the first model is loaded
     prompts = build_prompts(args, checked)
     results: dict[str, Any] = {}
     metadata: dict[str, Any] = {"models": {}, "provenance": provenance()}

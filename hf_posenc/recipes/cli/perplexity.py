@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import run_lock
 from ..evaluation.errors import EvaluationError
 from .common import add_model_overrides, add_threads_argument, parse_encoding_params
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
@@ -85,10 +86,10 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     each model's position limit, before any model or data is loaded; paths and values before torch
     and transformers are imported (a missing model folder is answered at once)."""
     from ..data import check_sources
-    from ..evaluation.report import check_output_dir
+    from ..evaluation.report import FILE_NAMES, check_fresh_output
     from ..threads import check_threads
 
-    output = check_output_dir(args.output)
+    output = check_fresh_output(args.output, FILE_NAMES["json"], overwrite=args.overwrite)
     directories = [check_model_dir(d) for d in args.model]
     check_sources(args.data)
     from ...core.request import check_request
@@ -232,6 +233,11 @@ def write_final_report(args, checked: Checked, results, metadata, kinds, title: 
 
 def command_perplexity(args: argparse.Namespace) -> int:
     checked = check_inputs(args)  # everything is checked before the first model is loaded
+    with run_lock.holding(checked.output, "perplexity run"):  # a second run into it: one line
+        return _evaluate_models(args, checked)
+
+
+def _evaluate_models(args: argparse.Namespace, checked: Checked) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -297,6 +303,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         required=True,
         metavar="DIR",
         help="where results.* and the plot go",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the results of an earlier run in --output-dir"
     )
     parser.add_argument("--title", default=None, help="title of the plot and report")
     parser.add_argument("--perplexity", action="store_true", help="also print perplexity columns")

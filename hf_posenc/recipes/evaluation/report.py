@@ -73,6 +73,22 @@ def check_output_dir(path: str | Path) -> Path:
     return directory
 
 
+def check_fresh_output(
+    path: str | Path, result_file: str, *, overwrite: bool, flag: str = "--output"
+) -> Path:
+    """:func:`check_output_dir` of a folder that holds no earlier run's results (its
+    ``result_file``), unless ``overwrite``: a second run into the same folder would replace them."""
+    previous = Path(path) / result_file
+    if previous.exists() and not overwrite:
+        from .errors import EvaluationError
+
+        raise EvaluationError(
+            f"{flag} {str(path)!r} holds another run's results ({result_file}); choose another folder or "
+            "add --overwrite to replace them"
+        )
+    return check_output_dir(path)
+
+
 def _multiples(results: Results) -> list[int]:
     return sorted({r.multiple for rows in results.values() for r in rows})
 
