@@ -2,7 +2,8 @@
 (``data-cache/tokens-*.arrow``: a flipped token id that stays inside the vocabulary, one past
 it, a truncated file) and ``trainer_state.json`` (its own checksum, its step against the
 checkpoint folder's, its losses) — a damaged one is named with what to do, and a resume never
-trains on other tokens or restarts from the wrong step."""
+trains on other tokens or restarts from the wrong step. Nor on a data file edited since the run
+started: checkpoints record the token stream's fingerprint and a resume checks it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from training_runs import Interrupt, interrupt_at, run_config, save_base_model
 
+from hf_posenc.errors import InvalidParameterError
 from hf_posenc.recipes.data import DataError, stdlib_documents
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.checkpoints import STATE_FILE
@@ -136,3 +138,77 @@ def test_the_trainer_state_records_a_checksum_of_itself(workspace):
     assert recorded == {
         cache.name: {"bytes": cache.stat().st_size, "sha256": hashlib.sha256(cache.read_bytes()).hexdigest()}
     }
+
+
+def expected_fingerprint(workspace: Path, data: Path) -> dict:
+    """The token stream's fingerprint written from its definition: every document's ids with
+    eos after it, as little-endian int32, and the document lengths as int64, each hashed, the
+    two digests hashed together."""
+    import hashlib
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from hf_posenc.recipes.data import read_documents
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "base")
+    documents = [
+        tokenizer(text, add_special_tokens=False)["input_ids"] for text in read_documents([str(data)])
+    ]
+    documents = [[*ids, tokenizer.eos_token_id] for ids in documents]
+    ids = np.array([t for doc in documents for t in doc], dtype="<i4").tobytes()
+    lengths = np.array([len(doc) for doc in documents], dtype="<i8").tobytes()
+    digest = hashlib.sha256(hashlib.sha256(ids).digest() + hashlib.sha256(lengths).digest()).hexdigest()
+    return {"tokens": sum(map(len, documents)), "documents": len(documents), "sha256": digest}
+
+
+def test_checkpoints_and_the_final_model_record_what_the_run_trained_on(workspace, tmp_path):
+    data = tmp_path / "data.txt"
+    data.write_text((workspace / "data.txt").read_text())
+    config = settings(workspace, "fingerprint")
+    config.data = [str(data)]
+    result = train(config, progress=False)
+    expected = expected_fingerprint(workspace, data)
+    assert (
+        json.loads((workspace / "fingerprint" / "checkpoint-4" / STATE_FILE).read_text())["data"] == expected
+    )
+    assert json.loads((result.final_dir / "training_run.json").read_text())["training_data"] == expected
+
+
+@pytest.mark.slow  # runs and resumes
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda text: text + "\n\none more document appended after the run started",
+        lambda text: text.replace("def ", "fed ", 1),  # one word, the same number of documents
+    ],
+    ids=["appended", "one-word"],
+)
+def test_a_resume_on_edited_data_is_refused_and_the_same_data_resumes_exactly(workspace, tmp_path, change):
+    """A data file edited after the run started: the settings name the same file, the tokens
+    differ, so the resume is refused in one line (before, it went on training on the new tokens,
+    its records naming the old file). The same text with a new mtime (the cache re-tokenised)
+    resumes and ends exactly as the uninterrupted run."""
+    original = (workspace / "data.txt").read_text()
+    data = tmp_path / "data.txt"
+    data.write_text(original)
+    name = f"edited-{tmp_path.name}"
+    config = settings(workspace, name)
+    config.data = [str(data)]
+    with pytest.raises(Interrupt):
+        train(config, callbacks=[interrupt_at(5)], progress=False)
+    data.write_text(change(original))
+    with pytest.raises(InvalidParameterError) as caught:
+        train(config, resume=True, progress=False)
+    message = str(caught.value)
+    assert "\n" not in message and "the training data is not what" in message and "checkpoint-4" in message
+    assert "--overwrite" in message and not (workspace / name / "final").exists()
+
+    data.write_text(original)  # the same tokens again, a new mtime: re-tokenised, resumed
+    resumed = train(config, resume=True, progress=False)
+    reference = settings(workspace, f"{name}-whole")
+    reference.data = [str(data)]
+    whole = train(reference, progress=False)
+    assert json.loads((resumed.final_dir / "losses.json").read_text()) == json.loads(
+        (whole.final_dir / "losses.json").read_text()
+    )

@@ -38,7 +38,7 @@ from .model_setup import prepare_for_accelerate, trainable_model
 from .outputs import write_final
 from .parallelism import context_parallel_shards, launch_degrees
 from .ulysses import check_zero_stage, configure_deepspeed, enable_sequence_parallel, ulysses_layout
-from .world import open_accelerator, restore_state, resume_point
+from .world import check_resumed_data, data_fingerprint, open_accelerator, restore_state, resume_point
 
 StepCallback = Callable[[int, dict[str, float]], None]
 
@@ -94,7 +94,12 @@ def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: P
 
 def _save(run: _Run, step: int) -> None:
     check_finite_weights(run.accelerator, run.model, step)
-    state = {"step": step, "losses": run.losses, "config": dataclasses.asdict(run.config)}
+    state = {
+        "step": step,
+        "losses": run.losses,
+        "config": dataclasses.asdict(run.config),
+        "data": data_fingerprint(run.feed.blocks),  # what the steps trained on: checked on resume
+    }
     path = save_checkpoint(run.accelerator, run.output_dir, step, state, run.config.keep_checkpoints)
     if run.accelerator.is_main_process:
         run.bar.write(f"[train] checkpoint {path}")
@@ -241,6 +246,8 @@ def _train_held(
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     blocks = _load_blocks(config, tokenizer, accelerator, output_dir)
+    if checkpoint is not None:
+        check_resumed_data(checkpoint, data_fingerprint(blocks))  # before the model loads
     # under Ulysses the batch order is the data-parallel group's: its ranks share each batch
     groups, group, shard = (
         ulysses_layout(accelerator.process_index, accelerator.num_processes, sequence_parallel)

@@ -127,6 +127,7 @@ def _write_partial(
         "global_batch": config.batch_size * num_processes,
         "training_blocks": len(blocks),
         "training_tokens_available": getattr(blocks, "total_tokens", None),
+        "training_data": getattr(blocks, "fingerprint", None),  # token/document counts, SHA-256
         "provenance": provenance(),
     }
     (partial / "losses.json").write_text(json.dumps(losses))

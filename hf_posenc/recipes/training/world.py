@@ -1,7 +1,7 @@
 """The world of processes one training run holds, before and around its steps: the accelerator
 (the process group with its ``--ddp-timeout``, the sequence engine, the trackers), the output
 folder's lock and checks, the resume point (the newest intact checkpoint with the same
-settings) and the state restored from it. Used by :mod:`.loop`.
+settings, on the token stream its steps trained on) and the state restored from it. Used by :mod:`.loop`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 from ...errors import InvalidParameterError
 from .. import run_lock
@@ -95,6 +96,28 @@ def resume_point(config: TrainConfig, accelerator, output_dir: Path) -> Path:
             f"--resume: settings differ from the run in {str(output_dir)!r}: " + ", ".join(changed)
         )
     return checkpoint
+
+
+def data_fingerprint(blocks: Any) -> dict[str, Any] | None:
+    """The token stream's fingerprint (:attr:`.corpus.TokenBlocks.fingerprint`), or None for
+    blocks that have none (a caller's own in-memory blocks)."""
+    return getattr(blocks, "fingerprint", None)
+
+
+def check_resumed_data(checkpoint: Path, current: dict[str, Any] | None) -> None:
+    """Refuse, in one line, to resume ``checkpoint`` on another token stream than the one its
+    steps trained on (a data file edited, replaced or extended since the run started: the
+    settings name the same files, the tokens are not the same). A checkpoint written before
+    the fingerprint was recorded is not checked."""
+    recorded = read_state(checkpoint).get("data")
+    if recorded is None or current is None or recorded == current:
+        return
+    raise InvalidParameterError(
+        f"--resume: the training data is not what {checkpoint} trained on: {recorded['tokens']} tokens in "
+        f"{recorded['documents']} documents (SHA-256 {recorded['sha256'][:12]}...) then, {current['tokens']} "
+        f"tokens in {current['documents']} documents (SHA-256 {current['sha256'][:12]}...) now, so a data file "
+        "changed since the run started; restore it, or start the run again with --overwrite"
+    )
 
 
 def restore_state(accelerator, checkpoint: Path) -> tuple[int, list[tuple[int, float]]]:
