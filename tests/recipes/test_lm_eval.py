@@ -318,6 +318,28 @@ BAD_INPUTS = {
         ],
         "overriding the saved encoding parameters: alibi: parameter scaling['factor']=-1 is not allowed",
     ),
+    "a pattern longer than the checkpoint's depth": (
+        [
+            "--tasks",
+            "arc_easy",
+            "--data-dir",
+            "{fixtures}",
+            "--model_args",
+            "pretrained={plain},encoding=rope*9+nope",
+        ],
+        "encoding pattern 'rope*9+nope' has 10 entries but the model has",
+    ),
+    "a scaling past float32 on a patched checkpoint": (
+        [
+            "--tasks",
+            "arc_easy",
+            "--data-dir",
+            "{fixtures}",
+            "--model_args",
+            "pretrained={alibi},scaling.type=linear,scaling.factor=1e-50",
+        ],
+        "alibi: parameter scaling={'type': 'linear', 'factor': 1e-50} is not allowed",
+    ),
     "unsupported option with a recipe": (
         ["--preset", "paper", "--gen_kwargs", "x=1"],
         "unsupported with a recipe",

@@ -34,6 +34,7 @@ from lm_eval.models.utils_hf import get_dtype
 
 from ...core.loading import load_model
 from ...core.patch import CONFIG_KEY, patch_info
+from ...core.plan import check_patch_fits
 from ...core.request import check_overrides, check_request, matches_saved, saved_description
 from ...errors import InvalidParameterError, UnsupportedModelError
 
@@ -130,7 +131,8 @@ def check_model_args(args: ModelArgs) -> None:
     for option in UNSUPPORTED_OPTIONS:
         if args.other.get(option):
             raise UnsupportedModelError(f"model_args {option}= is not supported by the hf-posenc model")
-    saved = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.pretrained)), CONFIG_KEY, None)
+    config = AutoConfig.from_pretrained(os.path.expanduser(args.pretrained))
+    saved = getattr(config, CONFIG_KEY, None)
     if saved:
         if args.encoding is not None and not matches_saved(args.encoding, saved):
             raise InvalidParameterError(
@@ -142,6 +144,8 @@ def check_model_args(args: ModelArgs) -> None:
         check_overrides(saved, args.encoding_params, where=f"model_args of {args.pretrained!r}")
     elif args.encoding is not None:
         check_request(args.encoding, args.encoding_params)
+    if saved or args.encoding is not None:  # a pattern past the depth, a scaling past the dtype, ...
+        check_patch_fits(config, None if saved else args.encoding, args.encoding_params)
     elif args.encoding_params:
         allowed = ", ".join(
             sorted((_hflm_parameters() | HF_LOAD_KWARGS) - {"pretrained", *UNSUPPORTED_OPTIONS})
