@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ...models import DEFAULT_FAMILY
+from ..atomic import replacing
 
 NATIVE = "native"
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as handle:
+        with replacing(args.json) as partial, open(partial, "w") as handle:
             json.dump(
                 {"settings": {k: v for k, v in vars(args).items() if k != "forwarded"}, "rows": rows},
                 handle,

@@ -40,6 +40,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from ..atomic import replacing
 from . import max_length, saved_memory
 
 #: a free this large ends the chunked loss's backward (its chunks' (tokens x vocabulary) logits)
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             for group in alive:
                 print(f"  {group['count']:4d} x {group['bytes'] / 2**20:8.2f} MiB  {group['site']}")
     if args.json:
-        with open(args.json, "w") as handle:
+        with replacing(args.json) as partial, open(partial, "w") as handle:
             json.dump({"settings": vars(args), "rows": rows}, handle, indent=2)
     return 0
 

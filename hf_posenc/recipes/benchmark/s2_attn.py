@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...models import DEFAULT_FAMILY
+from ..atomic import replacing
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(json.dumps(row))
     if args.json:
-        with open(args.json, "w") as handle:
+        with replacing(args.json) as partial, open(partial, "w") as handle:
             json.dump(rows, handle, indent=2)
     return 0
 

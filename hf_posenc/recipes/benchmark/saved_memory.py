@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import replacing
 from . import max_length
 
 #: lines of these files name where a tensor was saved (the innermost three)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [per_token(args, row) for row in [max_length.NATIVE, *names]]
     print(report(rows))
     if args.json:
-        with open(args.json, "w") as handle:
+        with replacing(args.json) as partial, open(partial, "w") as handle:
             json.dump({"settings": {k: v for k, v in vars(args).items()}, "rows": rows}, handle, indent=2)
     return 0
 

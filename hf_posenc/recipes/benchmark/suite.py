@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ...core.patch import patch_info, patch_model
+from ..atomic import replacing, write_text
 from ..provenance import provenance
 from ..tiny import tiny_model
 from .config import BenchConfig
@@ -273,8 +274,9 @@ def _json_row(m: Measurement) -> dict:
 def write_results(results: list[Measurement], config: BenchConfig, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"table": out_dir / "bench.md", "json": out_dir / "bench.json", "png": out_dir / "bench.png"}
-    paths["table"].write_text(ratio_table(results) + "\n")
-    paths["json"].write_text(
+    write_text(paths["table"], ratio_table(results) + "\n")
+    write_text(
+        paths["json"],
         json.dumps(
             {
                 "config": dataclasses.asdict(config),
@@ -282,7 +284,7 @@ def write_results(results: list[Measurement], config: BenchConfig, out_dir: Path
                 "results": [_json_row(m) for m in results],
             },
             indent=2,
-        )
+        ),
     )
     _plot(results, paths["png"], config)
     return paths
@@ -354,4 +356,5 @@ def _plot(results: list[Measurement], path: Path, config: BenchConfig | None = N
     if handles:
         figure.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
     figure.tight_layout(rect=(0, 0, 1 - 2.2 / (4.2 * len(panels) + 2.5), 0.95))
-    figure.savefig(path, format="png")
+    with replacing(path) as partial:
+        figure.savefig(partial, format="png")

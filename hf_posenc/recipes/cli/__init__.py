@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..._version import __version__
 from ...errors import PosencError
@@ -87,6 +88,25 @@ def _silence_stdout() -> None:
         pass
 
 
+def _full_disk(args: argparse.Namespace, error: BaseException) -> str | None:
+    """One line for a write that ran out of disk space anywhere in a command (a results file,
+    an exported model, a checkpoint): where, and what to do. Result files are written whole or
+    not at all (:mod:`..atomic`), so the previous ones are intact."""
+    from ..training.space import no_space
+
+    folder = next(
+        (getattr(args, name) for name in ("output_dir", "output", "out") if getattr(args, name, None)), "."
+    )
+    where = no_space(error, Path(folder))
+    if where is None:
+        return None
+    return (
+        f"no space left on {where} while writing this command's output; files written earlier are intact "
+        "and nothing was left half-written: free space there (or choose another output folder), then run the "
+        "same command again (with --overwrite where it asks to replace the results written so far)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ..provenance import set_command
 
@@ -106,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hf-posenc {args.command}: interrupted{detail}", file=sys.stderr)
         return 130
     except Exception as error:
+        full = None if getattr(args, "traceback", False) else _full_disk(args, error)
+        if full is not None:
+            print(f"hf-posenc {args.command}: error: {full}", file=sys.stderr)
+            return 2
         if getattr(args, "traceback", False) or not (isinstance(error, USER_ERRORS) or _hub_error(error)):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

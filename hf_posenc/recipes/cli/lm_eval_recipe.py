@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_text
 from ..integrations.lm_eval_tasks import BenchmarkError
 
 
@@ -259,5 +260,5 @@ def run_recipe(opts: argparse.Namespace) -> int:
             f"n examples scored.\n\ndate: {record['date']}  \ngit commit: {record['git_commit']}  \n"
             f"versions: {versions}  \ncommand: `{record['command']}`\n"
         )
-        (Path(opts.output) / "comparison.md").write_text(table + footer, encoding="utf-8")
+        write_text(Path(opts.output) / "comparison.md", table + footer)
     return 0

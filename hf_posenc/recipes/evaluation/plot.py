@@ -23,6 +23,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..atomic import replacing
 from .ranking import ROW_KINDS, Z95, Results, ranking
 
 #: line style of each kind of row (and nothing else)
@@ -249,7 +250,8 @@ def plot_losses(
         results, train_length=train_length, title=title, dashed=dashed, kinds=kinds, warnings=warnings
     )
     path = Path(path)
-    figure.savefig(path, format="png")
+    with replacing(path) as partial:
+        figure.savefig(partial, format="png")
     return path
 
 

@@ -17,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..atomic import replacing, write_text
 from .plot import line_styles, plot_losses
 from .ranking import Results, ranking, result_warnings
 
@@ -200,7 +201,7 @@ def write_csv(
     """One row per (label, multiple), columns :data:`CSV_FIELDS` (units in their names), after ``#``
     comment lines with the provenance and warnings (``pandas.read_csv(path, comment="#")``)."""
     path = Path(path)
-    with path.open("w", newline="", encoding="utf-8") as handle:
+    with replacing(path) as partial, partial.open("w", newline="", encoding="utf-8") as handle:
         for line in [*_provenance_lines(metadata), *(f"warning: {w}" for w in warnings)]:
             handle.write(f"# {line}\n")
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
@@ -257,9 +258,7 @@ def write_json(
             for label, entries in results.items()
         },
     }
-    path = Path(path)
-    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    return path
+    return write_text(path, json.dumps(document, indent=2) + "\n")
 
 
 def write_report(
@@ -293,8 +292,8 @@ def write_report(
     table = format_table(results, perplexity=perplexity, kinds=row_kinds or None, warnings=all_warnings)
     heading = f"{title}\n" if title else ""
     provenance_text = "\n".join(_provenance_lines(metadata))
-    paths["table"].write_text(
-        f"{heading}training length {train_length} tokens\n{table}\n\n{provenance_text}\n", encoding="utf-8"
+    write_text(
+        paths["table"], f"{heading}training length {train_length} tokens\n{table}\n\n{provenance_text}\n"
     )
     write_csv(results, paths["csv"], metadata=metadata, kinds=row_kinds, warnings=all_warnings)
     write_json(

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..atomic import replacing, write_text
 from .runner import Cell
 from .tasks import TASKS
 
@@ -106,10 +107,9 @@ def results_document(
 def write_json(
     path: Path, results: Results, *, settings: Mapping[str, Any], metadata: Mapping[str, Any]
 ) -> Path:
-    path.write_text(
-        json.dumps(results_document(results, settings=settings, metadata=metadata), indent=2) + "\n"
+    return write_text(
+        path, json.dumps(results_document(results, settings=settings, metadata=metadata), indent=2) + "\n"
     )
-    return path
 
 
 def write_markdown(
@@ -133,8 +133,7 @@ def write_markdown(
         task = TASKS[name]
         lines.append(f"| `{name}` | {task.description} | {task.metric} | {task.citation} |")
     lines += [""] + [f"![{picture}]({picture})" for picture in pictures]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return write_text(path, "\n".join(lines) + "\n")
 
 
 def _canvas(width: float, height: float):
@@ -201,7 +200,8 @@ def _finish_heatmaps(
     figure.suptitle(suptitle, fontsize="medium")
     if image is not None:
         figure.colorbar(image, ax=list(grid.flat), shrink=0.9, label="accuracy", fraction=colorbar_fraction)
-    figure.savefig(path, format="png")
+    with replacing(path) as partial:
+        figure.savefig(partial, format="png")
     return path
 
 
@@ -256,7 +256,8 @@ def plot_accuracy(path: Path, results: Results, train_lengths: Mapping[str, int 
     figure.suptitle(f"{title} ({marked})" if any(train_lengths.values()) else title)
     handles, labels = grid.flat[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside right center", fontsize="small", frameon=False)
-    figure.savefig(path, format="png")
+    with replacing(path) as partial:
+        figure.savefig(partial, format="png")
     return path
 
 

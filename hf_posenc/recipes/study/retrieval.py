@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_text
+
 TASK = "passkey"
 #: tokens kept free for the generated answer: a prompt at k x the training length has this many fewer
 ANSWER_ROOM = 16
@@ -265,10 +267,10 @@ def write_retrieval_report(
     )
     table = report.markdown_table(results)
     paths["retrieval md"] = out / "retrieval.md"
-    paths["retrieval md"].write_text(
+    write_text(
+        paths["retrieval md"],
         f"# {title}\n\nAccuracy in % over depths {list(DEPTHS)}.\n\n{table}\n\n"
         "![retrieval heatmaps](retrieval_heatmaps.png)\n",
-        encoding="utf-8",
     )
     print(f"\n{title}: accuracy in % over depths {', '.join(map(str, DEPTHS))}")
     print(report.format_table(results))

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from ...errors import InvalidParameterError
+from ..atomic import write_text
 from .spec import StudyConfig, parse_encoding_spec, spec_slug
 
 
@@ -174,7 +175,7 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
         for spec in eval_only_rows(config.eval_only, config.encodings):
             print(f"  evaluate only {spec} (no training)")
         return {}
-    (out / "study_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    write_text(out / "study_config.json", json.dumps(dataclasses.asdict(config), indent=2))
     to_train = sum(s.max_steps for _, s, status in plan if status != "reuse")
     progress = _Progress(len(plan) + 1 + (1 if config.retrieval_documents else 0), to_train)
     finals: dict[str, Path] = {}
