@@ -22,6 +22,34 @@ def save_base_model(root: Path, documents: Sequence[str], *, vocab_size: int, ma
     return root / "base"
 
 
+def base_workspace(root: Path, *, max_positions: int = 64) -> Path:
+    """``root`` with a saved tiny Llama and tokenizer in ``root/base`` (vocabulary 400, trained on
+    ten standard-library documents) and six of them in ``root/data.txt``."""
+    from hf_posenc.recipes.data import stdlib_documents
+
+    documents = list(stdlib_documents())[:10]
+    save_base_model(root, documents, vocab_size=400, max_positions=max_positions)
+    (root / "data.txt").write_text("\n\n".join(documents[:6]))
+    return root
+
+
+def train_argv(workspace: Path, model: str, output: Path, *extra: str) -> list[str]:
+    """``hf-posenc train`` of ``workspace/model`` on ``workspace/data.txt`` into ``output``: one
+    step of two 32-token sequences, then ``extra``."""
+    argv = ["train", "--model", str(workspace / model), "--output-dir", str(output)]
+    argv += [
+        "--data",
+        str(workspace / "data.txt"),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "1",
+    ]
+    return [*argv, *extra]
+
+
 def run_config(workspace: Path, name: str, **values: Any) -> TrainConfig:
     """A run of ``workspace/base`` (unless ``values`` name another ``model``) into ``workspace/name``:
     quiet logging, a learning rate that moves a tiny model within a few steps, and ``values``

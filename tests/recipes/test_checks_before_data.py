@@ -15,12 +15,11 @@ import json
 from pathlib import Path
 
 import pytest
-from training_runs import one_error, save_base_model
+from training_runs import base_workspace, one_error, train_argv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_posenc
 from hf_posenc.recipes.cli import main
-from hf_posenc.recipes.data import stdlib_documents
 
 TINY = '{"type": "linear", "factor": 1e-40}'  # rope / alibi: past float32 at any horizon
 LIERE = '{"type": "linear", "factor": 1e-9}'  # liere: past where its matrix exponential is finite
@@ -28,29 +27,15 @@ LIERE = '{"type": "linear", "factor": 1e-9}'  # liere: past where its matrix exp
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("before-data")
-    documents = list(stdlib_documents())[:10]
-    base = save_base_model(root, documents, vocab_size=400, max_positions=64)
-    (root / "data.txt").write_text("\n\n".join(documents[:6]))
-    model = hf_posenc.patch_model(AutoModelForCausalLM.from_pretrained(base), "alibi+t5")
+    root = base_workspace(tmp_path_factory.mktemp("before-data"))
+    model = hf_posenc.patch_model(AutoModelForCausalLM.from_pretrained(root / "base"), "alibi+t5")
     model.save_pretrained(root / "alibi-t5")
-    AutoTokenizer.from_pretrained(base).save_pretrained(root / "alibi-t5")
+    AutoTokenizer.from_pretrained(root / "base").save_pretrained(root / "alibi-t5")
     return root
 
 
 def train(workspace: Path, tmp_path: Path, model: str, *extra: str) -> int:
-    argv = ["train", "--model", str(workspace / model), "--output-dir", str(tmp_path / "run")]
-    argv += [
-        "--data",
-        str(workspace / "data.txt"),
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "2",
-        "--max-steps",
-        "1",
-    ]
-    return main([*argv, *extra])
+    return main(train_argv(workspace, model, tmp_path / "run", *extra))
 
 
 @pytest.mark.parametrize("dry_run", [False, True])

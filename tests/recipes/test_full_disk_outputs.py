@@ -15,12 +15,11 @@ import json
 from pathlib import Path
 
 import pytest
-from training_runs import save_base_model
+from training_runs import base_workspace
 
 import hf_posenc
 from hf_posenc.recipes import atomic
 from hf_posenc.recipes.cli import main
-from hf_posenc.recipes.data import stdlib_documents
 from hf_posenc.recipes.tiny import tiny_model
 
 
@@ -40,11 +39,7 @@ def test_a_failed_write_keeps_the_previous_file_and_leaves_no_partial(tmp_path):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("full-disk")
-    documents = list(stdlib_documents())[:10]
-    save_base_model(root, documents, vocab_size=400, max_positions=64)
-    (root / "data.txt").write_text("\n\n".join(documents[:6]))
-    return root
+    return base_workspace(tmp_path_factory.mktemp("full-disk"))
 
 
 def test_perplexity_on_a_full_disk_says_where_and_keeps_what_it_wrote(

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_runs import one_error, save_base_model
+from training_runs import base_workspace, one_error
 
 from hf_posenc.recipes import preflight
 from hf_posenc.recipes.cli import main
-from hf_posenc.recipes.data import DataError, stdlib_documents
+from hf_posenc.recipes.data import DataError
 from hf_posenc.recipes.tiny import tiny_model
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.corpus import document_dataset
@@ -24,11 +24,7 @@ from hf_posenc.recipes.training.space import DiskFullError
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("one-line")
-    documents = list(stdlib_documents())[:10]
-    save_base_model(root, documents, vocab_size=400, max_positions=64)
-    (root / "data.txt").write_text("\n\n".join(documents[:6]))
-    return root
+    return base_workspace(tmp_path_factory.mktemp("one-line"))
 
 
 def run(workspace: Path, tmp_path: Path, *extra: str) -> int:

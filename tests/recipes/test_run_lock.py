@@ -150,15 +150,9 @@ def test_every_process_of_a_two_process_launch_refuses_a_folder_in_use(tmp_path)
 # -- the evaluation commands: perplexity, longeval, bench -----------------------------------------
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    from training_runs import save_base_model
+    from training_runs import base_workspace
 
-    from hf_posenc.recipes.data import stdlib_documents
-
-    root = tmp_path_factory.mktemp("eval-lock")
-    documents = list(stdlib_documents())[:10]
-    save_base_model(root, documents, vocab_size=400, max_positions=512)
-    (root / "data.txt").write_text("\n\n".join(documents[:6]))
-    return root
+    return base_workspace(tmp_path_factory.mktemp("eval-lock"), max_positions=512)
 
 
 def evaluation(command: str, root: Path, output: Path, *extra: str) -> list[str]:

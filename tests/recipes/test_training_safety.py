@@ -12,22 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_runs import Interrupt, interrupt_at, run_config, save_base_model
+from training_runs import Interrupt, base_workspace, interrupt_at, run_config
 
 import hf_posenc
 from hf_posenc.recipes.cli import main
-from hf_posenc.recipes.data import DataError, read_documents, stdlib_documents
+from hf_posenc.recipes.data import DataError, read_documents
 from hf_posenc.recipes.training import TrainConfig, train
 from hf_posenc.recipes.training.checkpoints import STATE_FILE
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("safety")
-    documents = list(stdlib_documents())[:10]
-    save_base_model(root, documents, vocab_size=400, max_positions=64)
-    (root / "data.txt").write_text("\n\n".join(documents[:6]))
-    return root
+    return base_workspace(tmp_path_factory.mktemp("safety"))
 
 
 def settings(workspace: Path, name: str, **overrides) -> TrainConfig:

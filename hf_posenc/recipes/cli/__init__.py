@@ -94,6 +94,8 @@ def _full_disk(args: argparse.Namespace, error: BaseException) -> str | None:
     not at all (:mod:`..atomic`), so the previous ones are intact."""
     from ..training.space import no_space
 
+    if isinstance(error, PosencError):  # ours are one line already (train's DiskFullError included)
+        return None
     folder = next(
         (getattr(args, name) for name in ("output_dir", "output", "out") if getattr(args, name, None)), "."
     )
