@@ -127,9 +127,13 @@ def check_planned_parts(plan: PatchPlan, geometry: Any, *, initial_values: bool 
     will start from their initial values (a fresh patch), so where they are small
     (:data:`VALUE_CHECK_ELEMENTS`) they are built again on the CPU and the checks that read
     those values run as well (comrope's and liere's bound on the scaled generators)."""
-    with torch.device("meta"):
-        parts, _ = _checked_parts(plan, geometry)
-    elements = sum(t.numel() for part in parts for t in itertools.chain(part.parameters(), part.buffers()))
-    if initial_values and elements <= VALUE_CHECK_ELEMENTS:
-        with torch.device("cpu"):
-            _checked_parts(plan, geometry)
+    # built apart from the caller's random stream: a check must not change what a seed gives
+    with torch.random.fork_rng(devices=[]):
+        with torch.device("meta"):
+            parts, _ = _checked_parts(plan, geometry)
+        elements = sum(
+            t.numel() for part in parts for t in itertools.chain(part.parameters(), part.buffers())
+        )
+        if initial_values and elements <= VALUE_CHECK_ELEMENTS:
+            with torch.device("cpu"):
+                _checked_parts(plan, geometry)

@@ -80,3 +80,14 @@ def test_a_model_on_the_meta_device_takes_a_scaled_encoding(name):
         model = AutoModelForCausalLM.from_config(config)
         hf_posenc.patch_model(model, name, **linear(2.0))
     assert hf_posenc.patch_info(model)["params"]["scaling"]["factor"] == 2.0
+
+
+def test_the_check_leaves_the_random_stream_as_it_was():
+    """Building the parts (FIRE's MLP, t5's table: random inits) must not move the caller's
+    seed: a run that checks first and seeds later, or seeds first, draws the same numbers."""
+    config = make_model("llama").config
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    check_patch_fits(config, "fire+liere", linear(2.0))
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
