@@ -156,6 +156,39 @@ def test_runs_are_reused_only_when_their_settings_match(tmp_path, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["metadata"]["study"]["steps"] == 3
 
 
+@pytest.mark.slow  # four miniature studies
+def test_finished_runs_trained_on_since_edited_data_are_not_reused(tmp_path, capsys):
+    """A data file edited between two studies: the settings name the same file, its tokens are
+    not the same, so reusing the finished runs would report runs trained on the old text as if
+    trained on the new. Refused in one line naming the change, nothing retrained; with
+    --overwrite every run is retrained on the new text, and then reused."""
+    from hf_posenc.recipes.data import stdlib_documents
+
+    documents = list(stdlib_documents())[:12]
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    mini = {**MINI, "encodings": ["alibi"], "data": [str(data)]}
+    out = tmp_path / "study"
+    run_study(StudyConfig(output_dir=str(out), **mini))
+    before = (out / "runs" / "alibi" / "final" / "model.safetensors").read_bytes()
+
+    documents[3] = documents[3].replace("def ", "fed ")
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    with pytest.raises(hf_posenc.InvalidParameterError) as caught:
+        run_study(StudyConfig(output_dir=str(out), **mini))
+    message = str(caught.value)
+    assert "\n" not in message and "training data: " in message and "--overwrite" in message, message
+    assert (out / "runs" / "alibi" / "final" / "model.safetensors").read_bytes() == before
+
+    capsys.readouterr()
+    run_study(StudyConfig(output_dir=str(out), **mini), overwrite=True)
+    printed = capsys.readouterr().out
+    assert "base (RoPE pretraining): retraining" in printed and "alibi: retraining" in printed, printed
+    run_study(StudyConfig(output_dir=str(out), **mini))
+    printed = capsys.readouterr().out
+    assert "base (RoPE pretraining): reusing" in printed and "alibi: reusing" in printed, printed
+
+
 @pytest.mark.slow  # multi-second; CI runs it
 def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_continues(tmp_path, monkeypatch, capsys):
     """A real SIGINT during a run's step 2 of 4: the step finishes, a checkpoint is saved, the
@@ -187,6 +220,49 @@ def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_continues(tmp_path, mon
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "alibi: resuming" in out and "resuming from" in out and "(step 2)" in out
+    assert [step for step, _ in json.loads((run / "final" / "losses.json").read_text())] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow  # interrupted, refused and retrained miniature studies
+def test_an_interrupted_run_on_since_edited_data_is_refused_then_retrained(tmp_path, monkeypatch, capsys):
+    """A run interrupted at step 2, its data file edited before the same command: the resume
+    would go on with other tokens. Refused in one line in the study's words (before, train's
+    advice to use --overwrite could not be followed through the study); with --overwrite the
+    run is trained again from step 1 on the new text."""
+    from training_runs import base_workspace
+
+    from hf_posenc.recipes.training import loop
+
+    root = base_workspace(tmp_path / "work")
+    data = root / "data.txt"
+    original = loop.check_finite_loss
+    fired = []
+
+    def sigint_once(loss, step):
+        if step == 2 and not fired:
+            fired.append(step)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(loss, step)
+
+    monkeypatch.setattr(loop, "check_finite_loss", sigint_once)
+    argv = ["study", "--output-dir", str(tmp_path / "study"), "--base-model", str(root / "base")]
+    argv += ["--encodings", "alibi", "--data", str(data), "--train-length", "16", "--multiples", "1", "2"]
+    argv += ["--steps", "4", "--batch-size", "4", "--eval-tokens", "64", "--retrieval-documents", "0"]
+    assert main(argv) == 130
+    run = tmp_path / "study" / "runs" / "alibi"
+    assert (run / "checkpoint-2").is_dir() and not (run / "final").exists()
+    monkeypatch.setattr(loop, "check_finite_loss", original)
+
+    data.write_text(data.read_text().replace("def ", "fed ", 1))
+    capsys.readouterr()
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"study: the interrupted run in {str(run)!r}" in errors[0], errors
+    assert "training data: " in errors[0] and "--overwrite" in errors[0], errors
+    assert not (run / "final").exists()
+
+    assert main([*argv, "--overwrite"]) == 0
+    assert "resuming from" not in capsys.readouterr().out
     assert [step for step, _ in json.loads((run / "final" / "losses.json").read_text())] == [1, 2, 3, 4]
 
 

@@ -15,9 +15,12 @@ pretrained with RoPE to play the pretrained checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ...errors import InvalidParameterError
 from ..atomic import write_text
@@ -103,6 +106,23 @@ def _check_retrieval_length(config: StudyConfig) -> None:
         check_training_length_early(config)
 
 
+def _resumed_or_retrained(run: Callable[[], Any], retrain: Callable[[], Any], overwrite: bool) -> Any:
+    """``run()``; an interrupted run whose data's tokens changed since it started (train's
+    :class:`~..training.world.DataChangedError` on resume) is trained again from the start with
+    ``overwrite``, else refused in the study's words."""
+    from ..training.world import DataChangedError
+
+    try:
+        return run()
+    except DataChangedError as error:
+        if not overwrite:
+            raise InvalidParameterError(
+                f"study: the interrupted run in {str(error.checkpoint.parent)!r} was made with other settings: "
+                f"training data: {error.change}; pass --overwrite to train it again, or restore the data"
+            ) from None
+        return retrain()
+
+
 def _pretrain_base(config: StudyConfig, settings, status: str):
     """Train the tokenizer and pretrain the embedded tiny Llama with RoPE; return its final folder."""
     from ...models import DEFAULT_FAMILY
@@ -157,7 +177,7 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
     from ..provenance import provenance
     from .runs import plan_study
 
-    plan = plan_study(config, overwrite)
+    plan = plan_study(config, overwrite, check_data=not dry_run)  # a dry run reads no data
     if dry_run:
         print(f"[study] dry run: every input is valid; output in {out}")
         for label, settings, status in plan:
@@ -189,13 +209,21 @@ def _run_study(config: StudyConfig, out: Path, overwrite: bool, dry_run: bool) -
             if status == "reuse":
                 finals[label] = Path(settings.output_dir) / "final"
             elif label.startswith("base"):
-                finals[label] = _pretrain_base(config, settings, status)
+                finals[label] = _resumed_or_retrained(
+                    functools.partial(_pretrain_base, config, settings, status),
+                    functools.partial(_pretrain_base, config, settings, "retrain"),
+                    overwrite,
+                )
             else:
                 from ..training import train
 
                 _ensure_retrieval_documents(config, finals)
-                finals[label] = train(
-                    settings, resume=status == "resume", overwrite=status == "retrain"
+                finals[label] = _resumed_or_retrained(
+                    functools.partial(
+                        train, settings, resume=status == "resume", overwrite=status == "retrain"
+                    ),
+                    functools.partial(train, settings, overwrite=True),
+                    overwrite,
                 ).final_dir
             progress.finished()
     except KeyboardInterrupt as stop:

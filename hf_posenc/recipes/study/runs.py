@@ -91,11 +91,13 @@ def _recorded_config(run: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_status(settings, overwrite: bool = False) -> str:
+def run_status(settings, overwrite: bool = False, *, check_data: bool = False) -> str:
     """What the study does with a run: ``reuse``, ``resume``, ``train`` or ``retrain`` (--overwrite).
 
     A finished or interrupted run whose recorded settings differ from ``settings`` is an error
-    (naming each difference) unless ``overwrite``."""
+    (naming each difference) unless ``overwrite``; with ``check_data``, so is a finished run
+    whose training data's tokens are not the data's now (a data file edited since: the
+    settings name the same file). An interrupted run's tokens are checked when it resumes."""
     from ..training.checkpoints import checkpoint_dirs, read_state
     from ..training.guards import resume_differences
 
@@ -113,6 +115,8 @@ def run_status(settings, overwrite: bool = False) -> str:
         what = "interrupted"
     else:
         return "train"
+    if not changed and what == "finished" and check_data:
+        changed = data_change(settings, run)
     if not changed:
         return "reuse" if what == "finished" else "resume"
     if overwrite:
@@ -123,18 +127,62 @@ def run_status(settings, overwrite: bool = False) -> str:
     )
 
 
-def plan_study(config: StudyConfig, overwrite: bool = False) -> list[tuple[str, Any, str]]:
-    """(label, training settings, status) of every run, checked against what is on disk."""
+def data_change(settings, run: Path) -> list[str]:
+    """[what changed] when the finished ``run`` recorded other training tokens than ``settings``'
+    data gives now with the run's own tokenizer (through the study's shared token cache: a
+    cache hit when nothing changed), else []. A run that recorded none is not checked."""
+    try:
+        recorded = json.loads((run / "final" / "training_run.json").read_text(encoding="utf-8"))[
+            "training_data"
+        ]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        return []
+    if recorded is None:
+        return []
+    from ..data import DataError
+    from ..training.world import describe_data_change
+
+    try:
+        current = _fingerprint_now(settings, run)
+    except (DataError, FileNotFoundError):
+        return []  # a source gone (the study's generated passkey file): train writes it again
+    return [] if current == recorded else [f"training data: {describe_data_change(recorded, current)}"]
+
+
+def _fingerprint_now(settings, run: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from ..training.corpus import training_blocks
+
+    return training_blocks(
+        settings.data,
+        AutoTokenizer.from_pretrained(run / "final"),
+        settings.seq_len,
+        text_field=settings.text_field,
+        split=settings.split,
+        limit=settings.max_documents,
+        cache_dir=settings.data_cache or run / "data-cache",
+        num_proc=settings.num_proc,
+    ).fingerprint
+
+
+def plan_study(
+    config: StudyConfig, overwrite: bool = False, *, check_data: bool = False
+) -> list[tuple[str, Any, str]]:
+    """(label, training settings, status) of every run, checked against what is on disk (with
+    ``check_data``, finished runs against the data's tokens too: :func:`run_status`)."""
     out = Path(config.output_dir)
     plan = []
     base = Path(config.base_model) if config.base_model else out / "base" / "final"
     if not config.base_model:
         settings = _base_settings(config, out)
-        plan.append(("base (RoPE pretraining)", settings, run_status(settings, overwrite)))
+        plan.append(
+            ("base (RoPE pretraining)", settings, run_status(settings, overwrite, check_data=check_data))
+        )
     fresh_base = bool(plan) and plan[0][2] in ("train", "retrain")
     for spec in config.encodings:
         settings = _run_settings(config, base, spec, out)
-        status = run_status(settings, overwrite)
+        status = run_status(settings, overwrite, check_data=check_data)
         if fresh_base and status in ("reuse", "resume"):
             if not overwrite:
                 raise InvalidParameterError(

@@ -98,6 +98,15 @@ def resume_point(config: TrainConfig, accelerator, output_dir: Path) -> Path:
     return checkpoint
 
 
+class DataChangedError(InvalidParameterError):
+    """A resume on another token stream than the one its checkpoint trained on (``change``: the
+    two streams, :func:`describe_data_change`)."""
+
+    def __init__(self, message: str, checkpoint: Path, change: str) -> None:
+        super().__init__(message)
+        self.checkpoint, self.change = checkpoint, change
+
+
 def data_fingerprint(blocks: Any) -> dict[str, Any] | None:
     """The token stream's fingerprint (:attr:`.corpus.TokenBlocks.fingerprint`), or None for
     blocks that have none (a caller's own in-memory blocks)."""
@@ -112,11 +121,21 @@ def check_resumed_data(checkpoint: Path, current: dict[str, Any] | None) -> None
     recorded = read_state(checkpoint).get("data")
     if recorded is None or current is None or recorded == current:
         return
-    raise InvalidParameterError(
-        f"--resume: the training data is not what {checkpoint} trained on: {recorded['tokens']} tokens in "
+    change = describe_data_change(recorded, current)
+    raise DataChangedError(
+        f"--resume: the training data is not what {checkpoint} trained on: {change}, so a data file changed "
+        "since the run started; restore it, or start the run again with --overwrite",
+        checkpoint,
+        change,
+    )
+
+
+def describe_data_change(recorded: dict[str, Any], current: dict[str, Any]) -> str:
+    """``N tokens in D documents (SHA-256 ...) then, ... now``."""
+    return (
+        f"{recorded['tokens']} tokens in "
         f"{recorded['documents']} documents (SHA-256 {recorded['sha256'][:12]}...) then, {current['tokens']} "
-        f"tokens in {current['documents']} documents (SHA-256 {current['sha256'][:12]}...) now, so a data file "
-        "changed since the run started; restore it, or start the run again with --overwrite"
+        f"tokens in {current['documents']} documents (SHA-256 {current['sha256'][:12]}...) now"
     )
 
 
