@@ -96,7 +96,17 @@ def test_perplexity_refuses_a_scaling_past_float32_before_reading_its_text(
     workspace, tmp_path, capsys, model, extra, factor
 ):
     argv = ["perplexity", "--model", str(workspace / model), *extra, "--encoding-param", f"scaling={factor}"]
-    argv += ["--data", str(workspace / "data.txt"), "--train-length", "16", "--multiples", "1", "2"]
+    argv += [
+        "--data",
+        str(workspace / "data.txt"),
+        "--train-length",
+        "16",
+        "--multiples",
+        "1",
+        "2",
+        "--max-tokens",
+        "256",
+    ]
     assert main([*argv, "--output", str(tmp_path / "report")]) == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if "error:" in line]

@@ -54,7 +54,17 @@ def test_perplexity_on_a_full_disk_says_where_and_keeps_what_it_wrote(
     monkeypatch.setattr(Figure, "savefig", half_a_picture)
     out = tmp_path / "report"
     argv = ["perplexity", "--model", str(workspace / "base"), "--encoding", "alibi"]
-    argv += ["--data", str(workspace / "data.txt"), "--train-length", "16", "--multiples", "1", "2"]
+    argv += [
+        "--data",
+        str(workspace / "data.txt"),
+        "--train-length",
+        "16",
+        "--multiples",
+        "1",
+        "2",
+        "--max-tokens",
+        "256",
+    ]
     assert main([*argv, "--output", str(out)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"no space left on {out}" in errors[0] and "Traceback" not in errors[0], (

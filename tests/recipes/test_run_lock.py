@@ -159,7 +159,7 @@ def evaluation(command: str, root: Path, output: Path, *extra: str) -> list[str]
     """The argv of a small ``command`` run on the base model into ``output``."""
     if command == "perplexity":
         return ["perplexity", "--model", str(root / "base"), "--encoding", "alibi", "--data", str(root / "data.txt"),
-                "--train-length", "16", "--multiples", "1", "2", "--output", str(output), *extra]  # fmt: skip
+                "--train-length", "16", "--multiples", "1", "2", "--max-tokens", "256", "--output", str(output), *extra]  # fmt: skip
     if command == "longeval":
         return ["longeval", "--model", str(root / "base"), "--encoding", "alibi", "--tasks", "passkey",
                 "--lengths", "256", "--samples", "1", "--depths", "0.5", "--output", str(output), *extra]  # fmt: skip
