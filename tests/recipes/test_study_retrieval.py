@@ -84,6 +84,12 @@ def test_a_study_with_retrieval_documents_reports_passkey_accuracy(tmp_path, cap
         assert sorted(overall) == [256, 512]
         assert all(c["prompt_tokens"] == c["length"] - 16 for c in overall.values())
     assert (tmp_path / "retrieval_heatmaps.png").read_bytes().startswith(b"\x89PNG")
+    # the same command again: every run reused (their recorded tokens, passkey documents included,
+    # are the data's now)
+    capsys.readouterr()
+    run_study(StudyConfig(output_dir=str(tmp_path), **mini))
+    out = capsys.readouterr().out
+    assert all(f"{label}: reusing" in out for label in ("base (RoPE pretraining)", "rope", "alibi")), out
 
 
 @pytest.fixture(scope="module")
