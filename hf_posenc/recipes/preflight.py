@@ -137,11 +137,18 @@ def _check_request(
     encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None, prefix: str
 ) -> str | None:
     """The checks of :func:`check_encoding` that need only the registry and the saved entry."""
-    from ..core.request import canonical_request, check_request, matches_saved, saved_description
+    from ..core.request import (
+        canonical_request,
+        check_request,
+        check_saved_entry,
+        matches_saved,
+        saved_description,
+    )
 
     where = prefix.removesuffix(": ")
     saved = (saved_config or {}).get("posenc") or None
     if saved:
+        check_saved_entry(saved, where)  # a hand-edited entry (a string, no name): one line
         if encoding is not None and not matches_saved(encoding, saved):
             raise InvalidParameterError(
                 f"{prefix}the checkpoint was saved with encoding {saved_description(saved)!r}; cannot use it as "

@@ -123,3 +123,35 @@ def test_longeval_refuses_a_scaling_past_float32_before_loading_the_model(worksp
     assert main([*argv, "--output", str(tmp_path / "retrieval")]) == 2
     line = one_error(capsys)  # no model loaded
     assert "liere: parameter scaling=" in line and "allowed: factor >= " in line, line
+
+
+@pytest.mark.parametrize("command", ["train", "study", "perplexity", "longeval"])
+def test_a_hand_edited_config_posenc_is_one_line_in_every_command(workspace, tmp_path, capsys, command):
+    """``config.posenc`` edited into a string: train (without --encoding-param) and study
+    raised AttributeError ('str' object has no attribute 'get'); every command names the value."""
+    import shutil
+
+    edited = workspace / f"edited-{command}"
+    shutil.copytree(workspace / "alibi-t5", edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["posenc"] = "alibi"
+    (edited / "config.json").write_text(json.dumps(config))
+    argv = {
+        "train": train_argv(workspace, edited.name, tmp_path / "run"),
+        "study": ["study", "--base-model", str(edited), "--output-dir", str(tmp_path / "s"), "--dry-run"],
+        "perplexity": [
+            "perplexity",
+            "--model",
+            str(edited),
+            "--data",
+            str(workspace / "data.txt"),
+            "--train-length",
+            "16",
+            "--output",
+            str(tmp_path / "p"),
+        ],  # fmt: skip
+        "longeval": ["longeval", "--model", str(edited), "--lengths", "512", "--output", str(tmp_path / "l")],
+    }[command]
+    assert main(argv) == 2
+    line = one_error(capsys)
+    assert "config.posenc='alibi' is not allowed; allowed: the mapping hf_posenc writes" in line, line

@@ -67,9 +67,12 @@ def check_study(config: StudyConfig) -> Path:
     if config.base_model:
         saved = check_model_path(config.base_model, what="--base-model", need_tokenizer=True)
         if saved and saved.get("posenc"):
+            from ...core.request import check_saved_entry, saved_description
+
+            check_saved_entry(saved["posenc"], "study: --base-model")  # a hand-edited entry: one line
             raise InvalidParameterError(
                 f"study: --base-model {config.base_model!r} is already patched with "
-                f"{saved['posenc'].get('encoding')!r}; start from the original (unpatched) checkpoint"
+                f"{saved_description(saved['posenc'])!r}; start from the original (unpatched) checkpoint"
             )
     slugs: dict[str, str] = {}
     for spec in config.encodings:
