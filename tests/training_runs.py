@@ -50,6 +50,19 @@ def train_argv(workspace: Path, model: str, output: Path, *extra: str) -> list[s
     return [*argv, *extra]
 
 
+def perplexity_argv(workspace: Path, model: str, output: Path, *extra: str) -> list[str]:
+    """``hf-posenc perplexity`` of ``workspace/model`` on 256 tokens of ``workspace/data.txt`` at
+    1x and 2x a 16-token training length, into ``output``, then ``extra``."""
+    argv = ["perplexity", "--model", str(workspace / model), "--data", str(workspace / "data.txt")]
+    argv += ["--train-length", "16", "--multiples", "1", "2", "--max-tokens", "256", "--output", str(output)]
+    return [*argv, *extra]
+
+
+def error_lines(err: str) -> list[str]:
+    """The ``error:`` lines of a command's standard error."""
+    return [line for line in err.splitlines() if "error:" in line]
+
+
 def run_config(workspace: Path, name: str, **values: Any) -> TrainConfig:
     """A run of ``workspace/base`` (unless ``values`` name another ``model``) into ``workspace/name``:
     quiet logging, a learning rate that moves a tiny model within a few steps, and ``values``

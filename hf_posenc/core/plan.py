@@ -57,7 +57,8 @@ def build_patch(
     """The encoding module(s), runtime and ``config.posenc`` entry of ``encoding`` for ``target``."""
     geometry = adapter.geometry(target.config)
     plan = plan_request(encoding, geometry.num_layers, params)
-    parts, configs = _checked_parts(plan, geometry)
+    parts, configs = _built_parts(plan, geometry)
+    _check_ranges(parts)
     runtimes = [PartRuntime(part, adapter, backend, token=uuid.uuid4().hex) for part in parts]
     layer_runtimes = [
         (runtimes[owner], plan.layers[:layer].count(owner)) for layer, owner in enumerate(plan.layers)
@@ -73,17 +74,21 @@ def build_patch(
     )
 
 
-def _checked_parts(plan: PatchPlan, geometry: Any) -> tuple[list[Encoding], list[EncodingConfig]]:
-    """Each part of ``plan`` resolved against the layers it owns and built, its scaled range
-    checked (a linear factor whose scaled positions leave the dtype: one line with the bound)."""
+def _built_parts(plan: PatchPlan, geometry: Any) -> tuple[list[Encoding], list[EncodingConfig]]:
+    """Each part of ``plan`` resolved against the layers it owns and built."""
     parts: list[Encoding] = []
     configs: list[EncodingConfig] = []
     for index, (cls, config) in enumerate(plan.parts):
         own = part_geometry(geometry, plan.owned(index))
         configs.append(config.resolve(own))
         parts.append(cls(configs[-1], own))
-        check_scaled_range(cls.name, parts[-1].scaled_range())
     return parts, configs
+
+
+def _check_ranges(parts: list[Encoding]) -> None:
+    """Refuse a linear factor whose scaled positions leave the dtype (one line with the bound)."""
+    for part in parts:
+        check_scaled_range(part.name, part.scaled_range())
 
 
 def check_patch_fits(
@@ -130,10 +135,11 @@ def check_planned_parts(plan: PatchPlan, geometry: Any, *, initial_values: bool 
     # built apart from the caller's random stream: a check must not change what a seed gives
     with torch.random.fork_rng(devices=[]):
         with torch.device("meta"):
-            parts, _ = _checked_parts(plan, geometry)
+            parts, _ = _built_parts(plan, geometry)
         elements = sum(
             t.numel() for part in parts for t in itertools.chain(part.parameters(), part.buffers())
         )
         if initial_values and elements <= VALUE_CHECK_ELEMENTS:
             with torch.device("cpu"):
-                _checked_parts(plan, geometry)
+                parts, _ = _built_parts(plan, geometry)
+        _check_ranges(parts)

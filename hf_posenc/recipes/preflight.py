@@ -126,15 +126,14 @@ def check_encoding(
     parameters), and, given its config.json (``saved_config``), what patching it would refuse that
     its config decides (a pattern longer than its depth, a scaling past the dtype). Returns the
     canonical name."""
-    prefix = f"{where}: " if where else ""
-    canonical = _check_request(encoding, params, saved_config, prefix)
+    canonical = _check_request(encoding, params, saved_config, where)
     if saved_config is not None:
-        _check_fits(saved_config, None if (saved_config.get("posenc") or None) else encoding, params, prefix)
+        _check_fits(saved_config, encoding, params, where)
     return canonical
 
 
 def _check_request(
-    encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None, prefix: str
+    encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None, where: str
 ) -> str | None:
     """The checks of :func:`check_encoding` that need only the registry and the saved entry."""
     from ..core.request import (
@@ -145,7 +144,7 @@ def _check_request(
         saved_description,
     )
 
-    where = prefix.removesuffix(": ")
+    prefix = f"{where}: " if where else ""
     saved = (saved_config or {}).get("posenc") or None
     if saved:
         check_saved_entry(saved, where)  # a hand-edited entry (a string, no name): one line
@@ -167,10 +166,11 @@ def _check_request(
     return canonical_request(encoding)
 
 
-def _check_fits(saved_config: dict, encoding: str | None, params: dict[str, Any] | None, prefix: str) -> None:
-    """What patching the checkpoint of ``saved_config`` (its config.json) with ``encoding`` (None:
-    its own saved encoding, ``params`` overriding) would refuse that its config decides: a
-    pattern longer than its depth, a scaling past the dtype, a model type no family serves."""
+def _check_fits(saved_config: dict, encoding: str | None, params: dict[str, Any] | None, where: str) -> None:
+    """What patching the checkpoint of ``saved_config`` (its config.json) with ``encoding`` (or,
+    for a checkpoint saved patched, its own encoding with ``params`` overriding) would refuse that
+    its config decides: a pattern longer than its depth, a scaling past the dtype, a model type no
+    family serves."""
     from transformers import CONFIG_MAPPING
 
     from ..core.plan import check_patch_fits
@@ -179,8 +179,9 @@ def _check_fits(saved_config: dict, encoding: str | None, params: dict[str, Any]
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return  # transformers names an unknown model type when it loads the checkpoint
     try:
-        check_patch_fits(CONFIG_MAPPING[model_type].from_dict(saved_config), encoding, params)
+        fresh = None if saved_config.get("posenc") else encoding
+        check_patch_fits(CONFIG_MAPPING[model_type].from_dict(saved_config), fresh, params)
     except PosencError as error:
-        if not prefix:
+        if not where:
             raise
-        raise type(error)(f"{prefix}{error}") from None
+        raise type(error)(f"{where}: {error}") from None

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from training_runs import base_workspace, one_error, train_argv
+from training_runs import base_workspace, error_lines, one_error, perplexity_argv, train_argv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_posenc
@@ -95,21 +95,12 @@ def test_study_refuses_a_pattern_longer_than_the_base_models_depth(workspace, tm
 def test_perplexity_refuses_a_scaling_past_float32_before_reading_its_text(
     workspace, tmp_path, capsys, model, extra, factor
 ):
-    argv = ["perplexity", "--model", str(workspace / model), *extra, "--encoding-param", f"scaling={factor}"]
-    argv += [
-        "--data",
-        str(workspace / "data.txt"),
-        "--train-length",
-        "16",
-        "--multiples",
-        "1",
-        "2",
-        "--max-tokens",
-        "256",
-    ]
-    assert main([*argv, "--output", str(tmp_path / "report")]) == 2
+    argv = perplexity_argv(
+        workspace, model, tmp_path / "report", *extra, "--encoding-param", f"scaling={factor}"
+    )
+    assert main(argv) == 2
     captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    errors = error_lines(captured.err)
     assert len(errors) == 1 and "parameter scaling=" in errors[0] and "allowed: factor >= " in errors[0], (
         captured
     )
@@ -139,17 +130,7 @@ def test_a_hand_edited_config_posenc_is_one_line_in_every_command(workspace, tmp
     argv = {
         "train": train_argv(workspace, edited.name, tmp_path / "run"),
         "study": ["study", "--base-model", str(edited), "--output-dir", str(tmp_path / "s"), "--dry-run"],
-        "perplexity": [
-            "perplexity",
-            "--model",
-            str(edited),
-            "--data",
-            str(workspace / "data.txt"),
-            "--train-length",
-            "16",
-            "--output",
-            str(tmp_path / "p"),
-        ],  # fmt: skip
+        "perplexity": perplexity_argv(workspace, edited.name, tmp_path / "p"),
         "longeval": ["longeval", "--model", str(edited), "--lengths", "512", "--output", str(tmp_path / "l")],
     }[command]
     assert main(argv) == 2

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from training_runs import base_workspace
+from training_runs import base_workspace, error_lines, perplexity_argv
 
 import hf_posenc
 from hf_posenc.recipes import atomic
@@ -53,20 +53,8 @@ def test_perplexity_on_a_full_disk_says_where_and_keeps_what_it_wrote(
 
     monkeypatch.setattr(Figure, "savefig", half_a_picture)
     out = tmp_path / "report"
-    argv = ["perplexity", "--model", str(workspace / "base"), "--encoding", "alibi"]
-    argv += [
-        "--data",
-        str(workspace / "data.txt"),
-        "--train-length",
-        "16",
-        "--multiples",
-        "1",
-        "2",
-        "--max-tokens",
-        "256",
-    ]
-    assert main([*argv, "--output", str(out)]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert main(perplexity_argv(workspace, "base", out, "--encoding", "alibi")) == 2
+    errors = error_lines(capsys.readouterr().err)
     assert len(errors) == 1 and f"no space left on {out}" in errors[0] and "Traceback" not in errors[0], (
         errors
     )
@@ -82,6 +70,6 @@ def test_export_on_a_full_disk_says_where_and_leaves_no_folder(tmp_path, capsys,
     model.save_pretrained(tmp_path / "ckpt")
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", disk_full)
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = error_lines(capsys.readouterr().err)
     assert len(errors) == 1 and f"no space left on {tmp_path / 'out'}" in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no OUT, no staging folder

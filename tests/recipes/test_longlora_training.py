@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from training_runs import one_error
+from training_runs import one_error, train_argv
 
 import hf_posenc
 from hf_posenc.attention import forward
@@ -35,18 +35,7 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def run(workspace: Path, tmp_path: Path, *extra: str, family: str = "llama") -> int:
-    argv = ["train", "--model", str(workspace / family), "--output-dir", str(tmp_path / "run")]
-    argv += [
-        "--data",
-        str(workspace / "data.txt"),
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "2",
-        "--max-steps",
-        "1",
-    ]
-    return main([*argv, *extra])
+    return main(train_argv(workspace, family, tmp_path / "run", *extra))
 
 
 @pytest.mark.parametrize(

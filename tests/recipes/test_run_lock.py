@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from training_runs import base_workspace, error_lines, perplexity_argv
 
 from hf_posenc.recipes import run_lock
 from hf_posenc.recipes.study import StudyConfig, run_study
@@ -150,16 +151,13 @@ def test_every_process_of_a_two_process_launch_refuses_a_folder_in_use(tmp_path)
 # -- the evaluation commands: perplexity, longeval, bench -----------------------------------------
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory) -> Path:
-    from training_runs import base_workspace
-
     return base_workspace(tmp_path_factory.mktemp("eval-lock"), max_positions=512)
 
 
 def evaluation(command: str, root: Path, output: Path, *extra: str) -> list[str]:
     """The argv of a small ``command`` run on the base model into ``output``."""
     if command == "perplexity":
-        return ["perplexity", "--model", str(root / "base"), "--encoding", "alibi", "--data", str(root / "data.txt"),
-                "--train-length", "16", "--multiples", "1", "2", "--max-tokens", "256", "--output", str(output), *extra]  # fmt: skip
+        return perplexity_argv(root, "base", output, "--encoding", "alibi", *extra)
     if command == "longeval":
         return ["longeval", "--model", str(root / "base"), "--encoding", "alibi", "--tasks", "passkey",
                 "--lengths", "256", "--samples", "1", "--depths", "0.5", "--output", str(output), *extra]  # fmt: skip
@@ -180,7 +178,7 @@ def test_an_evaluation_into_a_folder_in_use_is_refused_before_writing(base_model
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = error_lines(capsys.readouterr().err)
     assert len(errors) == 1 and f"in use by another hf-posenc {command} run" in errors[0], errors
     assert not (tmp_path / RESULT_FILES[command]).exists()
 
@@ -198,7 +196,7 @@ def test_an_evaluation_keeps_an_earlier_runs_results_unless_told_to_replace_them
     first = (tmp_path / RESULT_FILES[command]).read_bytes()
     capsys.readouterr()
     assert main(evaluation(command, base_model, tmp_path)) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = error_lines(capsys.readouterr().err)
     assert len(errors) == 1 and "holds another run's results" in errors[0] and "--overwrite" in errors[0], (
         errors
     )

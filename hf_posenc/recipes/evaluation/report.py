@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import replacing, write_text
+from .errors import EvaluationError
 from .plot import line_styles, plot_losses
 from .ranking import Results, ranking, result_warnings
 
@@ -81,8 +82,6 @@ def check_fresh_output(
     ``result_file``), unless ``overwrite``: a second run into the same folder would replace them."""
     previous = Path(path) / result_file
     if previous.exists() and not overwrite:
-        from .errors import EvaluationError
-
         raise EvaluationError(
             f"{flag} {str(path)!r} holds another run's results ({result_file}); choose another folder or "
             "add --overwrite to replace them"

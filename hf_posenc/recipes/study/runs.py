@@ -152,18 +152,9 @@ def data_change(settings, run: Path) -> list[str]:
 def _fingerprint_now(settings, run: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from ..training.corpus import training_blocks
+    from ..training.corpus import run_blocks
 
-    return training_blocks(
-        settings.data,
-        AutoTokenizer.from_pretrained(run / "final"),
-        settings.seq_len,
-        text_field=settings.text_field,
-        split=settings.split,
-        limit=settings.max_documents,
-        cache_dir=settings.data_cache or run / "data-cache",
-        num_proc=settings.num_proc,
-    ).fingerprint
+    return run_blocks(settings, AutoTokenizer.from_pretrained(run / "final"), run).fingerprint
 
 
 def plan_study(

@@ -22,7 +22,7 @@ import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from ..data import (
     tokenizer_fingerprint,
 )
 from .cache_check import record_cache, verify_cache
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 TOKEN_COLUMN = "input_ids"
 #: documents tokenised (and written) at a time: memory depends on this, not on the corpus size
@@ -230,7 +233,8 @@ class TokenBlocks:
         the Arrow files chunk it, e.g. another ``--num-proc``). A resumed run checks it against
         the one its checkpoint recorded: a data file edited or replaced since the run started
         gives another stream, and the run is refused instead of continuing on other tokens.
-        Hashing reads the stream once (about 1 GB/s of int32 ids)."""
+        Hashing reads the stream once (measured 32 ms for 12.5M tokens, 1.5 GB/s, on the 2-core
+        development machine)."""
         ids = hashlib.sha256()
         for chunk in self._chunks:  # (n,) int32 token ids
             ids.update(np.ascontiguousarray(chunk, dtype="<i4").data)
@@ -289,3 +293,18 @@ def training_blocks(
     )
     tokens = token_dataset(documents, tokenizer, cache, num_proc)
     return TokenBlocks(tokens, length)
+
+
+def run_blocks(config: TrainConfig, tokenizer: Any, output_dir: str | Path) -> TokenBlocks:
+    """The blocks a run of ``config`` trains on: its data, length and token cache (by default
+    ``OUTPUT_DIR/data-cache``)."""
+    return training_blocks(
+        config.data,
+        tokenizer,
+        config.seq_len,
+        text_field=config.text_field,
+        split=config.split,
+        limit=config.max_documents,
+        cache_dir=config.data_cache or Path(output_dir) / "data-cache",
+        num_proc=config.num_proc,
+    )

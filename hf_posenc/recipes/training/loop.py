@@ -28,7 +28,7 @@ from ..threads import use_threads
 from .batches import BatchOrder
 from .checkpoints import save_checkpoint
 from .config import TrainConfig, preflight
-from .corpus import training_blocks
+from .corpus import run_blocks
 from .feed import Feed
 from .guards import TrainingError, check_finite_loss, check_finite_weights
 from .interrupt import StopRequest
@@ -80,16 +80,7 @@ class _Run:
 def _load_blocks(config: TrainConfig, tokenizer: Any, accelerator, output_dir: Path):
     """Tokenised training blocks (the main process tokenises first, the others reuse its cache)."""
     with accelerator.main_process_first():
-        return training_blocks(
-            config.data,
-            tokenizer,
-            config.seq_len,
-            text_field=config.text_field,
-            split=config.split,
-            limit=config.max_documents,
-            cache_dir=config.data_cache or output_dir / "data-cache",
-            num_proc=config.num_proc,
-        )
+        return run_blocks(config, tokenizer, output_dir)
 
 
 def _save(run: _Run, step: int) -> None:

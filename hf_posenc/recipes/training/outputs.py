@@ -13,6 +13,7 @@ from typing import Any
 from ..provenance import provenance
 from .config import TrainConfig
 from .space import saving
+from .world import data_fingerprint
 
 RUN_FILE = "training_run.json"
 
@@ -127,7 +128,7 @@ def _write_partial(
         "global_batch": config.batch_size * num_processes,
         "training_blocks": len(blocks),
         "training_tokens_available": getattr(blocks, "total_tokens", None),
-        "training_data": getattr(blocks, "fingerprint", None),  # token/document counts, SHA-256
+        "training_data": data_fingerprint(blocks),  # token/document counts, SHA-256
         "provenance": provenance(),
     }
     (partial / "losses.json").write_text(json.dumps(losses))
