@@ -159,22 +159,27 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
         torch.testing.assert_close(block[compared].double(), reference[compared], atol=1e-5, rtol=1e-5)
         assert bool((block[masked] == torch.finfo(torch.float32).min).all())
     # the causal block over keys 0 .. k_end-1 in reverse order (the chunked backend attends the
-    # reversed keys): from the network's products, flipped back it is the formula; not served
-    # when the linear pieces are cheaper
+    # reversed keys): from the network's products, or in bands of distances where it has at
+    # least twice as many keys as rows; flipped back it is the formula; from the products not
+    # served when the linear pieces are cheaper
     whole = torch.arange(k_end)[None, :] <= torch.arange(k_len - q_len + start, k_len)[:, None]
     real_whole = _attendable(q_len, k_len, padded_rows)[:, None, start:, :k_end]  # (B, 1, rows, keys)
     # (x computed slab by slab into the features, slabs of one row, of five rows and of all; a reused
     # buffer holding another block's values is overwritten, the future added once per block)
     whole_size = positions.shape[0] * 3 * (q_len - start) * k_end + 7
-    reversed_ways = itertools.product((100, 0), (1, 5, 32768), (None, torch.full((whole_size,), math.nan)))
-    for columns, chunk, scratch in reversed_ways:
+    reversed_ways = itertools.product(
+        (100, 0), (1, 5, 32768), (None, torch.full((whole_size,), math.nan)), (False, True)
+    )
+    for columns, chunk, scratch, bands in reversed_ways:
         with (
             torch.no_grad(),
             mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
             mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
+            mock.patch.object(network_block, "BANDS", bands),
         ):
             backwards = bias.folded_reversed(start, q_len, k_end, torch.float32, scratch)
-        assert (columns == 100) == (backwards is not None)
+        banded = bands and k_end >= 2 * (q_len - start)
+        assert (columns == 100 or banded) == (backwards is not None)
         if backwards is not None and scratch is not None:
             assert backwards.data_ptr() == scratch.data_ptr()
         if backwards is None:

@@ -1,0 +1,135 @@
+"""FIRE's causal blocks built in bands of distances (:mod:`hf_posenc.encodings.network_bands`):
+for blocks of up to 140 rows (the chunked backend builds 128 at a time) over any number of
+keys past twice that, networks whose units are linear, off or switching anywhere in [0, 1]
+(some with w1 = 0, some with their breakpoint outside the block's x), and batch rows with
+their own normalisers, every attendable score is FIRE's formula (Li et al. 2023,
+arXiv:2310.04418) written here in fp64,
+
+    b_h(i, j) = f_h( log(1 + c (i - j)) / (log(1 + c max(L, i)) + 1e-6) ),
+    f = W2 relu(W1 x + b1) + b2,
+
+and every future key is fp32's minimum; a patched model's logits equal backend="eager"'s."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+from conftest import make_model, patch, token_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_posenc.encodings import network_bands, network_block
+from hf_posenc.encodings.fire import FIREFunction
+
+
+def _network(heads: int, width: int, seed: int) -> FIREFunction:
+    """A FIRE MLP with random weights: breakpoints -b1/w1 mostly in [0, 1], a few outside, one
+    in five units with w1 = 0 (relu(b1), on or off everywhere)."""
+    generator = torch.Generator().manual_seed(seed)
+    function = FIREFunction(heads, width, init_c=0.1, init_L=512.0)
+    with torch.no_grad():
+        w1 = torch.randn(width, generator=generator) * 3
+        w1[torch.rand(width, generator=generator) < 0.2] = 0.0
+        where = torch.rand(width, generator=generator) * 1.4 - 0.2  # breakpoints in [-0.2, 1.2]
+        function.hidden.weight.copy_(w1[:, None])
+        function.hidden.bias.copy_(-w1 * where + 0.3 * torch.randn(width, generator=generator))
+        function.out.weight.copy_(torch.randn(heads, width, generator=generator))
+        function.out.bias.copy_(torch.randn(heads, generator=generator))
+    return function
+
+
+def _formula(
+    function: FIREFunction, c: float, threshold: float, positions: torch.Tensor, keys: int
+) -> torch.Tensor:
+    """fp64 (B, H, rows, keys) bias of the last ``rows`` queries over keys 0 .. keys-1 from the
+    paper's formula: distances between key indices, the normaliser from the queries' positions
+    (B, rows) (future keys: distance 0, not compared)."""
+    w1 = function.hidden.weight.detach().double()[:, 0]
+    b1 = function.hidden.bias.detach().double()
+    w2 = function.out.weight.detach().double()
+    b2 = function.out.bias.detach().double()
+    rows = positions.shape[1]
+    i = torch.arange(keys - rows, keys, dtype=torch.float64)[:, None]  # (rows, 1) key index of each query
+    distance = (i - torch.arange(keys, dtype=torch.float64)).clamp(min=0)  # (rows, keys)
+    normalizer = torch.log1p(c * positions.double().clamp(min=threshold)) + 1e-6  # (B, rows)
+    x = torch.log1p(c * distance) / normalizer[:, :, None]  # (B, rows, keys)
+    hidden = torch.relu(x[..., None] * w1 + b1)  # (B, rows, keys, K)
+    return (hidden @ w2.t() + b2).permute(0, 3, 1, 2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 140),
+    past=st.integers(0, 200),
+    width=st.integers(1, 40),
+    c=st.floats(0.02, 2.0),
+    threshold=st.floats(1.0, 64.0),
+    second_row=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_banded_blocks_are_the_formula(rows, past, width, c, threshold, second_row, seed):
+    """A block of ``rows`` queries, the last at key index keys - 1, keys = 2 rows + past: built in
+    bands (checked: :func:`fill_bands` ran), flipped back from reversed keys it is the formula at
+    every causal key (fp32, 1e-5 of the scale) and the minimum at every future one."""
+    heads = 3
+    function = _network(heads, width, seed)
+    with torch.no_grad():
+        function.c.fill_(c)
+        function.L_multiplier.fill_(threshold / function.init_L)
+    keys = 2 * rows + past
+    start = keys - rows
+    queries = torch.arange(start, keys)[None]  # (1, rows) positions
+    if second_row:  # a batch row whose queries' positions are 5 further (its own normalisers)
+        queries = torch.cat((queries, queries + 5))
+    bias = function.bias(queries, rows, keys)
+    calls = []
+    original = network_bands.fill_bands
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    with torch.no_grad(), mock.patch.object(network_block, "fill_bands", spy):
+        block = bias.folded_reversed(0, rows, keys, torch.float32)
+    assert block is not None and len(calls) == queries.shape[0]
+    block = block.flip(-1)  # (B, H, rows, keys) over keys 0 .. keys-1
+    expected = _formula(function, c, threshold, queries, keys)
+    causal = (torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]).expand_as(block)
+    scale = max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(block[causal].double(), expected[causal], atol=1e-5 * scale, rtol=1e-5)
+    assert bool((block[~causal] == torch.finfo(torch.float32).min).all())
+
+
+def test_fire_logits_with_banded_blocks_equal_eager():
+    """T=700 with L=64 and a trained-like network (non-zero output layer, units switching
+    inside [0, 1]): the chunked backend's blocks past L come from bands of distances (blocks of
+    128 queries over 2 x 128 keys or more), and its logits equal eager's (fp32, 1e-5); the same
+    with the bands switched off (the network's products)."""
+    models = {
+        b: patch(make_model("llama"), "fire", {"init_L": 64.0}, backend=b) for b in ("eager", "chunked")
+    }
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in models["eager"].posenc.named_parameters():
+            if name.endswith(("out.weight", "out.bias")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    models["chunked"].posenc.load_state_dict(models["eager"].posenc.state_dict())
+    ids = token_ids(1, 700)
+    calls = []
+    original = network_bands.fill_bands
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    with torch.no_grad():
+        reference = models["eager"](ids).logits
+        with mock.patch.object(network_block, "fill_bands", spy):
+            banded = models["chunked"](ids).logits
+        with mock.patch.object(network_block, "BANDS", False):
+            products = models["chunked"](ids).logits
+    layers = models["chunked"].config.num_hidden_layers
+    assert len(calls) == layers * 5  # queries 128.., 256.., 384.., 512.., 640..699
+    torch.testing.assert_close(banded, reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(products, reference, atol=1e-5, rtol=0)
