@@ -287,8 +287,20 @@ def attend_chunked(
             def build_reversed() -> torch.Tensor | None:  # the causal block over keys k_end-1 .. 0
                 return bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
 
+            def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable
+                form = dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
+                return form.banded_reversed(start, stop, k_end, q.dtype)
+
             return RebuiltBiasFlashAttention.apply(
-                q_block, k_block, v_block, softmax_scale, build, build_reversed, shared, *tensors.values()
+                q_block,
+                k_block,
+                v_block,
+                softmax_scale,
+                build,
+                build_reversed,
+                rebuild_reversed,
+                shared,
+                *tensors.values(),
             )
         return RebuiltBiasAttention.apply(q_block, k_block, v_block, softmax_scale, build, *tensors.values())
 

@@ -59,14 +59,25 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     """q (B, H, R, D), k/v (B, H, K, D) of one causal block, ``build(*tensors)`` -> its bias
     (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``build_reversed()``
     -> the same over the keys in reverse order, without gradients, or None (then forward
-    takes ``build``; either may be given as None / return None), ``buffers`` (a dict
+    takes ``build``; either may be given as None / return None), ``rebuild_reversed(*tensors)``
+    -> the reversed block with gradients for backward, or None (then backward takes ``build``;
+    may be None too), ``buffers`` (a dict
     where backward keeps its work buffer for the next block, or None), the form's tensors ->
     softmax(q k^T scale + bias) v, (B, H, R, D); gradients of q, k, v and the tensors. See the
     module's docstring."""
 
     @staticmethod
     def forward(
-        ctx, q, k, v, scale: float, build, build_reversed, buffers: dict | None, *tensors: torch.Tensor
+        ctx,
+        q,
+        k,
+        v,
+        scale: float,
+        build,
+        build_reversed,
+        rebuild_reversed,
+        buffers: dict | None,
+        *tensors: torch.Tensor,
     ):
         assert CPU_FLASH is not None
         with torch.no_grad():
@@ -77,7 +88,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
                 out, lse = CPU_FLASH(q, k.flip(2), v.flip(2), 0.0, False, attn_mask=backwards, scale=scale)
             else:
                 out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=build(*tensors), scale=scale)
-        ctx.scale, ctx.build, ctx.buffers = scale, build, buffers
+        ctx.scale, ctx.build, ctx.rebuild_reversed, ctx.buffers = scale, build, rebuild_reversed, buffers
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         return out
 
@@ -87,9 +98,16 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         scale = ctx.scale
         with torch.enable_grad():
             inputs = [
-                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[7:], strict=True)
+                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[8:], strict=True)
             ]
-            bias = ctx.build(*inputs)  # (B|1, H, R, K), with gradients to the form's tensors
+            # (B|1, H, R, K), with gradients to the form's tensors: over the keys in reverse order
+            # where the form rebuilds it so (then k and v flipped here and dk, dv back below)
+            bias = None if ctx.rebuild_reversed is None else ctx.rebuild_reversed(*inputs)
+            reverse = bias is not None
+            if bias is None:
+                bias = ctx.build(*inputs)
+        if reverse:
+            k, v = k.flip(2), v.flip(2)
         (batch, heads, rows, dim), keys = q.shape, k.shape[2]
         bh = batch * heads
         q3, k3 = q.reshape(bh, rows, dim), k.reshape(bh, keys, dim)
@@ -127,13 +145,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             found = torch.autograd.grad(bias, wanted, grad_bias, allow_unused=True)
         by_input = iter(found)
         tensor_grads = [next(by_input) if t.requires_grad and found else None for t in inputs]
-        return (
-            grad_q.view(q.shape),
-            grad_k.view(k.shape),
-            grad_v.view(v.shape),
-            None,
-            None,
-            None,
-            None,
-            *tensor_grads,
-        )
+        grad_k, grad_v = grad_k.view(k.shape), grad_v.view(v.shape)
+        if reverse:
+            grad_k, grad_v = grad_k.flip(2), grad_v.flip(2)
+        return (grad_q.view(q.shape), grad_k, grad_v, None, None, None, None, None, *tensor_grads)

@@ -30,6 +30,7 @@ keys of row a) is fp32's minimum.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -39,50 +40,221 @@ import torch
 ZONE_MARGIN = 2
 
 Network = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Units = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1, b1, w2
+
+
+@dataclasses.dataclass
+class BandPlan:
+    """How one batch row's block is split: each unit's zone (V's distances) and whether it
+    reaches the square (then a zone over all of it), with the per-distance coefficients (2, Hq,
+    keys) = (C, slope) of V and of the square (E = slope * near); the coefficients are
+    differentiable in the network when built with gradients."""
+
+    zones: list[tuple[int, int]]
+    reaching: list[bool]
+    coefficients: torch.Tensor
+    square_coefficients: torch.Tensor
+
+
+def plan_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network) -> BandPlan:
+    """The :class:`BandPlan` of one batch row: ``near`` (keys,) fp32 = feature[d] for d = 0 ..
+    keys-1 (non-decreasing), ``inverse`` (rows,) fp32 the rows' 1 / normaliser, the network (w1
+    (K,), b1 (K,), w2 (Hq, K), b2 (Hq,)) fp32."""
+    w1, b1, _, _ = network
+    rows, keys = inverse.shape[0], near.shape[0]
+    with torch.no_grad():
+        smallest, largest = torch.aminmax(inverse)
+        zones = _zones(near, float(smallest), float(largest), w1.tolist(), b1.tolist())  # [(lo, hi)] per unit
+    coefficients = _coefficients(near, zones, network)  # (2, Hq, keys) C and slope per distance
+    # the farthest keys (d > keys - rows): a unit whose zone reaches the square's distances is a
+    # zone over all of it (its rows see the unit at other distances), its ReLU added there and its
+    # line left out of C and E
+    corner = keys - 2 * rows + 1
+    reaching = [hi > lo and hi > corner for lo, hi in zones]
+    square = coefficients
+    if any(reaching):
+        widened = [(min(lo, corner), keys) if r else (lo, hi) for (lo, hi), r in zip(zones, reaching, strict=True)]
+        square = _coefficients(near, widened, network)
+    return BandPlan(zones, reaching, coefficients, square)
 
 
 def fill_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network, block: torch.Tensor) -> None:
     """Write the causal block of one batch row over keys in reverse order into ``block`` (Hq,
     rows, keys), keys >= 2 rows, its last row's first key at distance 0, the future at fp32's
-    minimum. ``near`` (keys,) fp32 = feature[d] for d = 0 .. keys-1 (non-decreasing),
-    ``inverse`` (rows,) fp32 the rows' 1 / normaliser, the network (w1 (K,), b1 (K,), w2 (Hq,
-    K), b2 (Hq,)) fp32; x = near[d] * inverse[a], rounded once."""
+    minimum (arguments as :func:`plan_bands`); x = near[d] * inverse[a], rounded once."""
+    with torch.no_grad():
+        _assemble(plan_bands(near, inverse, network), near, inverse, (network[0], network[1], network[2]), block)
+
+
+def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> torch.Tensor:
+    """The causal block of every batch row, (B|1, Hq, rows, keys) fp32 over keys in reverse order,
+    as :func:`fill_bands` writes it from near = feature.float() and inverse =
+    normalizer.reciprocal().float(); ``feature`` (keys,) = feature[d] for d = 0 .. keys-1 and
+    ``normalizer`` (B|1, rows) in any float dtype (FIRE: fp64), differentiable in them and the
+    network (:class:`BandedBlock`)."""
+    w1, b1, w2, _ = network
+    with torch.no_grad():
+        near, inverse = feature.float(), normalizer.reciprocal().float()
+    blocks = []
+    for row_normalizer, row_inverse in zip(normalizer, inverse, strict=True):
+        plan = plan_bands(near, row_inverse, network)
+        blocks.append(
+            BandedBlock.apply(
+                feature, row_normalizer, w1, b1, w2, plan.coefficients, plan.square_coefficients, plan
+            )
+        )
+    return torch.stack(blocks)
+
+
+def _assemble(
+    plan: BandPlan, near: torch.Tensor, inverse: torch.Tensor, units: Units, block: torch.Tensor
+) -> None:
+    """Write ``block`` (Hq, rows, keys) from its plan, ``units`` = (w1, b1, w2) (see the module's
+    docstring)."""
     heads, rows, keys = block.shape
-    w1, b1, w2, b2 = network
     distances = keys - rows + 1  # d = 0 .. keys - rows: every row holds them (V's columns)
-    smallest, largest = torch.aminmax(inverse)
-    zones = _zones(near, float(smallest), float(largest), w1.tolist(), b1.tolist())  # [(lo, hi)] per unit
-    coefficients = _coefficients(near, zones, network)  # (2, Hq, keys) C and E per distance
+    coefficients = plan.coefficients
     # the future of each row (reversed keys j' < rows - 1 - a) at the minimum; V, written next,
     # covers the rest of these columns
     block[:, :, :rows].copy_(_future_square(rows, block.device).expand(heads, -1, -1))
-    view = block.as_strided(
-        (heads, rows, distances), (rows * keys, keys - 1, 1), block.storage_offset() + rows - 1
-    )  # (Hq, rows, D): V[h, a, d] = block[h, a, rows - 1 - a + d]
+    view = _distance_view(block)  # (Hq, rows, D)
+    slopes = coefficients[1, :, :distances] * near[:distances]  # (Hq, D) E
     for h in range(heads):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
-        torch.addcmul(
-            coefficients[0, h, :distances], coefficients[1, h, :distances], inverse[:, None], out=view[h]
-        )
-    _add_zones(view, near[:distances], inverse, zones, network)
+        torch.addcmul(coefficients[0, h, :distances], slopes[h], inverse[:, None], out=view[h])
+    _add_zones(view, near[:distances], inverse, plan.zones, units)
     # the farthest keys (d > keys - rows): the square of the last rows reversed keys, j' = keys -
-    # rows + m at d = corner + a + m, rewritten whole (its nearer part as V has it); a unit whose
-    # zone reaches the square's distances is a zone over all of it (its rows see the unit at
-    # other distances), its ReLU added there and its line left out of C and E
+    # rows + m at d = corner + a + m, rewritten whole (its nearer part as V has it)
     corner = keys - 2 * rows + 1
-    reaching = [hi > lo and hi > corner for lo, hi in zones]
-    if any(reaching):
-        zones = [
-            (min(lo, corner), keys) if reach else (lo, hi)
-            for (lo, hi), reach in zip(zones, reaching, strict=True)
-        ]
-        coefficients = _coefficients(near, zones, network)
-    toeplitz = coefficients[:, :, corner:].as_strided(
-        (2, heads, rows, rows), (coefficients.stride(0), coefficients.stride(1), 1, 1)
-    )  # (2, Hq, rows, rows): C and E at d = corner + a + m
-    square = block[:, :, keys - rows :]
-    torch.addcmul(toeplitz[0], toeplitz[1], inverse[:, None], out=square)
-    square_near = near[corner:].as_strided((rows, rows), (1, 1))  # (rows, rows) near[corner + a + m]
-    _add_zones(square, square_near, inverse, [(0, rows) if reach else (0, 0) for reach in reaching], network)
+    square_lines = plan.square_coefficients[:, :, corner:]  # (2, Hq, 2 rows - 1)
+    constant, slope = _toeplitz(square_lines[0], rows), _toeplitz(square_lines[1] * near[corner:], rows)
+    torch.addcmul(constant, slope, inverse[:, None], out=block[:, :, keys - rows :])
+    square_zones = [(0, rows) if reach else (0, 0) for reach in plan.reaching]
+    _add_zones(block[:, :, keys - rows :], _toeplitz(near[corner:], rows), inverse, square_zones, units)
+
+
+class BandedBlock(torch.autograd.Function):
+    """(near (keys,), inverse (rows,), w1, b1, w2, C and slope of V (2, Hq, keys), of the square,
+    the :class:`BandPlan`) -> one batch row's block (Hq, rows, keys) as :func:`fill_bands`
+    writes it. Backward, from the block's gradient G (read at attendable keys only: the future's
+    entries are never read), in the same bands:
+
+    - V's lines: dC[h, d] = S0[h, d] = sum_a G[h, a, d], dslope[h, d] = near[d] S1[h, d] with
+      S1 = sum_a G inv[a] (one product over V's rows), d near[d] += sum_h slope S1, d inv[a] +=
+      sum_h (G[h] @ E[h])[a] (E = slope * near);
+    - the farthest keys (the square's triangle, G masked there) the same along its
+      anti-diagonals;
+    - each zone: with r = relu(w1 x + b1), d w2[:, k] += sum G r, g = sum_h w2[h, k] G where r > 0,
+      d b1_k += sum g, d w1_k += sum g x, and dx = w1_k g to near and inv;
+
+    C and slope pass theirs on to the network through :func:`_coefficients` (autograd), near
+    and inv to FIRE's c and L. O(rows x keys) work per head, no matrix products over features."""
+
+    @staticmethod
+    def forward(ctx, feature, normalizer, w1, b1, w2, coefficients, square_coefficients, plan):
+        near, inverse = feature.float(), normalizer.reciprocal().float()  # (keys,), (rows,)
+        block = near.new_empty(w2.shape[0], inverse.shape[0], near.shape[0])
+        _assemble(plan, near, inverse, (w1, b1, w2), block)
+        ctx.save_for_backward(feature, normalizer, w1, b1, w2, coefficients, square_coefficients)
+        ctx.plan = plan
+        return block
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        feature, normalizer, w1, b1, w2, coefficients, square_coefficients = ctx.saved_tensors
+        plan: BandPlan = ctx.plan
+        near, inverse = feature.float(), normalizer.reciprocal().float()
+        heads, rows, keys = grad.shape
+        distances, corner = keys - rows + 1, keys - 2 * rows + 1
+        grad = grad.float()
+        grad_w1, grad_b1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
+        unit = (w1, b1, w2, grad_w1, grad_b1, grad_w2)
+        # V: the lines' coefficients
+        view = _distance_view(grad)  # (Hq, rows, D) G
+        lines = coefficients[:, :, :distances]  # (2, Hq, D) C, slope
+        grad_coefficients = torch.zeros_like(coefficients)
+        torch.sum(view, 1, out=grad_coefficients[0, :, :distances])  # S0
+        weighted = torch.matmul(inverse, view)  # (Hq, D) S1 = sum_a G inv[a]
+        torch.mul(weighted, near[:distances], out=grad_coefficients[1, :, :distances])
+        # dx (rows, D) = sum_h G slope (+ the zones' ReLUs), to near and inv in fp64 below (FIRE's
+        # c sums dx times dx/dc, whose two terms nearly cancel: fp32 sums of each lose ~1e-4)
+        dx = view[0] * lines[1, 0]
+        for h in range(1, heads):
+            dx.addcmul_(view[h], lines[1, h])
+        for k, (lo, hi) in enumerate(plan.zones):
+            hi = min(hi, distances)
+            if hi > lo:
+                x = near[lo:hi] * inverse[:, None]  # (rows, width)
+                dx[:, lo:hi] += _zone_gradient(view[:, :, lo:hi], x, k, unit)
+        dx64 = dx.double()
+        grad_near = torch.zeros_like(feature)
+        grad_near[:distances] = (inverse.double() @ dx64).to(feature.dtype)
+        grad_inverse = dx64 @ near[:distances].double()  # (rows,)
+        # the square: only its triangle (row a's last a keys) is its own
+        square = grad[:, :, keys - rows :] * _far_triangle(rows, grad.device)  # (Hq, rows, rows)
+        near_square = _toeplitz(near[corner:], rows)  # (rows, rows) near[corner + a + m]
+        square_lines = square_coefficients[:, :, corner:]  # (2, Hq, 2 rows - 1)
+        grad_square = torch.zeros_like(square_coefficients)
+        grad_square[0, :, corner:] = _anti_diagonal_sums(square)
+        grad_square[1, :, corner:] = _anti_diagonal_sums(square * inverse[:, None]) * near[corner:]
+        square_dx = (square * _toeplitz(square_lines[1], rows)).sum(0)  # (rows, rows)
+        x_square = near_square * inverse[:, None]
+        for k, reach in enumerate(plan.reaching):
+            if reach:
+                square_dx += _zone_gradient(square, x_square, k, unit)
+        square_dx64 = square_dx.double()
+        grad_near[corner:] += _anti_diagonal_sums((square_dx64 * inverse.double()[:, None])[None])[0].to(
+            feature.dtype
+        )
+        grad_inverse += (square_dx64 * near_square.double()).sum(1)
+        # inverse = 1 / normaliser
+        grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)
+        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_coefficients, grad_square, None
+
+
+def _zone_gradient(grad: torch.Tensor, x: torch.Tensor, k: int, unit: tuple) -> torch.Tensor:
+    """Unit k's share of a zone's gradient ``grad`` (Hq, rows, n) at ``x`` (rows, n): added to
+    its w2 column, b1 and w1 (in ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)); -> dx
+    (rows, n) through its ReLU."""
+    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
+    hidden = torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)  # (rows, n) r
+    grad_w2[:, k] += torch.tensordot(grad, hidden, dims=2)
+    through = torch.tensordot(w2[:, k], grad, dims=1).mul_(hidden > 0)  # (rows, n) g
+    grad_b1[k] += through.sum()
+    grad_w1[k] += (through * x).sum()
+    return through.mul_(w1[k])
+
+
+def _anti_diagonal_sums(square: torch.Tensor) -> torch.Tensor:
+    """(H, rows, rows) -> (H, 2 rows - 1): out[h, t] = sum over a + m = t of square[h, a, m], read
+    from the square skewed into a (rows, 2 rows) buffer (row a shifted right by a)."""
+    heads, rows, _ = square.shape
+    skewed = square.new_zeros(heads, rows, 2 * rows)
+    skewed.as_strided((heads, rows, rows), (rows * 2 * rows, 2 * rows + 1, 1)).copy_(square)
+    return skewed.sum(1)[:, : 2 * rows - 1]
+
+
+@functools.lru_cache(maxsize=8)
+def _far_triangle(rows: int, device: torch.device) -> torch.Tensor:
+    """(rows, rows) fp32: 1 where square column m >= rows - a (row a's keys past distance keys -
+    rows: reversed keys keys - a .. keys - 1), 0 elsewhere."""
+    columns, rows_ = torch.arange(rows, device=device)[None, :], torch.arange(rows, device=device)[:, None]
+    return (columns >= rows - rows_).float()
+
+
+def _distance_view(block: torch.Tensor) -> torch.Tensor:
+    """(Hq, rows, keys) over reversed keys -> the (Hq, rows, D = keys - rows + 1) view V[h, a, d] =
+    block[h, a, rows - 1 - a + d] (row stride keys - 1)."""
+    heads, rows, keys = block.shape
+    return block.as_strided(
+        (heads, rows, keys - rows + 1),
+        (block.stride(0), block.stride(1) - 1, 1),
+        block.storage_offset() + rows - 1,
+    )
+
+
+def _toeplitz(line: torch.Tensor, rows: int) -> torch.Tensor:
+    """(..., 2 rows - 1) contiguous -> the (..., rows, rows) view t[..., a, m] = line[..., a + m]."""
+    return line.as_strided((*line.shape[:-1], rows, rows), (*line.stride()[:-1], 1, 1))
 
 
 def _zones(
@@ -104,7 +276,7 @@ def _zones(
 
 
 def _coefficients(near: torch.Tensor, zones: list[tuple[int, int]], network: Network) -> torch.Tensor:
-    """(2, Hq, keys): C[h, d] = b2 + sum w2 b1 and E[h, d] = (sum w2 w1) * near[d] over the units
+    """(2, Hq, keys): C[h, d] = b2 + sum w2 b1 and slope[h, d] = sum w2 w1 over the units
     linear at d for every row: outside their zone, before it when w1 < 0, after it when w1 > 0
     (w1 = 0: relu(b1), on when b1 > 0)."""
     w1, b1, w2, b2 = network
@@ -124,9 +296,7 @@ def _coefficients(near: torch.Tensor, zones: list[tuple[int, int]], network: Net
     # gathered as rows of Hq values, then laid out head-major: each head's pass over the block
     # reads its C and E contiguous (strided reads measured ~4x slower), and this gather ~5x
     # faster than one over the last dim of the (2, Hq, I) view
-    coefficients = lines.index_select(1, band_of).transpose(1, 2).contiguous()  # (2, Hq, keys)
-    coefficients[1].mul_(near)
-    return coefficients
+    return lines.index_select(1, band_of).transpose(1, 2).contiguous()  # (2, Hq, keys)
 
 
 def _add_zones(
@@ -134,7 +304,7 @@ def _add_zones(
     near: torch.Tensor,
     inverse: torch.Tensor,
     zones: list[tuple[int, int]],
-    network: Network,
+    units: Units,
 ) -> None:
     """Add w2[:, k] relu(w1_k x + b1_k) over each unit's zone of ``target`` (Hq, rows, n), x =
     near * inverse[a] with ``near`` (n,) or (rows, n); zones clipped to 0 .. n."""
@@ -144,7 +314,7 @@ def _add_zones(
     ]
     if not spans:
         return
-    w1, b1, w2, _ = network
+    w1, b1, w2 = units
     # the units' parameters as Python-held views (no indexing op per unit)
     unit_weights, unit_biases = w1.unbind(0), b1.unbind(0)
     out_columns = w2.t()[:, :, None, None].unbind(0)  # (Hq, 1, 1) each

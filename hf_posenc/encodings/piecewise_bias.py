@@ -38,7 +38,9 @@ import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
-from .network_block import network_block, reversed_network_block
+from . import network_block
+from .network_bands import banded_rows
+from .network_block import reversed_network_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,24 @@ class PiecewiseDistanceBias(BlockBias):
             )
         return None if block is None else block.to(dtype)
 
+    def banded_reversed(self, start: int, stop: int, k_end: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """:meth:`folded_reversed` differentiable in the form's tensors, from the bands of distances
+        (:func:`.network_bands.banded_rows`, whose backward works in the same bands); None where
+        those do not serve (not a causal block of at least twice as many keys as rows, or
+        :meth:`folded_reversed` would not)."""
+        network, rows = self.network, stop - start
+        first = self.k_len - self.q_len + start - (k_end - 1)
+        if (
+            network is None
+            or not self._network_blocks(self.feature.device)
+            or not network_block.BANDS
+            or first != 1 - rows
+            or k_end < 2 * rows
+        ):
+            return None
+        # feature[d] for d = 0 .. k_end-1 and the rows' normalisers, as reversed_network_block reads them
+        return banded_rows(self.feature[:k_end], self.normalizer[:, start:stop], network).to(dtype)
+
     def folded(
         self,
         start: int,
@@ -212,7 +232,7 @@ class PiecewiseDistanceBias(BlockBias):
         network = self.network
         if self._network_blocks(x.device):
             assert network is not None
-            block = network_block(x, network, allowed, scratch, self.x_range(start, stop, k_start, k_end))
+            block = network_block.network_block(x, network, allowed, scratch, self.x_range(start, stop, k_start, k_end))
             if block is not None:
                 return block.to(dtype)
         count = self.points.shape[0]

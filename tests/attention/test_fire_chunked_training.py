@@ -26,7 +26,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.attention.chunked import attend_chunked
-from hf_posenc.encodings import network_block
+from hf_posenc.encodings import network_bands, network_block
 from hf_posenc.encodings.fire import FIREFunction
 
 HEADS, WIDTH_D = 2, 4
@@ -110,10 +110,11 @@ def _summed_magnitudes(function, positions, grad_scores) -> list[torch.Tensor]:
     pads=st.one_of(st.none(), st.integers(0, 5)),
     network=st.booleans(),
     chunk=st.sampled_from([1, 40, 16384]),
+    bands=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
-    length, block, threshold, c, width, pads, network, chunk, seed
+    length, block, threshold, c, width, pads, network, chunk, bands, seed
 ):
     generator = torch.Generator().manual_seed(seed)
     function = _function(width, c, threshold, generator)
@@ -139,17 +140,25 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
     function.zero_grad()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     # every block from the network's products (network) or from the linear pieces
+    # or, causal blocks of at least twice as many keys as rows (bands), from bands of distances
     built = []  # whether each block built from the network's products had gradients
-    apply = network_block.NetworkBlock.apply
+    banded = []  # the same for the blocks built in bands
+    apply, apply_banded = network_block.NetworkBlock.apply, network_bands.BandedBlock.apply
 
     def counting(*args):
         built.append(torch.is_grad_enabled())
         return apply(*args)
 
+    def counting_banded(*args):
+        banded.append(torch.is_grad_enabled())
+        return apply_banded(*args)
+
     with (
         mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", 100 if network else 0),
         mock.patch.object(network_block, "NETWORK_CHUNK", chunk),  # scores per slab, both directions
+        mock.patch.object(network_block, "BANDS", bands),
         mock.patch.object(network_block.NetworkBlock, "apply", counting),
+        mock.patch.object(network_bands.BandedBlock, "apply", counting_banded),
     ):
         bias = function.bias(positions, length, length)
         out = attend_chunked(*leaves, bias=bias, mask=mask, softmax_scale=scale, block=block)  # (B, T, H, D)
@@ -159,7 +168,16 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
     # backend takes for more than 16 queries without a padding mask) take their gradient there
     table_rows = int((index <= float(function.threshold().detach())).sum())
     written = mask is not None or length <= 16 or length > table_rows
-    assert (True in built) == (network and written), "no block took the network's backward"
+    # (banded: the causal blocks without padding whose keys are at least twice their rows)
+    # (rebuilt in backward: more than one block; the leading blocks inside the table's rows are
+    # its Toeplitz view past 16 queries)
+    spans = [(start, min(length, start + block)) for start in range(0, length, block)]
+    toeplitz = max((stop for _, stop in spans if stop <= table_rows), default=0) if length > 16 else 0
+    bandable = any(stop >= 2 * (stop - start) for start, stop in spans if stop > toeplitz)
+    takes_bands = bands and mask is None and len(spans) > 1 and bandable
+    assert (True in banded) == takes_bands, "no block took the banded backward"
+    if not takes_bands:
+        assert (True in built) == (network and written), "no block took the network's backward"
     got = [t.grad for t in leaves] + [p.grad.clone() for p in function.parameters()]
 
     allowed = index[None, :] <= index[:, None] if mask is None else mask
