@@ -217,10 +217,11 @@ def _zone_gradient(grad: torch.Tensor, x: torch.Tensor, k: int, unit: tuple) -> 
     (rows, n) through its ReLU."""
     w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
     hidden = torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)  # (rows, n) r
-    grad_w2[:, k] += torch.tensordot(grad, hidden, dims=2)
-    through = torch.tensordot(w2[:, k], grad, dims=1).mul_(hidden > 0)  # (rows, n) g
+    flat = grad.reshape(grad.shape[0], -1)  # (Hq, rows * n): one copy of the strided zone, then BLAS
+    grad_w2[:, k] += flat @ hidden.view(-1)
+    through = (w2[:, k] @ flat).view(hidden.shape).mul_(hidden > 0)  # (rows, n) g
     grad_b1[k] += through.sum()
-    grad_w1[k] += (through * x).sum()
+    grad_w1[k] += torch.dot(through.view(-1), x.reshape(-1))
     return through.mul_(w1[k])
 
 
