@@ -289,7 +289,7 @@ def attend_chunked(
 
             def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable
                 form = dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
-                return form.banded_reversed(start, stop, k_end, q.dtype)
+                return form.folded_reversed_with_gradients(start, stop, k_end, q.dtype)
 
             return RebuiltBiasFlashAttention.apply(
                 q_block,

@@ -122,6 +122,14 @@ class BlockBias:
         attends the reversed keys); None where the form has no such way (then :meth:`folded`)."""
         return None
 
+    def folded_reversed_with_gradients(
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """:meth:`folded_reversed` differentiable in the form's tensors (a block rebuilt in
+        backward over the reversed keys), for forms that build it cheaper so; None where the
+        form has no such way (then :meth:`folded`)."""
+        return None
+
     def folded(
         self,
         start: int,

@@ -35,6 +35,10 @@ import functools
 
 import torch
 
+#: causal blocks of at least twice as many keys as rows are built in bands of distances; False:
+#: from the network's products (:mod:`.network_block`; tests compare the two, so does
+#: ``scripts/cpu_constant_ab.py``)
+BANDS = True
 #: a zone is widened by this many distances on each side (the crossing estimated by a
 #: quotient, the x by a product; the values never depend on it, see the module's docstring)
 ZONE_MARGIN = 2
@@ -73,7 +77,9 @@ def plan_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network) -> B
     reaching = [hi > lo and hi > corner for lo, hi in zones]
     square = coefficients
     if any(reaching):
-        widened = [(min(lo, corner), keys) if r else (lo, hi) for (lo, hi), r in zip(zones, reaching, strict=True)]
+        widened = [
+            (min(lo, corner), keys) if r else (lo, hi) for (lo, hi), r in zip(zones, reaching, strict=True)
+        ]
         square = _coefficients(near, widened, network)
     return BandPlan(zones, reaching, coefficients, square)
 
@@ -83,7 +89,35 @@ def fill_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network, bloc
     rows, keys), keys >= 2 rows, its last row's first key at distance 0, the future at fp32's
     minimum (arguments as :func:`plan_bands`); x = near[d] * inverse[a], rounded once."""
     with torch.no_grad():
-        _assemble(plan_bands(near, inverse, network), near, inverse, (network[0], network[1], network[2]), block)
+        _assemble(
+            plan_bands(near, inverse, network), near, inverse, (network[0], network[1], network[2]), block
+        )
+
+
+def serves(first: int, rows: int, keys: int) -> bool:
+    """Whether the bands build a block of ``rows`` queries whose (row 0, reversed key 0) is at
+    distance ``first`` over ``keys`` keys: a causal block (first = 1 - rows) of at least twice as
+    many keys as rows."""
+    return BANDS and first == 1 - rows and keys >= 2 * rows
+
+
+def banded_block(
+    feature: torch.Tensor, normalizer: torch.Tensor, network: Network, scratch: torch.Tensor | None
+) -> torch.Tensor:
+    """Without gradients, the causal block of every batch row over keys in reverse order, (B|1,
+    Hq, rows, keys) fp32 in ``scratch`` when it is large enough (fp32), ``feature`` (keys,) =
+    feature[d] for d = 0 .. keys-1 and ``normalizer`` (B|1, rows) in any float dtype (x = near *
+    inverse with near = feature.float(), inverse = normalizer.reciprocal().float())."""
+    (batch, rows), keys, heads = normalizer.shape, feature.shape[0], network[2].shape[0]
+    size = batch * heads * rows * keys
+    if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= size:
+        out = scratch[:size].view(batch, heads, rows, keys)
+    else:
+        out = feature.new_empty(batch, heads, rows, keys, dtype=torch.float32)
+    near, inverse = feature.float(), normalizer.reciprocal().float()
+    for b in range(batch):
+        fill_bands(near, inverse[b], network, out[b])
+    return out
 
 
 def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> torch.Tensor:

@@ -35,8 +35,6 @@ import functools
 
 import torch
 
-from .network_bands import fill_bands
-
 #: scores of a block per matrix product: the slab's features (2 + K' rows, 1.5 MiB at K' = 10) stay
 #: in the 2 MiB of L2 per core, and each product is one parallel region of the intra-op threads.
 #: ``scripts/cpu_constant_ab.py --encoding fire`` (idle, torch's two threads, 2026-11-26): forward
@@ -45,9 +43,6 @@ from .network_bands import fill_bands
 NETWORK_CHUNK = 32768
 #: a block is served from the network when its K' switching units satisfy K' + 2 <= this * Hq
 NETWORK_COLUMNS_PER_HEAD = 3
-#: causal blocks of at least twice as many keys as rows are built in bands of distances
-#: (:mod:`.network_bands`); False: slab by slab from the features (tests compare the two)
-BANDS = True
 
 Network = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -121,12 +116,12 @@ def reversed_network_block(
     Each slab of rows is three passes over cache-resident features (the quotient, the switching
     units' product and clamp) and one product writing the block, instead of a (B, rows, keys) x
     written out, copied into the features and read again."""
-    batch, rows = normalizer.shape
-    banded = BANDS and first == 1 - rows and keys >= 2 * rows  # a causal block past its first rows
-    columns = None if banded else network_columns(x_range[0], x_range[1], network)
-    if columns is None and not banded:
+    columns = network_columns(x_range[0], x_range[1], network)
+    if columns is None:
         return None
-    heads, device = network[2].shape[0], feature.device
+    weights, units = columns
+    batch, rows = normalizer.shape
+    heads, device = weights.shape[0], feature.device
     size = batch * heads * rows * keys
     if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= size:
         out = scratch[:size].view(batch, heads, rows, keys)
@@ -137,12 +132,6 @@ def reversed_network_block(
     # (within ~2 ulp of the quotient)
     line = feature[positions].float()  # (rows + keys - 1,)
     inverse = normalizer.reciprocal()[:, :, None].float()  # (B|1, rows, 1)
-    if banded:  # in bands of distances (network_bands), x the same products
-        for b in range(batch):
-            fill_bands(line[rows - 1 :], inverse[b, :, 0], network, out[b])
-        return out
-    assert columns is not None
-    weights, units = columns
     slab = max(1, NETWORK_CHUNK // keys)  # rows per product
     full = min(slab, rows)
     features = torch.empty(weights.shape[1], full * keys, dtype=torch.float32, device=device)

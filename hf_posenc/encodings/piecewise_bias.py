@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
+from . import network_bands, network_block
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
-from . import network_block
-from .network_bands import banded_rows
 from .network_block import reversed_network_block
 
 
@@ -188,6 +187,12 @@ class PiecewiseDistanceBias(BlockBias):
         if network is None or not self._network_blocks(self.feature.device):
             return None
         first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, reversed key 0)
+        if network_bands.serves(first, stop - start, k_end):  # (no x range needed)
+            with torch.no_grad():
+                banded = network_bands.banded_block(
+                    self.feature[:k_end], self.normalizer[:, start:stop], network, scratch
+                )
+            return banded.to(dtype)
         with torch.no_grad():
             block = reversed_network_block(
                 self.feature,
@@ -200,23 +205,25 @@ class PiecewiseDistanceBias(BlockBias):
             )
         return None if block is None else block.to(dtype)
 
-    def banded_reversed(self, start: int, stop: int, k_end: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def folded_reversed_with_gradients(
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         """:meth:`folded_reversed` differentiable in the form's tensors, from the bands of distances
         (:func:`.network_bands.banded_rows`, whose backward works in the same bands); None where
         those do not serve (not a causal block of at least twice as many keys as rows, or
         :meth:`folded_reversed` would not)."""
-        network, rows = self.network, stop - start
+        network = self.network
         first = self.k_len - self.q_len + start - (k_end - 1)
         if (
             network is None
             or not self._network_blocks(self.feature.device)
-            or not network_block.BANDS
-            or first != 1 - rows
-            or k_end < 2 * rows
+            or not network_bands.serves(first, stop - start, k_end)
         ):
             return None
-        # feature[d] for d = 0 .. k_end-1 and the rows' normalisers, as reversed_network_block reads them
-        return banded_rows(self.feature[:k_end], self.normalizer[:, start:stop], network).to(dtype)
+        # feature[d] for d = 0 .. k_end-1 and the rows' normalisers, as folded_reversed reads them
+        return network_bands.banded_rows(self.feature[:k_end], self.normalizer[:, start:stop], network).to(
+            dtype
+        )
 
     def folded(
         self,
@@ -232,7 +239,9 @@ class PiecewiseDistanceBias(BlockBias):
         network = self.network
         if self._network_blocks(x.device):
             assert network is not None
-            block = network_block.network_block(x, network, allowed, scratch, self.x_range(start, stop, k_start, k_end))
+            block = network_block.network_block(
+                x, network, allowed, scratch, self.x_range(start, stop, k_start, k_end)
+            )
             if block is not None:
                 return block.to(dtype)
         count = self.points.shape[0]

@@ -156,7 +156,7 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
     with (
         mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", 100 if network else 0),
         mock.patch.object(network_block, "NETWORK_CHUNK", chunk),  # scores per slab, both directions
-        mock.patch.object(network_block, "BANDS", bands),
+        mock.patch.object(network_bands, "BANDS", bands),
         mock.patch.object(network_block.NetworkBlock, "apply", counting),
         mock.patch.object(network_bands.BandedBlock, "apply", counting_banded),
     ):

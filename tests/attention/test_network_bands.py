@@ -19,7 +19,7 @@ from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_posenc.encodings import network_bands, network_block
+from hf_posenc.encodings import network_bands
 from hf_posenc.encodings.fire import FIREFunction
 
 
@@ -90,7 +90,7 @@ def test_banded_blocks_are_the_formula(rows, past, width, c, threshold, second_r
         calls.append(1)
         return original(*args)
 
-    with torch.no_grad(), mock.patch.object(network_block, "fill_bands", spy):
+    with torch.no_grad(), mock.patch.object(network_bands, "fill_bands", spy):
         block = bias.folded_reversed(0, rows, keys, torch.float32)
     assert block is not None and len(calls) == queries.shape[0]
     block = block.flip(-1)  # (B, H, rows, keys) over keys 0 .. keys-1
@@ -125,9 +125,9 @@ def test_fire_logits_with_banded_blocks_equal_eager():
 
     with torch.no_grad():
         reference = models["eager"](ids).logits
-        with mock.patch.object(network_block, "fill_bands", spy):
+        with mock.patch.object(network_bands, "fill_bands", spy):
             banded = models["chunked"](ids).logits
-        with mock.patch.object(network_block, "BANDS", False):
+        with mock.patch.object(network_bands, "BANDS", False):
             products = models["chunked"](ids).logits
     layers = models["chunked"].config.num_hidden_layers
     assert len(calls) == layers * 5  # queries 128.., 256.., 384.., 512.., 640..699

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.core.interpolation import interpolate
-from hf_posenc.encodings import network_block
+from hf_posenc.encodings import network_bands, network_block
 from hf_posenc.encodings.fire import FIREFunction
 from hf_posenc.encodings.piecewise_bias import monotone_segments
 
@@ -175,7 +175,7 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
             torch.no_grad(),
             mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
             mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
-            mock.patch.object(network_block, "BANDS", bands),
+            mock.patch.object(network_bands, "BANDS", bands),
         ):
             backwards = bias.folded_reversed(start, q_len, k_end, torch.float32, scratch)
         banded = bands and k_end >= 2 * (q_len - start)
