@@ -137,7 +137,7 @@ def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Networ
                 feature, row_normalizer, w1, b1, w2, plan.coefficients, plan.square_coefficients, plan
             )
         )
-    return torch.stack(blocks)
+    return blocks[0][None] if len(blocks) == 1 else torch.stack(blocks)  # (a view for one row: no copy)
 
 
 def _assemble(

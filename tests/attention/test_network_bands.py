@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 from conftest import make_model, patch, token_ids
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.encodings import network_bands
@@ -39,20 +39,21 @@ def _network(heads: int, width: int, seed: int) -> FIREFunction:
     return function
 
 
-def _formula(
-    function: FIREFunction, c: float, threshold: float, positions: torch.Tensor, keys: int
-) -> torch.Tensor:
+def _formula(function: FIREFunction, positions: torch.Tensor, keys: int) -> torch.Tensor:
     """fp64 (B, H, rows, keys) bias of the last ``rows`` queries over keys 0 .. keys-1 from the
     paper's formula: distances between key indices, the normaliser from the queries' positions
-    (B, rows) (future keys: distance 0, not compared)."""
-    w1 = function.hidden.weight.detach().double()[:, 0]
-    b1 = function.hidden.bias.detach().double()
-    w2 = function.out.weight.detach().double()
-    b2 = function.out.bias.detach().double()
+    (B, rows) (future keys: distance 0, not compared); differentiable in every parameter, c =
+    |c| and L = |L_multiplier| * init_L."""
+    c = function.c.double().abs()[0]
+    threshold = function.L_multiplier.double().abs()[0] * function.init_L
+    w1 = function.hidden.weight.double()[:, 0]
+    b1 = function.hidden.bias.double()
+    w2 = function.out.weight.double()
+    b2 = function.out.bias.double()
     rows = positions.shape[1]
     i = torch.arange(keys - rows, keys, dtype=torch.float64)[:, None]  # (rows, 1) key index of each query
     distance = (i - torch.arange(keys, dtype=torch.float64)).clamp(min=0)  # (rows, keys)
-    normalizer = torch.log1p(c * positions.double().clamp(min=threshold)) + 1e-6  # (B, rows)
+    normalizer = torch.log1p(c * torch.maximum(positions.double(), threshold)) + 1e-6  # (B, rows)
     x = torch.log1p(c * distance) / normalizer[:, :, None]  # (B, rows, keys)
     hidden = torch.relu(x[..., None] * w1 + b1)  # (B, rows, keys, K)
     return (hidden @ w2.t() + b2).permute(0, 3, 1, 2)
@@ -94,7 +95,7 @@ def test_banded_blocks_are_the_formula(rows, past, width, c, threshold, second_r
         block = bias.folded_reversed(0, rows, keys, torch.float32)
     assert block is not None and len(calls) == queries.shape[0]
     block = block.flip(-1)  # (B, H, rows, keys) over keys 0 .. keys-1
-    expected = _formula(function, c, threshold, queries, keys)
+    expected = _formula(function, queries, keys).detach()
     causal = (torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]).expand_as(block)
     scale = max(1.0, float(expected.abs().max()))
     torch.testing.assert_close(block[causal].double(), expected[causal], atol=1e-5 * scale, rtol=1e-5)
@@ -133,3 +134,57 @@ def test_fire_logits_with_banded_blocks_equal_eager():
     assert len(calls) == layers * 5  # queries 128.., 256.., 384.., 512.., 640..699
     torch.testing.assert_close(banded, reference, atol=1e-5, rtol=0)
     torch.testing.assert_close(products, reference, atol=1e-5, rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 130),
+    past=st.integers(0, 300),
+    width=st.integers(1, 32),
+    c=st.floats(0.02, 2.0),
+    threshold=st.floats(1.0, 400.0),
+    second_row=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, threshold, second_row, seed):
+    """The block rebuilt with gradients (``folded_reversed_with_gradients``, as backward of the
+    chunked backend's training blocks takes it) under a random upstream gradient at the causal
+    keys: the gradients of w1, b1, w2, b2, c and the L multiplier are those of the fp64 formula
+    (autograd) within 1e-4 of the largest of each, and for c and L within 16 fp32 epsilons of M =
+    sum |upstream| |d bias / d theta| (their sums cancel: the terms through psi(i - j) and
+    through the normaliser nearly balance); L sits inside the block's rows or below them, not
+    on a position (max(L, p)'s kink, where the gradient of L is undefined)."""
+    heads = 3
+    function = _network(heads, width, seed)
+    with torch.no_grad():
+        function.c.fill_(c)
+        function.L_multiplier.fill_(threshold / function.init_L)
+    big_l = float(function.threshold().detach())
+    keys = 2 * rows + past
+    start = keys - rows
+    queries = torch.arange(start, keys)[None]
+    if second_row:
+        queries = torch.cat((queries, queries + 5))
+    assume(all(abs(big_l - float(p)) > 1e-3 for p in queries.reshape(-1)))
+    causal = torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]  # (rows, keys)
+    generator = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(queries.shape[0], heads, rows, keys, generator=generator).double() * causal
+    names, parameters = zip(*function.named_parameters(), strict=True)
+    expected = torch.autograd.grad((_formula(function, queries, keys) * upstream).sum(), parameters)
+    block = function.bias(queries, rows, keys).folded_reversed_with_gradients(0, rows, keys, torch.float32)
+    assert block is not None
+    found = torch.autograd.grad((block.flip(-1).double() * upstream).sum(), parameters, allow_unused=True)
+    for name, parameter, want, got in zip(names, parameters, expected, found, strict=True):
+        got = torch.zeros_like(want) if got is None else got
+        tolerance = 1e-4 * max(float(want.abs().max()), 1e-3)
+        if name in ("c", "L_multiplier"):  # M by central differences of the formula (fp64)
+            step = 1e-6 * max(abs(float(parameter.detach())), 1e-3)
+            with torch.no_grad():
+                parameter += step
+                above = _formula(function, queries, keys)
+                parameter -= 2 * step
+                below = _formula(function, queries, keys)
+                parameter += step
+            magnitude = float((upstream.abs() * ((above - below) / (2 * step)).abs()).sum())
+            tolerance = max(tolerance, 16 * torch.finfo(torch.float32).eps * magnitude)
+        torch.testing.assert_close(got.double(), want.double(), atol=tolerance, rtol=0, msg=name)
