@@ -8,8 +8,10 @@ block's k and v flipped), the fused kernel ``_scaled_dot_product_flash_attention
 it as the mask, which also returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp (O(rows))
 and the bias form's O(T) tensors, as :class:`~.chunked.RebuiltBiasAttention` keeps.
 
-Backward: the bias built once more, with gradients, from the form's tensors, and the
-FlashAttention-2 gradients from the kept statistics (Dao 2023, Algorithm 2):
+Backward: the bias built once more, with gradients, from the form's tensors (over the keys in
+reverse order where the form rebuilds it so, FIRE's bands of distances, with k and v flipped
+and dk, dv flipped back), and the FlashAttention-2 gradients from the kept statistics (Dao
+2023, Algorithm 2):
 
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
     dQ = s dS K,  dK = s dS^T Q,  dbias = dS (summed over a batch the bias is shared by)

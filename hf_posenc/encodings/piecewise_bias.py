@@ -26,7 +26,10 @@ The views, each exact (the same fp32 operations on the same x):
   needed (a causal mask costs one more scattered value per row); its backward sums the
   gradient per piece (:class:`PiecewiseBlock`). On CPU, when f's network is known and few of
   its units switch inside the block, the block (with gradients too) comes from the network's
-  matrix products instead (:mod:`.network_block`).
+  matrix products instead (:mod:`.network_block`); a causal block of at least twice as many
+  keys as queries over the keys in reverse order (``folded_reversed``, and
+  ``folded_reversed_with_gradients`` for backward) from bands of distances where the network
+  is linear (:mod:`.network_bands`).
 """
 
 from __future__ import annotations
