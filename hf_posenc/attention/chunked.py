@@ -276,9 +276,11 @@ def attend_chunked(
         allowed = None if mask is None else mask[..., start:stop, k_start:k_end]
         names = list(tensors)
 
+        def form(values: tuple[torch.Tensor, ...]) -> BlockBias:  # the bias with these tensors
+            return dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
+
         def build(*values: torch.Tensor) -> torch.Tensor:  # (B|1, Hq, rows, keys)
-            form = dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
-            return form.folded(start, stop, k_start, k_end, allowed, q.dtype, scratch())
+            return form(values).folded(start, stop, k_start, k_end, allowed, q.dtype, scratch())
 
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         if flash_rebuilt:  # the fused kernel's forward, its log-sum-exp kept for backward
@@ -288,8 +290,7 @@ def attend_chunked(
                 return bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
 
             def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable
-                form = dataclasses.replace(bias, **dict(zip(names, values, strict=True)))
-                return form.folded_reversed_with_gradients(start, stop, k_end, q.dtype)
+                return form(values).folded_reversed_with_gradients(start, stop, k_end, q.dtype)
 
             return RebuiltBiasFlashAttention.apply(
                 q_block,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.layout import hankel_view
 from .softmax_parts import CPU_FLASH
 from .toeplitz_backward import fused_gradients, toeplitz_gradients
 from .toeplitz_layout import (
@@ -31,7 +32,6 @@ from .toeplitz_layout import (
     ToeplitzView,
     blocks,
     fused_backward_runs,
-    hankel_view,
     toeplitz_line,
 )
 from .toeplitz_windows import HeadPlan, head_groups, head_plan

@@ -23,8 +23,9 @@ import math
 
 import torch
 
+from ..core.layout import hankel_view
 from .softmax_parts import CPU_FLASH_BACKWARD
-from .toeplitz_layout import FLUSH, LOG2E, blocks, hankel_view, work_buffer
+from .toeplitz_layout import FLUSH, LOG2E, blocks, work_buffer
 from .toeplitz_windows import first_key
 
 #: heads per call of the explicit backward when the heads have key windows (a table without

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ..core.layout import causal_keys
+from ..core.layout import anti_diagonal_sums, causal_keys, hankel_view
 from .softmax_parts import CPU_FLASH_BACKWARD
 
 LOG2E = math.log2(math.e)
@@ -30,12 +30,6 @@ def toeplitz_line(
     return torch.cat((table[:, :distances].flip(1).to(dtype), future), dim=1)
 
 
-def hankel_view(line: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
-    """line (H, L) -> the (1, H, rows, keys) view ``out[0, h, a, j] = line[h, first + a + j]``."""
-    offset = line.storage_offset() + first
-    return line.as_strided((1, line.shape[0], rows, keys), (0, line.stride(0), 1, 1), offset)
-
-
 class ToeplitzView(torch.autograd.Function):
     """:func:`hankel_view` with a backward that sums the incoming gradient along its
     anti-diagonals (skewing it into a (H, rows, keys + rows) buffer), much cheaper than
@@ -48,13 +42,9 @@ class ToeplitzView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        _, heads, rows, keys = grad.shape
-        width = keys + rows
-        skewed = grad.new_zeros(heads, rows, width)  # skewed[h, a, a + b] = grad[0, h, a, b]
-        skewed.as_strided((heads, rows, keys), (rows * width, width + 1, 1)).copy_(grad[0])
-        sums = skewed.sum(dim=1)[:, : width - 1]  # (H, rows + keys - 1): the sum over a + b = n
+        sums = anti_diagonal_sums(grad[0])  # (H, rows + keys - 1): the sum over a + b = n
         grad_line = grad.new_zeros(ctx.shape)
-        grad_line[:, ctx.first : ctx.first + width - 1] = sums
+        grad_line[:, ctx.first : ctx.first + sums.shape[1]] = sums
         return grad_line, None, None, None
 
 

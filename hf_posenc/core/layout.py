@@ -66,3 +66,21 @@ def expand_kv_heads(x: torch.Tensor, groups: int, dim: int = 1) -> torch.Tensor:
     shape = list(x.shape)
     shape.insert(dim + 1, groups)
     return x.unsqueeze(dim + 1).expand(shape).flatten(dim, dim + 1)
+
+
+def hankel_view(line: torch.Tensor, first: int, rows: int, keys: int) -> torch.Tensor:
+    """line (H, L) -> the (1, H, rows, keys) view ``out[0, h, a, j] = line[h, first + a + j]``
+    (row and column stride 1: every entry of an anti-diagonal is the same element)."""
+    offset = line.storage_offset() + first
+    return line.as_strided((1, line.shape[0], rows, keys), (0, line.stride(0), 1, 1), offset)
+
+
+def anti_diagonal_sums(values: torch.Tensor) -> torch.Tensor:
+    """(H, rows, keys) -> (H, rows + keys - 1): ``out[h, n]`` = the sum of ``values[h, a, j]`` over
+    a + j = n (the gradient of a :func:`hankel_view`), read from the values skewed into an (H, rows,
+    keys + rows) buffer (row a shifted right by a): one copy and one sum over the rows."""
+    heads, rows, keys = values.shape
+    width = keys + rows
+    skewed = values.new_zeros(heads, rows, width)  # skewed[h, a, a + j] = values[h, a, j]
+    skewed.as_strided((heads, rows, keys), (rows * width, width + 1, 1)).copy_(values)
+    return skewed.sum(dim=1)[:, : width - 1]

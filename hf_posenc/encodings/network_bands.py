@@ -36,6 +36,9 @@ import functools
 
 import torch
 
+from ..core.layout import anti_diagonal_sums, hankel_view
+from .network_block import future_minimum
+
 #: causal blocks of at least twice as many keys as rows are built in bands of distances; False:
 #: from the network's products (:mod:`.network_block`; tests compare the two, so does
 #: ``scripts/cpu_constant_ab.py``)
@@ -90,9 +93,14 @@ def fill_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network, bloc
     rows, keys), keys >= 2 rows, its last row's first key at distance 0, the future at fp32's
     minimum (arguments as :func:`plan_bands`); x = near[d] * inverse[a], rounded once."""
     with torch.no_grad():
-        _assemble(
-            plan_bands(near, inverse, network), near, inverse, (network[0], network[1], network[2]), block
-        )
+        _assemble(plan_bands(near, inverse, network), near, inverse, network[:3], block)
+
+
+def line_and_inverse(feature: torch.Tensor, normalizer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(near, inverse) in fp32 from ``feature`` (keys,) and ``normalizer`` (..., rows) in any
+    float dtype: near = feature rounded once, inverse = 1 / normaliser rounded once (x = near *
+    inverse, as :func:`.network_block.reversed_network_block` forms it)."""
+    return feature.float(), normalizer.reciprocal().float()
 
 
 def serves(first: int, rows: int, keys: int) -> bool:
@@ -115,7 +123,7 @@ def banded_block(
         out = scratch[:size].view(batch, heads, rows, keys)
     else:
         out = feature.new_empty(batch, heads, rows, keys, dtype=torch.float32)
-    near, inverse = feature.float(), normalizer.reciprocal().float()
+    near, inverse = line_and_inverse(feature, normalizer)
     for b in range(batch):
         fill_bands(near, inverse[b], network, out[b])
     return out
@@ -129,7 +137,7 @@ def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Networ
     network (:class:`BandedBlock`)."""
     w1, b1, w2, _ = network
     with torch.no_grad():
-        near, inverse = feature.float(), normalizer.reciprocal().float()
+        near, inverse = line_and_inverse(feature, normalizer)
     blocks = []
     for row_normalizer, row_inverse in zip(normalizer, inverse, strict=True):
         plan = plan_bands(near, row_inverse, network)
@@ -151,7 +159,7 @@ def _assemble(
     coefficients = plan.coefficients
     # the future of each row (reversed keys j' < rows - 1 - a) at the minimum; V, written next,
     # covers the rest of these columns
-    block[:, :, :rows].copy_(_future_square(rows, block.device).expand(heads, -1, -1))
+    block[:, :, :rows].copy_(future_minimum(rows, rows, block.device).expand(heads, -1, -1))
     view = _distance_view(block)  # (Hq, rows, D)
     slopes = coefficients[1, :, :distances] * near[:distances]  # (Hq, D) E
     for h in range(heads):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
@@ -161,10 +169,11 @@ def _assemble(
     # rows + m at d = corner + a + m, rewritten whole (its nearer part as V has it)
     corner = keys - 2 * rows + 1
     square_lines = plan.square_coefficients[:, :, corner:]  # (2, Hq, 2 rows - 1)
-    constant, slope = _toeplitz(square_lines[0], rows), _toeplitz(square_lines[1] * near[corner:], rows)
+    constant = hankel_view(square_lines[0], 0, rows, rows)[0]  # (Hq, rows, rows) C[corner + a + m]
+    slope = hankel_view(square_lines[1] * near[corner:], 0, rows, rows)[0]  # E
     torch.addcmul(constant, slope, inverse[:, None], out=block[:, :, keys - rows :])
     square_zones = [(0, rows) if reach else (0, 0) for reach in plan.reaching]
-    _add_zones(block[:, :, keys - rows :], _toeplitz(near[corner:], rows), inverse, square_zones, units)
+    _add_zones(block[:, :, keys - rows :], _square_of(near[corner:], rows), inverse, square_zones, units)
 
 
 class BandedBlock(torch.autograd.Function):
@@ -186,7 +195,7 @@ class BandedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, feature, normalizer, w1, b1, w2, coefficients, square_coefficients, plan):
-        near, inverse = feature.float(), normalizer.reciprocal().float()  # (keys,), (rows,)
+        near, inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
         block = near.new_empty(w2.shape[0], inverse.shape[0], near.shape[0])
         _assemble(plan, near, inverse, (w1, b1, w2), block)
         ctx.save_for_backward(feature, normalizer, w1, b1, w2, coefficients, square_coefficients)
@@ -197,7 +206,7 @@ class BandedBlock(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         feature, normalizer, w1, b1, w2, coefficients, square_coefficients = ctx.saved_tensors
         plan: BandPlan = ctx.plan
-        near, inverse = feature.float(), normalizer.reciprocal().float()
+        near, inverse = line_and_inverse(feature, normalizer)
         heads, rows, keys = grad.shape
         distances, corner = keys - rows + 1, keys - 2 * rows + 1
         grad = grad.float()
@@ -226,18 +235,18 @@ class BandedBlock(torch.autograd.Function):
         grad_inverse = dx64 @ near[:distances].double()  # (rows,)
         # the square: only its triangle (row a's last a keys) is its own
         square = grad[:, :, keys - rows :] * _far_triangle(rows, grad.device)  # (Hq, rows, rows)
-        near_square = _toeplitz(near[corner:], rows)  # (rows, rows) near[corner + a + m]
+        near_square = _square_of(near[corner:], rows)  # (rows, rows) near[corner + a + m]
         square_lines = square_coefficients[:, :, corner:]  # (2, Hq, 2 rows - 1)
         grad_square = torch.zeros_like(square_coefficients)
-        grad_square[0, :, corner:] = _anti_diagonal_sums(square)
-        grad_square[1, :, corner:] = _anti_diagonal_sums(square * inverse[:, None]) * near[corner:]
-        square_dx = (square * _toeplitz(square_lines[1], rows)).sum(0)  # (rows, rows)
+        grad_square[0, :, corner:] = anti_diagonal_sums(square)
+        grad_square[1, :, corner:] = anti_diagonal_sums(square * inverse[:, None]) * near[corner:]
+        square_dx = (square * hankel_view(square_lines[1], 0, rows, rows)[0]).sum(0)  # (rows, rows)
         x_square = near_square * inverse[:, None]
         for k, reach in enumerate(plan.reaching):
             if reach:
                 square_dx += _zone_gradient(square, x_square, k, unit)
         square_dx64 = square_dx.double()
-        grad_near[corner:] += _anti_diagonal_sums((square_dx64 * inverse.double()[:, None])[None])[0].to(
+        grad_near[corner:] += anti_diagonal_sums((square_dx64 * inverse.double()[:, None])[None])[0].to(
             feature.dtype
         )
         grad_inverse += (square_dx64 * near_square.double()).sum(1)
@@ -260,15 +269,6 @@ def _zone_gradient(grad: torch.Tensor, x: torch.Tensor, k: int, unit: tuple) -> 
     return through.mul_(w1[k])
 
 
-def _anti_diagonal_sums(square: torch.Tensor) -> torch.Tensor:
-    """(H, rows, rows) -> (H, 2 rows - 1): out[h, t] = sum over a + m = t of square[h, a, m], read
-    from the square skewed into a (rows, 2 rows) buffer (row a shifted right by a)."""
-    heads, rows, _ = square.shape
-    skewed = square.new_zeros(heads, rows, 2 * rows)
-    skewed.as_strided((heads, rows, rows), (rows * 2 * rows, 2 * rows + 1, 1)).copy_(square)
-    return skewed.sum(1)[:, : 2 * rows - 1]
-
-
 @functools.lru_cache(maxsize=8)
 def _far_triangle(rows: int, device: torch.device) -> torch.Tensor:
     """(rows, rows) fp32: 1 where square column m >= rows - a (row a's keys past distance keys -
@@ -286,11 +286,6 @@ def _distance_view(block: torch.Tensor) -> torch.Tensor:
         (block.stride(0), block.stride(1) - 1, 1),
         block.storage_offset() + rows - 1,
     )
-
-
-def _toeplitz(line: torch.Tensor, rows: int) -> torch.Tensor:
-    """(..., 2 rows - 1) contiguous -> the (..., rows, rows) view t[..., a, m] = line[..., a + m]."""
-    return line.as_strided((*line.shape[:-1], rows, rows), (*line.stride()[:-1], 1, 1))
 
 
 def _zones(
@@ -360,9 +355,6 @@ def _add_zones(
         target[:, :, lo:hi].addcmul_(out_columns[k], hidden)
 
 
-@functools.lru_cache(maxsize=8)
-def _future_square(rows: int, device: torch.device) -> torch.Tensor:
-    """(rows, rows) fp32: the minimum where reversed key j' < rows - 1 - a (row a's future), 0
-    elsewhere (cached: the blocks share a few shapes)."""
-    future = torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1).flip(-1)
-    return torch.zeros(rows, rows, device=device).masked_fill_(future, torch.finfo(torch.float32).min)
+def _square_of(line: torch.Tensor, rows: int) -> torch.Tensor:
+    """(2 rows - 1,) -> the (rows, rows) view t[a, m] = line[a + m]."""
+    return hankel_view(line[None], 0, rows, rows)[0, 0]

@@ -24,7 +24,7 @@ The views, each exact (the same fp32 operations on the same x):
   (2K+2,) vectors and one multiply-add. The mask is folded into the piece index (pieces past K
   have slope 0 and the dtype's minimum as intercept), so no other pass over the block is
   needed (a causal mask costs one more scattered value per row); its backward sums the
-  gradient per piece (:class:`PiecewiseBlock`). On CPU, when f's network is known and few of
+  gradient per piece (:class:`.piecewise_block.PiecewiseBlock`). On CPU, when f's network is known and few of
   its units switch inside the block, the block (with gradients too) comes from the network's
   matrix products instead (:mod:`.network_block`); a causal block of at least twice as many
   keys as queries over the keys in reverse order (``folded_reversed``, and
@@ -43,6 +43,7 @@ from ..core.layout import query_key_indices
 from . import network_bands, network_block
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
 from .network_block import reversed_network_block
+from .piecewise_block import PiecewiseBlock, monotone_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ class PiecewiseDistanceBias(BlockBias):
         (B|1, rows, keys) fp32, non-increasing along the keys (``reverse``: the keys in reverse
         order, key k_end-1 first, non-decreasing); differentiable in ``feature`` and
         ``normalizer`` (:class:`DistanceRatio`)."""
-        first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, reversed key 0)
+        first = self._reversed_first(start, k_end)
         if torch.is_grad_enabled() and (self.feature.requires_grad or self.normalizer.requires_grad):
             return DistanceRatio.apply(
                 self.feature, self.normalizer, first, start, stop, k_end - k_start, reverse
@@ -179,33 +180,33 @@ class PiecewiseDistanceBias(BlockBias):
         fullgraph compiled decoding cannot guard on it)."""
         return self.network is not None and device.type == "cpu" and not torch.compiler.is_compiling()
 
+    def _reversed_first(self, start: int, k_end: int) -> int:
+        """The distance of (query ``start``, reversed key 0 = key k_end-1)."""
+        return self.k_len - self.q_len + start - (k_end - 1)
+
     def folded_reversed(
         self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The causal block (no padding mask) of queries ``start .. stop-1`` over keys ``0 ..
         k_end-1`` in reverse order (key k_end-1 first): (B|1, Hq, rows, k_end) in ``dtype``, the
-        future at its minimum; None where the linear pieces serve it (see :meth:`folded`). x comes from a strided view of
-        one line of features without gradients, so no flip of the block's x is written."""
+        future at its minimum; None where the linear pieces serve it (see :meth:`folded`): from
+        bands of distances where they serve (:mod:`.network_bands`), else from the network's
+        products with x from a strided view of one line of features without gradients, so no
+        flip of the block's x is written."""
         network = self.network
         if network is None or not self._network_blocks(self.feature.device):
             return None
-        first = self.k_len - self.q_len + start - (k_end - 1)  # the distance of (0, reversed key 0)
-        if network_bands.serves(first, stop - start, k_end):  # (no x range needed)
-            with torch.no_grad():
-                banded = network_bands.banded_block(
-                    self.feature[:k_end], self.normalizer[:, start:stop], network, scratch
-                )
-            return banded.to(dtype)
+        first = self._reversed_first(start, k_end)
+        normalizer = self.normalizer[:, start:stop]
+        block: torch.Tensor | None
         with torch.no_grad():
-            block = reversed_network_block(
-                self.feature,
-                self.normalizer[:, start:stop],
-                first,
-                k_end,
-                network,
-                self.x_range(start, stop, 0, k_end),
-                scratch,
-            )
+            if network_bands.serves(first, stop - start, k_end):  # (no x range needed)
+                block = network_bands.banded_block(self.feature[:k_end], normalizer, network, scratch)
+            else:
+                x_range = self.x_range(start, stop, 0, k_end)
+                block = reversed_network_block(
+                    self.feature, normalizer, first, k_end, network, x_range, scratch
+                )
         return None if block is None else block.to(dtype)
 
     def folded_reversed_with_gradients(
@@ -216,17 +217,15 @@ class PiecewiseDistanceBias(BlockBias):
         those do not serve (not a causal block of at least twice as many keys as rows, or
         :meth:`folded_reversed` would not)."""
         network = self.network
-        first = self.k_len - self.q_len + start - (k_end - 1)
         if (
             network is None
             or not self._network_blocks(self.feature.device)
-            or not network_bands.serves(first, stop - start, k_end)
+            or not network_bands.serves(self._reversed_first(start, k_end), stop - start, k_end)
         ):
             return None
         # feature[d] for d = 0 .. k_end-1 and the rows' normalisers, as folded_reversed reads them
-        return network_bands.banded_rows(self.feature[:k_end], self.normalizer[:, start:stop], network).to(
-            dtype
-        )
+        block = network_bands.banded_rows(self.feature[:k_end], self.normalizer[:, start:stop], network)
+        return block.to(dtype)
 
     def folded(
         self,
@@ -268,93 +267,6 @@ class PiecewiseDistanceBias(BlockBias):
         return PiecewiseBlock.apply(x, segment, ends, slopes, intercepts, out).to(
             dtype
         )  # (B', Hq, rows, keys)
-
-
-def monotone_segments(
-    x: torch.Tensor, points: torch.Tensor, future: torch.Tensor | None = None, shift: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, rows, keys), non-increasing along the keys; points (K,) sorted -> the number of
-    points <= x, (B, rows, keys) int32, plus ``shift`` from key ``future[row]`` on (rows,) when
-    given; and the run ends E (B * rows, K) int64: piece m covers keys E[m] .. E[m-1]-1 of a row
-    (E[-1] = keys, E[K] = 0) before the shift.
-
-    Along a row the keys with x >= p_k are a prefix (of length E_k, one ``searchsorted`` per row
-    and point), so the count is K minus the number of prefixes that ended: a cumulative sum of
-    ones scattered at the E_k (and of -shift at ``future``). (Where rounding made x not
-    monotone, the piece of an x within an ulp of a breakpoint may be its neighbour: f is
-    continuous there, so the bias is unchanged to fp32 rounding.)
-    """
-    batch, rows, keys = x.shape
-    flat = x.reshape(-1, keys)  # (B * rows, keys)
-    count = points.shape[0]
-    ends = torch.searchsorted(flat.neg(), points.neg().expand(flat.shape[0], count).contiguous(), right=True)
-    ended = torch.zeros(flat.shape[0], keys + 1, dtype=torch.int32, device=x.device)
-    ended.scatter_add_(
-        1, ends, torch.ones(ends.shape, dtype=torch.int32, device=x.device)
-    )  # (B * rows, keys + 1)
-    if future is not None:
-        rows_future = future.clamp(0, keys).repeat(batch)[:, None]  # (B * rows, 1)
-        ended.scatter_add_(
-            1, rows_future, torch.full(rows_future.shape, -shift, dtype=torch.int32, device=x.device)
-        )
-    pieces = count - ended.cumsum(1, dtype=torch.int32)[:, :-1]
-    return pieces.reshape(x.shape), ends
-
-
-class PiecewiseBlock(torch.autograd.Function):
-    """(x (B|1, rows, keys), piece (B', rows, keys) int32, run ends E (B|1 * rows, K), slopes,
-    intercepts (Hq, P), out (B', Hq, rows, keys) or None) -> ``slopes[h, piece] * x +
-    intercepts[h, piece]`` (B', Hq, rows, keys) fp32, written into ``out`` when given (a
-    buffer that is reused, so only without gradients). Pieces past K are masked keys: they pass
-    no gradient.
-
-    Forward: per (batch row, head) two gathers from (P,) vectors into one output block and a
-    multiply-add, no (Hq, rows, keys) temporaries. Backward: the gradient of slopes and
-    intercepts summed per piece — the pieces of a row are runs of keys (E), so a run's sum is a
-    difference of the row's cumulative sums at its two ends — and of x summed over the heads.
-    """
-
-    @staticmethod
-    def forward(ctx, x, piece, ends, slopes, intercepts, out=None):
-        batch, heads = piece.shape[0], slopes.shape[0]
-        if out is None:
-            out = x.new_empty(batch, heads, *piece.shape[1:])  # (B', Hq, rows, keys)
-        gathered = x.new_empty(piece[0].numel())
-        for b in range(batch):
-            index, values = piece[b].reshape(-1), x[b if x.shape[0] > 1 else 0].reshape(-1)
-            for h in range(heads):
-                block = out[b, h].view(-1)
-                torch.index_select(intercepts[h], 0, index, out=block)
-                torch.index_select(slopes[h], 0, index, out=gathered)
-                block.addcmul_(gathered, values)
-        ctx.save_for_backward(x, piece, ends, slopes)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, piece, ends, slopes = ctx.saved_tensors
-        (batch, rows, keys), heads, count = piece.shape, slopes.shape[0], ends.shape[-1]
-        grad = grad.float().masked_fill(piece[:, None] > count, 0.0)  # (B', Hq, rows, keys)
-        # run m of a row is keys E[m] .. E[m-1]-1: its sum is prefix(E[m-1]) - prefix(E[m])
-        full = ends.new_full((ends.shape[0], 1), keys)
-        bounds = torch.cat((full, ends, torch.zeros_like(full)), dim=-1).view(-1, rows, count + 2)
-        bounds = bounds.expand(batch, rows, count + 2)[:, None].expand(batch, heads, rows, count + 2)
-        before = (bounds - 1).clamp(min=0)  # prefix(e) = cumsum[e - 1], prefix(0) = 0
-
-        def run_sums(values: torch.Tensor) -> torch.Tensor:  # (B', Hq, rows, keys) -> (Hq, K+1)
-            prefix = values.cumsum(-1).gather(-1, before).masked_fill_(bounds == 0, 0.0)
-            return (prefix[..., :-1] - prefix[..., 1:]).sum(dim=(0, 2))
-
-        grad_slopes, grad_intercepts = torch.zeros_like(slopes), torch.zeros_like(slopes)
-        grad_intercepts[:, : count + 1] = run_sums(grad)
-        grad_slopes[:, : count + 1] = run_sums(grad * x[:, None])
-        grad_x = torch.zeros(batch, piece[0].numel(), dtype=torch.float32, device=x.device)
-        for b in range(batch):
-            index = piece[b].reshape(-1)
-            for h in range(heads):
-                grad_x[b].addcmul_(grad[b, h].reshape(-1), slopes[h].index_select(0, index))
-        grad_x = grad_x.view(piece.shape).sum_to_size(x.shape)
-        return grad_x, None, None, grad_slopes, grad_intercepts, None
 
 
 def _distance_ratio(

@@ -12,6 +12,7 @@ and every future key is fp32's minimum; a patched model's logits equal backend="
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import torch
@@ -39,6 +40,20 @@ def _network(heads: int, width: int, seed: int) -> FIREFunction:
         function.out.weight.copy_(torch.randn(heads, width, generator=generator))
         function.out.bias.copy_(torch.randn(heads, generator=generator))
     return function
+
+
+@contextlib.contextmanager
+def _counted(owner, name: str):
+    """Count the calls of ``owner.name`` inside the block: yields the list a call appends to."""
+    calls: list[int] = []
+    original = getattr(owner, name)
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    with mock.patch.object(owner, name, counting):
+        yield calls
 
 
 def _normalized_distance(function: FIREFunction, positions: torch.Tensor, keys: int) -> torch.Tensor:
@@ -102,14 +117,7 @@ def test_banded_blocks_are_the_formula(rows, past, width, c, threshold, second_r
     every causal key (fp32, 1e-5 of the scale) and the minimum at every future one."""
     function, queries, keys, start = _case(rows, past, width, c, threshold, second_row, seed)
     bias = function.bias(queries, rows, keys)
-    calls = []
-    original = network_bands.fill_bands
-
-    def spy(*args):
-        calls.append(1)
-        return original(*args)
-
-    with torch.no_grad(), mock.patch.object(network_bands, "fill_bands", spy):
+    with torch.no_grad(), _counted(network_bands, "fill_bands") as calls:
         block = bias.folded_reversed(0, rows, keys, torch.float32)
     assert block is not None and len(calls) == queries.shape[0]
     block = block.flip(-1)  # (B, H, rows, keys) over keys 0 .. keys-1
@@ -135,16 +143,9 @@ def test_fire_logits_with_banded_blocks_equal_eager():
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
     models["chunked"].posenc.load_state_dict(models["eager"].posenc.state_dict())
     ids = token_ids(1, 700)
-    calls = []
-    original = network_bands.fill_bands
-
-    def spy(*args):
-        calls.append(1)
-        return original(*args)
-
     with torch.no_grad():
         reference = models["eager"](ids).logits
-        with mock.patch.object(network_bands, "fill_bands", spy):
+        with _counted(network_bands, "fill_bands") as calls:
             banded = models["chunked"](ids).logits
         with mock.patch.object(network_bands, "BANDS", False):
             products = models["chunked"](ids).logits
@@ -205,18 +206,11 @@ def test_fire_training_with_banded_blocks_equals_eager():
     gradient, the model's and FIRE's own, equal backend="eager"'s (fp32, 1e-5 absolute and
     relative, 1e-4 for the gradients of FIRE's c and L, whose sums cancel)."""
     ids = token_ids(1, 600)
-    calls = []
-    original = network_bands.BandedBlock.apply
-
-    def counting(*args):
-        calls.append(1)
-        return original(*args)
-
     results = {}
     for backend in ("eager", "chunked"):
         model = patch(make_model("llama"), "fire", {"init_L": 32.0}, backend=backend)
         model.train()
-        with mock.patch.object(network_bands.BandedBlock, "apply", counting):
+        with _counted(network_bands.BandedBlock, "apply") as calls:  # (the chunked run's, last)
             loss = model(ids, labels=ids).loss
             loss.backward()
         results[backend] = (

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hf_posenc.core.interpolation import interpolate
 from hf_posenc.encodings import network_bands, network_block
 from hf_posenc.encodings.fire import FIREFunction
-from hf_posenc.encodings.piecewise_bias import monotone_segments
+from hf_posenc.encodings.piecewise_block import monotone_segments
 
 
 def _function(heads: int, width: int, c: float, threshold: float, seed: int) -> FIREFunction:
