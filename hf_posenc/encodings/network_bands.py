@@ -16,9 +16,9 @@ unit is linear or off for all rows, so with each distance's sum over the units t
 
     V[h, a, d] = C[h, d] + E[h, d] * inv[a],   C = b2 + sum_on w2 b1,   E = (sum_on w2 w1) * near[d]
 
-(one ``addcmul`` per head into the view: 0.13-0.2 ns per value on the 2-core AVX2 machine of
-2026-11-27, where the network's matrix products over features, :mod:`.network_block`, took
-about 1 ns), and in each unit's zone w2[:, k] relu(w1_k x + b1_k) is added (its ReLU over the
+(one ``addcmul`` per head into the view; the whole build 0.87-1.31 ns per written value on the
+2-core AVX2 machine of 2026-11-27, against 1.63-2.02 ns from the network's matrix products over
+features, :mod:`.network_block`: ``scripts/fire_block_costs.py``), and in each unit's zone w2[:, k] relu(w1_k x + b1_k) is added (its ReLU over the
 zone's x and one broadcast multiply-add). The split only decides the speed: in its zone
 a unit gets its exact ReLU whatever side each row is on, and outside it the only rows it could
 misplace lie within rounding of p_k, where its ReLU is within rounding of 0. C and E change only
