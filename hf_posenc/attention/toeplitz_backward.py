@@ -6,12 +6,15 @@ FlashAttention-2 gradients from the kept statistics (Dao 2023, Algorithm 2):
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
     dQ = s dS K,  dK = s dS^T Q,  dline[h, r0 + n'] += sum_{a + j = n'} dS[h, a, j]
 
-computed in one (B, H, R, W + 1) buffer per call (reused by every block) whose (R, K) view has
-row stride W + 1: S is written there (bias - lse, then ``baddbmm_``), exponentiated (exp2 of
-log2(e) times it; weights below 2^:data:`FLUSH` set to 0 first, so nothing is subnormal), multiplied
-by dP in place, and the same memory read with row stride W holds dS[a, j] at column a + j, so
-the anti-diagonal sums are one ``sum`` over the rows once the R entries between the view's rows
-(one strided (R, R) fill) are zero. No softmax (the statistics are kept), no zero-filled skew
+computed in one contiguous (B, H, R, W + 1) buffer per call (reused by every block): each row's
+K scores, then R gap columns. bias - lse is written into the (R, K) view and -inf into the gaps,
+then one ``baddbmm_`` adds s Q K^T over all W + 1 columns (k followed by R more rows: a product
+into contiguous rows, where one into the strided (R, K) view runs a matrix at a time, ~5-20 %
+slower per backward, attention alone, T=2048), exponentiated (exp2 of log2(e) times it; weights
+below 2^:data:`FLUSH` set to 0 first, so nothing is subnormal; the gaps become 0), multiplied by
+dP in place, and the same memory read with row stride W holds dS[a, j] at column a + j and the
+gaps' zeros elsewhere, so the anti-diagonal sums are one ``sum`` over the rows. dK and dV
+accumulate in (B * H, Tk, D): each block's product adds into contiguous rows. No softmax (the statistics are kept), no zero-filled skew
 buffer or ``new_zeros`` per block, no per-block slice gradients (dQ, dK, dV written into one
 tensor each; dO V^T - rowsum(dO * O) as one product of dO and V widened by one column,
 -rowsum(dO * O) and ones). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
@@ -109,8 +112,15 @@ def toeplitz_gradients(
     def head_major(x: torch.Tensor) -> torch.Tensor:  # (B, H, m, D) -> (H * B, m, D), a view where it can
         return x.transpose(0, 1).to(work).reshape(hb, x.shape[2], x.shape[3])
 
-    # (HB, n|Tk, D) in the working dtype, rows reversed (temporaries of backward only)
-    q3, k3 = head_major(q.flip(2)), head_major(k)
+    spans = blocks(rows, q_len, k_len, block)
+    longest = max(count for _, count, _ in spans)
+    widest = max(count * (keys + count) for _, count, keys in spans)
+    # (HB, n, D) and (HB, Tk + longest, D) in the working dtype, rows reversed (temporaries of
+    # backward only): k with `longest` rows after its last (zeros), so a block's S product can run
+    # over all W + 1 columns of its rows (the R gap columns' scores are -inf whatever they hold)
+    q3 = head_major(q.flip(2))
+    k3 = torch.zeros(hb, k_len + longest, dim, dtype=work, device=q.device)
+    k3[:, :k_len].copy_(head_major(k))
     # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column
     # (HB, n, D+1), V with ones (HB, Tk, D+1) (no (R, K) pass filling the -delta in)
     grad_aug = torch.empty(hb, rows, dim + 1, dtype=work, device=q.device)
@@ -125,14 +135,12 @@ def toeplitz_gradients(
     line2 = line.to(work) * LOG2E  # (H, L), the future at -inf
     lse2 = (lse.to(work) * LOG2E).transpose(0, 1).unsqueeze(-1)  # (H, B, n, 1)
     grad_q = torch.empty_like(q3)
-    # dK^T and dV^T (HB, D, Tk): each block's (D, K) products accumulate in place (beta = 1)
-    grad_kt = torch.zeros(hb, dim, k_len, dtype=work, device=q.device)
-    grad_vt = torch.zeros(hb, dim, k_len, dtype=work, device=q.device)
+    # dK and dV (HB, Tk, D): each block's (K, D) products accumulate in place (beta = 1) into
+    # rows that are one contiguous range per matrix
+    grad_k3 = torch.zeros(hb, k_len, dim, dtype=work, device=q.device)
+    grad_v3 = torch.zeros(hb, k_len, dim, dtype=work, device=q.device)
     grad_line = torch.zeros(line.shape, dtype=work, device=line.device) if line_grad else None
 
-    spans = blocks(rows, q_len, k_len, block)
-    longest = max(count for _, count, _ in spans)
-    widest = max(count * (keys + count) for _, count, keys in spans)
     step = heads if windows is None else max(1, min(EXPLICIT_HEADS, heads))
     buffer = work_buffer(buffers, "buffer", step * batch * widest, work, q.device)
     scratch = work_buffer(buffers, "scratch", step * batch * longest * k_len, work, q.device)
@@ -142,38 +150,42 @@ def toeplitz_gradients(
         count_bh = group * batch
         window = None if windows is None else max(windows[h0:h1])
         q_g, grad_g, aug_g, k_g, v_g = q3[flat], grad3[flat], grad_aug[flat], k3[flat], v_aug[flat]
-        dq_g, dkt_g, dvt_g = grad_q[flat], grad_kt[flat], grad_vt[flat]
+        dq_g, dk_g, dv_g = grad_q[flat], grad_k3[flat], grad_v3[flat]
         line_g, lse_g = line2[h0:h1], lse2[h0:h1]
         for r0, count, keys in spans:
             first = first_key(window, count, keys)
             span = keys - first  # K: the block's keys first .. keys - 1
             width = span + count - 1  # W: the anti-diagonals a + j of an (R, K) block
-            size = count * (width + 1)  # per (head, batch): R rows of stride W + 1
-            # (H', B, R, K) and (H'B, R, K) views of the buffer with row stride W + 1
-            s4 = buffer.as_strided((group, batch, count, span), (batch * size, size, width + 1, 1))
-            s3 = buffer.as_strided((count_bh, count, span), (size, width + 1, 1))
+            size = count * (width + 1)  # per (head, batch): R contiguous rows of W + 1
+            # (H'B, R, W + 1) contiguous: each row's K scores, then R gap columns at -inf (their
+            # weights 0), so the same memory read with row stride W holds dS[a, j] at column a + j
+            full = buffer[: count_bh * size].view(count_bh, count, width + 1)
+            s3 = full[:, :, :span]  # (H'B, R, K)
+            s4 = full.view(group, batch, count, width + 1)[..., :span]  # (H', B, R, K)
             rows_q, rows_grad = q_g[:, r0 : r0 + count], grad_g[:, r0 : r0 + count]
             k_block = k_g[:, first:keys]
             bias = hankel_view(line_g, r0 + first, count, span).transpose(0, 1)  # (H', 1, R, K)
             torch.sub(bias, lse_g[:, :, r0 : r0 + count], out=s4)
-            s3.baddbmm_(rows_q, k_block.transpose(1, 2), alpha=scale * LOG2E)  # log2(e) (S - lse)
+            full[:, :, span:].fill_(-math.inf)
+            # log2(e) (S - lse) over the W + 1 columns: one product into contiguous rows (a
+            # product into the strided (R, K) view runs one matrix at a time, ~10 % slower)
+            full.baddbmm_(rows_q, k_g[:, first : first + width + 1].transpose(1, 2), alpha=scale * LOG2E)
             # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
-            # BLAS), an absolute change below 2^FLUSH per weight
-            torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
-            dvt_g[:, :, first:keys].baddbmm_(rows_grad.transpose(1, 2), s3)  # += dO^T P
+            # BLAS), an absolute change below 2^FLUSH per weight; the gap columns become 0
+            torch.threshold_(full, FLUSH, -math.inf).exp2_()  # P
+            dv_g[:, first:keys].baddbmm_(s3.transpose(1, 2), rows_grad)  # += P^T dO
             grad_p = scratch[: count_bh * count * span].view(count_bh, count, span)
             # dO V^T - delta
             torch.bmm(aug_g[:, r0 : r0 + count], v_g[:, first:keys].transpose(1, 2), out=grad_p)
             s3.mul_(grad_p)  # dS
             torch.bmm(s3, k_block, out=dq_g[:, r0 : r0 + count])
-            dkt_g[:, :, first:keys].baddbmm_(rows_q.transpose(1, 2), s3)  # += Q^T dS
+            dk_g[:, first:keys].baddbmm_(s3.transpose(1, 2), rows_q)  # += dS^T Q
             if grad_line is not None:
-                # the R entries after each row of the view, zeroed: read with row stride W, row a
-                # holds dS[a, j] at column a + j and zeros elsewhere
-                buffer.as_strided((count_bh, count, count), (size, width + 1, 1), span).zero_()
+                # read with row stride W: row a holds dS[a, j] at column a + j, the gap's zeros
+                # elsewhere
                 diagonal = buffer.as_strided((group, batch, count, width), (batch * size, size, width, 1))
                 grad_line[h0:h1, r0 + first : r0 + first + width].add_(diagonal.sum(dim=(1, 2)))
     grad_q = grad_q.mul_(scale).view(heads, batch, rows, dim).transpose(0, 1).flip(2).to(dtype)
-    grad_k = grad_kt.mul_(scale).view(heads, batch, dim, k_len).permute(1, 0, 3, 2).to(k.dtype)
-    grad_v = grad_vt.view(heads, batch, dim, k_len).permute(1, 0, 3, 2).to(v.dtype)
+    grad_k = grad_k3.mul_(scale).view(heads, batch, k_len, dim).transpose(0, 1).to(k.dtype)
+    grad_v = grad_v3.view(heads, batch, k_len, dim).transpose(0, 1).to(v.dtype)
     return grad_q, grad_k, grad_v, None if grad_line is None else grad_line.to(line.dtype)
