@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hf_posenc.attention.chunked import BUILT_BLOCK  # noqa: E402
+from hf_posenc.attention.chunked import built_block_rows  # noqa: E402
 from hf_posenc.encodings import network_bands  # noqa: E402
 from hf_posenc.encodings.fire import FIREFunction  # noqa: E402
 
@@ -46,12 +46,11 @@ def main() -> None:
     function = FIREFunction(HEADS, 32, init_c=0.1, init_L=512.0)  # FIRE's defaults and initial weights
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM) for _ in range(3))
     k_reversed, v_reversed = k.flip(2), v.flip(2)
+    block = built_block_rows(HEADS, length)  # the rows per block the chunked backend takes
     with torch.no_grad():
         bias = function.bias(torch.arange(length)[None], length, length)
-        first_block = -(-bias.table_rows // BUILT_BLOCK) * BUILT_BLOCK
-        spans = [
-            (start, min(length, start + BUILT_BLOCK)) for start in range(first_block, length, BUILT_BLOCK)
-        ]
+        first_block = -(-bias.table_rows // block) * block
+        spans = [(start, min(length, start + block)) for start in range(first_block, length, block)]
         banded = [
             (start, stop)
             for start, stop in spans
@@ -65,7 +64,7 @@ def main() -> None:
             plan = network_bands.plan_bands(near, inverse, bias.network)
             widths.append([hi - lo for lo, hi in plan.zones if hi > lo])
         values = sum(HEADS * (stop - start) * stop for start, stop in banded)
-        scratch = torch.empty(HEADS * BUILT_BLOCK * length)
+        scratch = torch.empty(HEADS * block * length)
         masks = [bias.folded_reversed(start, stop, stop, torch.float32) for start, stop in banded]
 
         def build(bands: bool) -> None:
@@ -99,7 +98,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start_time)
     counts = [len(w) for w in widths]
     every = [width for block in widths for width in block]
-    print(f"T={length}: {len(banded)} blocks of {BUILT_BLOCK} queries in bands, {values / 1e6:.1f} M values")
+    print(f"T={length}: {len(banded)} blocks of {block} queries in bands, {values / 1e6:.1f} M values")
     print(
         f"zones per block: {min(counts)}-{max(counts)}; distances per zone: {min(every)}-{max(every)} (median {statistics.median(every)})"
     )

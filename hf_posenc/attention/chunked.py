@@ -48,12 +48,18 @@ from .toeplitz import attend_toeplitz
 
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
-#: queries per block of a causal call without gradients whose blocks past a distance table's rows
-#: have their bias built (written out per query: FIRE past L) into one reused buffer of
-#: (B, Hq, rows, Tk) values: half of QUERY_BLOCK halves that buffer (32 -> 16 MiB for 8 heads at
-#: T=4096, 256 -> 128 MiB at 32k; FIRE's inference peak at T=4096, profiler: 72 -> 56 MiB, native
-#: 41) for about 2.5 % of FIRE's forward time (four A/B pairs, idle, two threads, the bench's
-#: model at T=4096: 2.14x -> 2.20x native on average); at most QUERY_BLOCK (tests shrink that)
+#: a causal call without gradients whose blocks past a distance table's rows have their bias
+#: built (written out per query: FIRE past L) into one reused buffer of (B, Hq, rows, Tk) values
+#: takes as many queries per block as keep that buffer within BUILT_VALUES values (32 MiB in
+#: fp32), rounded down to a multiple of 64, at least BUILT_BLOCK and at most QUERY_BLOCK
+#: (:func:`built_block_rows`): a block's fixed costs (its plan, the kernel call) spread over more
+#: rows where the buffer is small, and a long or many-headed call keeps BUILT_BLOCK rows (8 heads
+#: from T=8192, 32 heads from T=2048). The bench's model (8 heads, idle, two threads, one
+#: process alternating, scripts/cpu_constant_ab.py --constant ...:BUILT_BLOCK, 2026-11-27 on the
+#: AVX2 machine): FIRE forward 256 rows against 128, 1.21 -> 1.05 s at T=4096 (10 rounds) and
+#: 0.365 -> 0.327 s at T=2048 (8 rounds); the buffer 16 -> 32 MiB at T=4096 (it was 128 rows
+#: whatever T from 35e4730 on: with the bands' per-block plan, 128-row blocks cost more)
+BUILT_VALUES = 8 * 1024 * 1024
 BUILT_BLOCK = 128
 #: up to this many queries (decoding steps) the bias block is written out: cheaper than reversing the keys
 FEW_QUERIES = 16
@@ -182,6 +188,13 @@ def block_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
 
 
+def built_block_rows(matrices: int, keys: int) -> int:
+    """Queries per block of a call whose bias blocks are built (see :data:`BUILT_VALUES`), for
+    ``matrices`` = B x Hq and ``keys`` = Tk: read at call time."""
+    budget = BUILT_VALUES // max(1, matrices * keys) // 64 * 64
+    return min(QUERY_BLOCK, max(BUILT_BLOCK, budget))
+
+
 def attend_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -196,9 +209,9 @@ def attend_chunked(
 ) -> torch.Tensor:
     """q (B,Hq,Tq,D), k/v (B,Hkv,Tk,D), a causal ``mask`` (B|1,1,Tq,Tk) bool or None -> (B,Tq,Hq,D).
 
-    ``block``: queries per SDPA call (default :data:`QUERY_BLOCK`, or :data:`BUILT_BLOCK` for a
-    causal call without gradients whose blocks past a distance table are built; read at call
-    time). Keys
+    ``block``: queries per SDPA call (default :data:`QUERY_BLOCK`, or :func:`built_block_rows`
+    for a causal call without gradients whose blocks past a distance table are built; read at
+    call time). Keys
     before a block's first allowed key are skipped (:func:`block_first_keys`).
     """
     groups = q.shape[1] // k.shape[1]
@@ -209,9 +222,9 @@ def attend_chunked(
     distance = bias.distance_table() if mask is None and q_len > FEW_QUERIES else None
     if block is None:
         # causal calls past a table's rows (FIRE past L) without gradients build their blocks'
-        # bias: smaller blocks (measured as fast there), a buffer half the size
+        # bias into one buffer: rows as its budget allows
         built = distance is not None and distance[0] < q_len and not torch.is_grad_enabled()
-        block = min(BUILT_BLOCK, QUERY_BLOCK) if built else QUERY_BLOCK
+        block = built_block_rows(q.shape[0] * q.shape[1], k_len) if built else QUERY_BLOCK
     spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
 
     # skipping keys needs the mask's values on the host: not under torch.compile (a data-dependent

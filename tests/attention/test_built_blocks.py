@@ -1,19 +1,34 @@
-"""Blocks whose bias is written out (FIRE past its threshold L) without gradients: they run
-BUILT_BLOCK queries at a time, so the one buffer the blocks' bias is built in holds half the
-values a QUERY_BLOCK block would, and the logits stay those of backend="eager"."""
+"""Blocks whose bias is written out (FIRE past its threshold L) without gradients: each block takes
+as many queries as keep the one buffer their bias is built in within ``BUILT_VALUES`` values
+(B x Hq x rows x Tk), rounded down to a multiple of 64, between BUILT_BLOCK and QUERY_BLOCK rows,
+and the logits stay those of backend="eager" whatever the block."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_model, patch, token_ids
 
 from hf_posenc.attention import chunked
 
+LENGTH = 300
 
-def test_fire_inference_builds_its_bias_in_a_buffer_of_built_block_rows(monkeypatch):
-    """T=300 with L=6 (every block past L): each request for the bias buffer asks for
-    B x Hq x BUILT_BLOCK x T values (not QUERY_BLOCK rows), and the logits equal eager's (fp32,
-    1e-5)."""
+
+@pytest.mark.parametrize(
+    ("budget_rows", "rows"),
+    [
+        (100, 128),  # below BUILT_BLOCK: BUILT_BLOCK rows
+        (200, 192),  # 200 rounded down to a multiple of 64
+        (10_000, 256),  # past QUERY_BLOCK: QUERY_BLOCK rows
+    ],
+)
+def test_fire_inference_builds_its_bias_in_blocks_of_as_many_rows_as_the_budget_allows(
+    monkeypatch, budget_rows, rows
+):
+    """T=300 with L=6 (every block past L), the budget set to ``budget_rows`` rows of B x Hq x T
+    values: every request for the bias buffer asks for B x Hq x ``rows`` x T values, and the
+    logits equal eager's (fp32, 1e-5)."""
+    assert (chunked.BUILT_BLOCK, chunked.QUERY_BLOCK) == (128, 256)  # the rows above assume them
     sizes: list[int] = []
     original = chunked.bias_scratch
 
@@ -24,11 +39,11 @@ def test_fire_inference_builds_its_bias_in_a_buffer_of_built_block_rows(monkeypa
     monkeypatch.setattr(chunked, "bias_scratch", spy)
     models = {b: patch(make_model("llama"), "fire", {"init_L": 6.0}, backend=b) for b in ("eager", "chunked")}
     models["chunked"].posenc.load_state_dict(models["eager"].posenc.state_dict())
-    ids = token_ids(1, 300)
+    heads = models["chunked"].config.num_attention_heads
+    monkeypatch.setattr(chunked, "BUILT_VALUES", budget_rows * heads * LENGTH)
+    ids = token_ids(1, LENGTH)
     with torch.no_grad():
         reference = models["eager"](ids).logits
         logits = models["chunked"](ids).logits
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
-    heads = models["chunked"].config.num_attention_heads
-    assert chunked.BUILT_BLOCK < chunked.QUERY_BLOCK
-    assert sizes and set(sizes) == {heads * chunked.BUILT_BLOCK * 300}, sizes
+    assert sizes and set(sizes) == {heads * rows * LENGTH}, sizes
