@@ -224,11 +224,7 @@ class BandedBlock(torch.autograd.Function):
         dx = view[0] * lines[1, 0]
         for h in range(1, heads):
             dx.addcmul_(view[h], lines[1, h])
-        for k, (lo, hi) in enumerate(plan.zones):
-            hi = min(hi, distances)
-            if hi > lo:
-                x = near[lo:hi] * inverse[:, None]  # (rows, width)
-                dx[:, lo:hi] += _zone_gradient(view[:, :, lo:hi], x, k, unit)
+        _zones_gradient(view, near[:distances], inverse, plan.zones, unit, dx)
         dx64 = dx.double()
         grad_near = torch.zeros_like(feature)
         grad_near[:distances] = (inverse.double() @ dx64).to(feature.dtype)
@@ -253,6 +249,46 @@ class BandedBlock(torch.autograd.Function):
         # inverse = 1 / normaliser
         grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)
         return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_coefficients, grad_square, None
+
+
+def _zones_gradient(
+    grad: torch.Tensor,
+    near: torch.Tensor,
+    inverse: torch.Tensor,
+    zones: list[tuple[int, int]],
+    unit: tuple,
+    dx: torch.Tensor,
+) -> None:
+    """Every zone's share of V's gradient ``grad`` (Hq, rows, D) at x = near[d] * inverse[a]
+    (``near`` (D,)), zones clipped to 0 .. D: added to the units' w2 columns, b1 and w1 (in
+    ``unit``, as :func:`_zone_gradient`) and to ``dx`` (rows, D). All zones at once: their columns
+    gathered into one (Hq, rows, n) copy, each column with its unit's parameters, the per-unit sums
+    by ``index_add_`` (zones of two units may share columns: both are added), so a block costs a
+    few passes over its zones' columns instead of ten small operations per zone."""
+    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
+    width = grad.shape[-1]
+    spans = [
+        (k, max(lo, 0), min(hi, width)) for k, (lo, hi) in enumerate(zones) if min(hi, width) > max(lo, 0)
+    ]
+    if not spans:
+        return
+    where = torch.tensor(
+        [
+            [d for _, lo, hi in spans for d in range(lo, hi)],
+            [k for k, lo, hi in spans for _ in range(lo, hi)],
+        ],
+        device=grad.device,
+    )  # (2, n): each gathered column's distance and unit
+    columns, owner = where[0], where[1]
+    gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in spans], dim=2)  # (Hq, rows, n) G
+    x = near[columns] * inverse[:, None]  # (rows, n)
+    unit_weight = w1[owner]  # (n,)
+    hidden = torch.addcmul(b1[owner], x, unit_weight).clamp_(min=0)  # (rows, n) r
+    grad_w2.index_add_(1, owner, (gathered * hidden).sum(1))  # sum over rows of G r, per column
+    through = (gathered * w2[:, owner][:, None, :]).sum(0).mul_(hidden > 0)  # (rows, n) g
+    grad_b1.index_add_(0, owner, through.sum(0))
+    grad_w1.index_add_(0, owner, (through * x).sum(0))
+    dx.index_add_(1, columns, through.mul_(unit_weight))
 
 
 def _zone_gradient(grad: torch.Tensor, x: torch.Tensor, k: int, unit: tuple) -> torch.Tensor:
