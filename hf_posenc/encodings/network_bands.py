@@ -37,7 +37,6 @@ import functools
 import torch
 
 from ..core.layout import anti_diagonal_sums, hankel_view
-from .network_block import future_minimum
 
 #: causal blocks of at least twice as many keys as rows are built in bands of distances; False:
 #: from the network's products (:mod:`.network_block`; tests compare the two, so does
@@ -157,9 +156,12 @@ def _assemble(
     heads, rows, keys = block.shape
     distances = keys - rows + 1  # d = 0 .. keys - rows: every row holds them (V's columns)
     coefficients = plan.coefficients
-    # the future of each row (reversed keys j' < rows - 1 - a) at the minimum; V, written next,
-    # covers the rest of these columns
-    block[:, :, :rows].copy_(future_minimum(rows, rows, block.device).expand(heads, -1, -1))
+    # the future of each row (reversed keys j' < rows - 1 - a, the distances -(rows - 1 - a) .. -1)
+    # at the minimum: one fill of V's view extended to d = -(rows - 1) .. -1, whose entries before
+    # row a's first key are row a - 1's last a keys (in the square, rewritten below)
+    block.as_strided(
+        (heads, rows, rows - 1), (block.stride(0), block.stride(1) - 1, 1), block.storage_offset()
+    ).fill_(torch.finfo(block.dtype).min)
     view = _distance_view(block)  # (Hq, rows, D)
     slopes = coefficients[1, :, :distances] * near[:distances]  # (Hq, D) E
     for h in range(heads):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
@@ -382,12 +384,10 @@ def _add_zones(
     if not spans:
         return
     w1, b1, w2 = units
-    # the units' parameters as Python-held views (no indexing op per unit)
-    unit_weights, unit_biases = w1.unbind(0), b1.unbind(0)
-    out_columns = w2.t()[:, :, None, None].unbind(0)  # (Hq, 1, 1) each
+    out_columns = w2.t()[:, :, None, None]  # (K, Hq, 1, 1); only the zones' units indexed below
     for k, lo, hi in spans:
         x = near[..., lo:hi] * inverse[:, None]  # (rows, hi - lo)
-        hidden = torch.addcmul(unit_biases[k], x, unit_weights[k]).clamp_(min=0)
+        hidden = torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)
         target[:, :, lo:hi].addcmul_(out_columns[k], hidden)
 
 
