@@ -9,15 +9,16 @@ FlashAttention-2 gradients from the kept statistics (Dao 2023, Algorithm 2):
 computed in one contiguous (B, H, R, W + 1) buffer per call (reused by every block): each row's
 K scores, then R gap columns. bias - lse is written into the (R, K) view and -inf into the gaps,
 then one ``baddbmm_`` adds s Q K^T over all W + 1 columns (k followed by R more rows: a product
-into contiguous rows, where one into the strided (R, K) view runs a matrix at a time, ~5-20 %
-slower per backward, attention alone, T=2048), exponentiated (exp2 of log2(e) times it; weights
+into contiguous rows, where one into the strided (R, K) view runs a matrix at a time: the
+attention's forward+backward at T=2048 read 1.24x-1.61x native with that, 1.20x-1.34x with this,
+``scripts/toeplitz_attention_cost.py --baseline``), exponentiated (exp2 of log2(e) times it; weights
 below 2^:data:`FLUSH` set to 0 first, so nothing is subnormal; the gaps become 0), multiplied by
 dP in place, and the same memory read with row stride W holds dS[a, j] at column a + j and the
 gaps' zeros elsewhere, so the anti-diagonal sums are one ``sum`` over the rows. dK and dV
-accumulate in (B * H, Tk, D): each block's product adds into contiguous rows. No softmax (the statistics are kept), no zero-filled skew
-buffer or ``new_zeros`` per block, no per-block slice gradients (dQ, dK, dV written into one
-tensor each; dO V^T - rowsum(dO * O) as one product of dO and V widened by one column,
--rowsum(dO * O) and ones). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
+accumulate in (B * H, Tk, D): each block's product adds into contiguous rows. No softmax (the
+statistics are kept), no zero-filled skew buffer or ``new_zeros`` per block, no per-block slice
+gradients (dQ, dK, dV written into one tensor each; dO V^T - rowsum(dO * O) as one product of dO
+and V widened by one column, -rowsum(dO * O) and ones). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
 """
 
 from __future__ import annotations
@@ -167,8 +168,8 @@ def toeplitz_gradients(
             bias = hankel_view(line_g, r0 + first, count, span).transpose(0, 1)  # (H', 1, R, K)
             torch.sub(bias, lse_g[:, :, r0 : r0 + count], out=s4)
             full[:, :, span:].fill_(-math.inf)
-            # log2(e) (S - lse) over the W + 1 columns: one product into contiguous rows (a
-            # product into the strided (R, K) view runs one matrix at a time, ~10 % slower)
+            # log2(e) (S - lse) over the W + 1 columns: one product into contiguous rows (see the
+            # module's docstring)
             full.baddbmm_(rows_q, k_g[:, first : first + width + 1].transpose(1, 2), alpha=scale * LOG2E)
             # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and
             # BLAS), an absolute change below 2^FLUSH per weight; the gap columns become 0
