@@ -18,8 +18,9 @@ unit is linear or off for all rows, so with each distance's sum over the units t
 
 (one ``addcmul`` per head into the view; the whole build 0.87-1.31 ns per written value on the
 2-core AVX2 machine of 2026-11-27, against 1.63-2.02 ns from the network's matrix products over
-features, :mod:`.network_block`: ``scripts/fire_block_costs.py``), and in each unit's zone w2[:, k] relu(w1_k x + b1_k) is added (its ReLU over the
-zone's x and one broadcast multiply-add). The split only decides the speed: in its zone
+features, :mod:`.network_block`: ``scripts/fire_block_costs.py``), and in each unit's zone
+w2[:, k] relu(w1_k x + b1_k) is added (its ReLU over the zone's x and one broadcast
+multiply-add). The split only decides the speed: in its zone
 a unit gets its exact ReLU whatever side each row is on, and outside it the only rows it could
 misplace lie within rounding of p_k, where its ReLU is within rounding of 0. C and E change only
 where a unit enters or leaves its zone, so they are gathered per distance from at most 2K + 1
@@ -268,10 +269,7 @@ def _zones_gradient(
     by ``index_add_`` (zones of two units may share columns: both are added), so a block costs a
     few passes over its zones' columns instead of ten small operations per zone."""
     w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
-    width = grad.shape[-1]
-    spans = [
-        (k, max(lo, 0), min(hi, width)) for k, (lo, hi) in enumerate(zones) if min(hi, width) > max(lo, 0)
-    ]
+    spans = _clipped_spans(zones, grad.shape[-1])
     if not spans:
         return
     where = torch.tensor(
@@ -368,6 +366,13 @@ def _coefficients(near: torch.Tensor, zones: list[tuple[int, int]], network: Net
     return lines.index_select(1, band_of).transpose(1, 2).contiguous()  # (2, Hq, keys)
 
 
+def _clipped_spans(zones: list[tuple[int, int]], width: int) -> list[tuple[int, int, int]]:
+    """(unit, lo, hi) of each unit's zone clipped to 0 .. ``width``, the empty ones left out."""
+    return [
+        (k, max(lo, 0), min(hi, width)) for k, (lo, hi) in enumerate(zones) if min(hi, width) > max(lo, 0)
+    ]
+
+
 def _add_zones(
     target: torch.Tensor,
     near: torch.Tensor,
@@ -377,10 +382,7 @@ def _add_zones(
 ) -> None:
     """Add w2[:, k] relu(w1_k x + b1_k) over each unit's zone of ``target`` (Hq, rows, n), x =
     near * inverse[a] with ``near`` (n,) or (rows, n); zones clipped to 0 .. n."""
-    width = target.shape[-1]
-    spans = [
-        (k, max(lo, 0), min(hi, width)) for k, (lo, hi) in enumerate(zones) if min(hi, width) > max(lo, 0)
-    ]
+    spans = _clipped_spans(zones, target.shape[-1])
     if not spans:
         return
     w1, b1, w2 = units
