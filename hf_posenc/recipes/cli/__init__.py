@@ -109,6 +109,15 @@ def _full_disk(args: argparse.Namespace, error: BaseException) -> str | None:
     )
 
 
+def _report(line: str) -> None:
+    """``line`` and its newline to stderr in one write (stderr is unbuffered: ``print`` makes two,
+    the text and then the newline, strace-checked). The processes of a launch share one stream,
+    where two ranks' ``print``s interleaved into one line holding both messages (CI, two pytest
+    workers, 2026-11-27: test_every_process_of_a_two_process_launch_refuses_a_folder_in_use)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ..provenance import set_command
 
@@ -125,15 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "traceback", False):
             raise
         detail = f" ({stop})" if str(stop) else ""
-        print(f"hf-posenc {args.command}: interrupted{detail}", file=sys.stderr)
+        _report(f"hf-posenc {args.command}: interrupted{detail}")
         return 130
     except Exception as error:
         full = None if getattr(args, "traceback", False) else _full_disk(args, error)
         if full is not None:
-            print(f"hf-posenc {args.command}: error: {full}", file=sys.stderr)
+            _report(f"hf-posenc {args.command}: error: {full}")
             return 2
         if getattr(args, "traceback", False) or not (isinstance(error, USER_ERRORS) or _hub_error(error)):
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"hf-posenc {args.command}: error: {message}", file=sys.stderr)
+        _report(f"hf-posenc {args.command}: error: {message}")
         return 2
