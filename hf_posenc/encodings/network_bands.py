@@ -6,28 +6,34 @@ network):
     bias[h, a, j'] = f_h(x),   x = near[d] * inv[a],   d = a + j' - (rows - 1)
     f_h(x) = b2[h] + sum_k w2[h, k] relu(w1_k x + b1_k)
 
-Seen along the distance d instead of the reversed key j', the block's keys at d <= keys - rows
-(held by every row) are a (Hq, rows, keys - rows + 1) strided view V of it (row stride keys -
-1). Along d, x crosses unit k's breakpoint p_k = -b1_k / w1_k at about the same distance in
-every row: the crossing moves only with the rows' normalisers, so the distances where some
-rows are below p_k and others above form a narrow *zone* [lo_k, hi_k) (its ends from the rows
-with the largest and the smallest inv, widened by :data:`ZONE_MARGIN`). Outside its zone the
-unit is linear or off for all rows, so with each distance's sum over the units that are on,
+Seen along the distance d instead of the reversed key j', the block (Hq, rows, keys) holds the
+(Hq, rows, keys - 1) view V[h, a, d] = block[h, a, rows - 1 - a + d]: row stride keys - 1, so
+V is one contiguous stretch of the block's memory from its (row 0, key rows - 1) on. Row a's
+own keys are V's d <= keys - rows + a; past that its row of V runs on into row a + 1's future
+(the first rows - 2 - a reversed keys of row a + 1), which is written last. Only the last row's
+farthest key (distance keys - 1) lies outside V. Along d, x crosses unit k's breakpoint p_k =
+-b1_k / w1_k at about the same distance in every row: the crossing moves only with the rows'
+normalisers, so the distances where some rows are below p_k and others above form a narrow
+*zone* [lo_k, hi_k) (its ends from the rows with the largest and the smallest inv, widened by
+:data:`ZONE_MARGIN`). Outside its zone the unit is linear or off for all rows, so with each
+distance's sum over the units that are on,
 
     V[h, a, d] = C[h, d] + E[h, d] * inv[a],   C = b2 + sum_on w2 b1,   E = (sum_on w2 w1) * near[d]
 
-(one ``addcmul`` per head into the view; the whole build 0.87-1.31 ns per written value on the
-2-core AVX2 machine of 2026-11-27, against 1.63-2.02 ns from the network's matrix products over
-features, :mod:`.network_block`: ``scripts/fire_block_costs.py``), and in each unit's zone
-w2[:, k] relu(w1_k x + b1_k) is added (its ReLU over the zone's x and one broadcast
-multiply-add). The split only decides the speed: in its zone
-a unit gets its exact ReLU whatever side each row is on, and outside it the only rows it could
-misplace lie within rounding of p_k, where its ReLU is within rounding of 0. C and E change only
-where a unit enters or leaves its zone, so they are gathered per distance from at most 2K + 1
-bands. The farthest keys of the later rows (d > keys - rows, a triangle) are a (rows, rows)
-square whose C and E are Toeplitz views of such vectors (computed with every unit whose zone
-reaches the square as a zone over all of it); the future (the first rows - 1 - a keys of row a)
-is fp32's minimum. With gradients (:class:`BandedBlock`) the backward works in the same bands.
+(one ``addcmul`` per head over contiguous memory), and in each unit's zone w2[:, k] relu(w1_k x
++ b1_k) is added (its ReLU over the zone's x and one broadcast multiply-add). The split only
+decides the speed: in its zone a unit gets its exact ReLU whatever side each row is on, and
+outside it the only rows it could misplace lie within rounding of p_k, where its ReLU is within
+rounding of 0. C and E change only where a unit enters or leaves its zone, so they are gathered
+per distance from at most 2K + 1 bands. The future (the first rows - 1 - a keys of row a) is
+fp32's minimum, set after V by one multiply-add over the (rows, rows - 1) corner of every row
+(x 0 and + minimum on the future, x 1 and + 0 elsewhere). With gradients (:class:`BandedBlock`)
+the backward works in the same bands and gives the network's gradients by hand (no autograd
+graph through the bands' coefficients).
+
+Before (to 2026-11-27), V stopped at the distances every row holds (keys - rows + 1) and the
+farthest keys of the later rows were a (rows, rows) square written, and differentiated, through
+Toeplitz views of a second set of coefficients.
 """
 
 from __future__ import annotations
@@ -36,8 +42,6 @@ import dataclasses
 import functools
 
 import torch
-
-from ..core.layout import anti_diagonal_sums, hankel_view
 
 #: causal blocks of at least twice as many keys as rows are built in bands of distances; False:
 #: from the network's products (:mod:`.network_block`; tests compare the two, so does
@@ -53,15 +57,15 @@ Units = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1, b1, w2
 
 @dataclasses.dataclass
 class BandPlan:
-    """How one batch row's block is split: each unit's zone (V's distances) and whether it
-    reaches the square (then a zone over all of it), with the per-distance coefficients (2, Hq,
-    keys) = (C, slope) of V and of the square (E = slope * near); the coefficients are
-    differentiable in the network when built with gradients."""
+    """How one batch row's block is split: each unit's zone (distances [lo, hi)), the bands of
+    distances between the zones' ends (``band_of`` (keys,) each distance's band, ``on`` (I, K)
+    whether unit k is linear for every row in band i) and the per-distance coefficients (2, Hq,
+    keys) = (C, slope) of V (E = slope * near), without gradients."""
 
     zones: list[tuple[int, int]]
-    reaching: list[bool]
+    band_of: torch.Tensor
+    on: torch.Tensor
     coefficients: torch.Tensor
-    square_coefficients: torch.Tensor
 
 
 def plan_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network) -> BandPlan:
@@ -69,23 +73,11 @@ def plan_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network) -> B
     keys-1 (non-decreasing), ``inverse`` (rows,) fp32 the rows' 1 / normaliser, the network (w1
     (K,), b1 (K,), w2 (Hq, K), b2 (Hq,)) fp32."""
     w1, b1, _, _ = network
-    rows, keys = inverse.shape[0], near.shape[0]
     with torch.no_grad():
         smallest, largest = torch.aminmax(inverse)
         zones = _zones(near, float(smallest), float(largest), w1.tolist(), b1.tolist())  # [(lo, hi)] per unit
-    coefficients = _coefficients(near, zones, network)  # (2, Hq, keys) C and slope per distance
-    # the farthest keys (d > keys - rows): a unit whose zone reaches the square's distances is a
-    # zone over all of it (its rows see the unit at other distances), its ReLU added there and its
-    # line left out of C and E
-    corner = keys - 2 * rows + 1
-    reaching = [hi > lo and hi > corner for lo, hi in zones]
-    square = coefficients
-    if any(reaching):
-        widened = [
-            (min(lo, corner), keys) if r else (lo, hi) for (lo, hi), r in zip(zones, reaching, strict=True)
-        ]
-        square = _coefficients(near, widened, network)
-    return BandPlan(zones, reaching, coefficients, square)
+        band_of, on, coefficients = _coefficients(near, zones, network)
+    return BandPlan(zones, band_of, on, coefficients)
 
 
 def fill_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network, block: torch.Tensor) -> None:
@@ -135,18 +127,16 @@ def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Networ
     normalizer.reciprocal().float(); ``feature`` (keys,) = feature[d] for d = 0 .. keys-1 and
     ``normalizer`` (B|1, rows) in any float dtype (FIRE: fp64), differentiable in them and the
     network (:class:`BandedBlock`)."""
-    w1, b1, w2, _ = network
     with torch.no_grad():
         near, inverse = line_and_inverse(feature, normalizer)
-    blocks = []
-    for row_normalizer, row_inverse in zip(normalizer, inverse, strict=True):
-        plan = plan_bands(near, row_inverse, network)
-        blocks.append(
-            BandedBlock.apply(
-                feature, row_normalizer, w1, b1, w2, plan.coefficients, plan.square_coefficients, plan
-            )
-        )
-    return blocks[0][None] if len(blocks) == 1 else torch.stack(blocks)  # (a view for one row: no copy)
+    blocks = [
+        BandedBlock.apply(feature, row_normalizer, *network, plan_bands(near, row_inverse, network))
+        for row_normalizer, row_inverse in zip(normalizer, inverse, strict=True)
+    ]  # (1, Hq, rows, keys) each
+    # one row's block is the function's own output, not a view of it: the chunked backend writes
+    # its scores into the block in backward (in place), and a view's gradient would then be
+    # rebuilt as an as_strided one (a zero-filled block and a scatter, ~2 ms per block)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _assemble(
@@ -155,103 +145,113 @@ def _assemble(
     """Write ``block`` (Hq, rows, keys) from its plan, ``units`` = (w1, b1, w2) (see the module's
     docstring)."""
     heads, rows, keys = block.shape
-    distances = keys - rows + 1  # d = 0 .. keys - rows: every row holds them (V's columns)
     coefficients = plan.coefficients
-    # the future of each row (reversed keys j' < rows - 1 - a, the distances -(rows - 1 - a) .. -1)
-    # at the minimum: one fill of V's view extended to d = -(rows - 1) .. -1, whose entries before
-    # row a's first key are row a - 1's last a keys (in the square, rewritten below)
-    block.as_strided(
-        (heads, rows, rows - 1), (block.stride(0), block.stride(1) - 1, 1), block.storage_offset()
-    ).fill_(torch.finfo(block.dtype).min)
-    view = _distance_view(block)  # (Hq, rows, D)
-    slopes = coefficients[1, :, :distances] * near[:distances]  # (Hq, D) E
+    view = _distance_view(block)  # (Hq, rows, keys - 1) V, contiguous per head
+    width = keys - 1
+    slopes = coefficients[1, :, :width] * near[:width]  # (Hq, keys - 1) E
     for h in range(heads):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
-        torch.addcmul(coefficients[0, h, :distances], slopes[h], inverse[:, None], out=view[h])
-    _add_zones(view, near[:distances], inverse, plan.zones, units)
-    # the farthest keys (d > keys - rows): the square of the last rows reversed keys, j' = keys -
-    # rows + m at d = corner + a + m, rewritten whole (its nearer part as V has it)
-    corner = keys - 2 * rows + 1
-    square_lines = plan.square_coefficients[:, :, corner:]  # (2, Hq, 2 rows - 1)
-    constant = hankel_view(square_lines[0], 0, rows, rows)[0]  # (Hq, rows, rows) C[corner + a + m]
-    slope = hankel_view(square_lines[1] * near[corner:], 0, rows, rows)[0]  # E
-    torch.addcmul(constant, slope, inverse[:, None], out=block[:, :, keys - rows :])
-    square_zones = [(0, rows) if reach else (0, 0) for reach in plan.reaching]
-    _add_zones(block[:, :, keys - rows :], _square_of(near[corner:], rows), inverse, square_zones, units)
+        torch.addcmul(coefficients[0, h, :width], slopes[h], inverse[:, None], out=view[h])
+    _add_zones(view, near[:width], inverse, plan.zones, units)
+    # the last row's farthest key (distance keys - 1), outside V
+    last = block[:, rows - 1 :, keys - 1 :]  # (Hq, 1, 1)
+    torch.addcmul(
+        coefficients[0, :, width:], coefficients[1, :, width:] * near[width:], inverse[-1:], out=last[:, 0]
+    )
+    _add_zones(last, near[width:], inverse[-1:], _shifted(plan.zones, width), units)
+    # the future of each row (reversed keys j' < rows - 1 - a), where V ran on: x 0 and + minimum
+    keep, fill = _future_corner(rows, block.dtype, block.device)  # (rows, rows - 1) each
+    corner = block[:, :, : rows - 1]  # (Hq, rows, rows - 1)
+    corner[:, 0].fill_(torch.finfo(block.dtype).min)  # row 0's future: before V, never written
+    torch.addcmul(fill, corner, keep, out=corner)
 
 
 class BandedBlock(torch.autograd.Function):
-    """(near (keys,), inverse (rows,), w1, b1, w2, C and slope of V (2, Hq, keys), of the square,
-    the :class:`BandPlan`) -> one batch row's block (Hq, rows, keys) as :func:`fill_bands`
-    writes it. Backward, from the block's gradient G (read at attendable keys only: the future's
-    entries are never read), in the same bands:
+    """(near (keys,), inverse (rows,), w1, b1, w2, b2, the :class:`BandPlan`) -> one batch row's
+    block (1, Hq, rows, keys) as :func:`fill_bands` writes it. Backward, from the block's gradient G
+    (its future entries, which a softmax's dS holds as exact zeros, are set to 0 in place: V
+    reads them), in the same bands:
 
     - V's lines: dC[h, d] = S0[h, d] = sum_a G[h, a, d], dslope[h, d] = near[d] S1[h, d] with
       S1 = sum_a G inv[a] (one product over V's rows), d near[d] += sum_h slope S1, d inv[a] +=
-      sum_h (G[h] @ E[h])[a] (E = slope * near);
-    - the farthest keys (the square's triangle, G masked there) the same along its
-      anti-diagonals;
+      sum_h (G[h] @ E[h])[a] (E = slope * near); the same for the last row's farthest key;
     - each zone: with r = relu(w1 x + b1), d w2[:, k] += sum G r, g = sum_h w2[h, k] G where r > 0,
       d b1_k += sum g, d w1_k += sum g x, and dx = w1_k g to near and inv;
+    - the lines to the network (:func:`_lines_gradient`): dC and dslope summed per band, then
+      through C = b2 + sum_on w2 b1 and slope = sum_on w2 w1.
 
-    C and slope pass theirs on to the network through :func:`_coefficients` (autograd), near
-    and inv to FIRE's c and L. O(rows x keys) work per head, no matrix products over features."""
+    near and inv pass theirs on to FIRE's c and L. O(rows x keys) work per head, no matrix
+    products over features."""
 
     @staticmethod
-    def forward(ctx, feature, normalizer, w1, b1, w2, coefficients, square_coefficients, plan):
+    def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan):
         near, inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
-        block = near.new_empty(w2.shape[0], inverse.shape[0], near.shape[0])
-        _assemble(plan, near, inverse, (w1, b1, w2), block)
-        ctx.save_for_backward(feature, normalizer, w1, b1, w2, coefficients, square_coefficients)
+        block = near.new_empty(1, w2.shape[0], inverse.shape[0], near.shape[0])
+        _assemble(plan, near, inverse, (w1, b1, w2), block[0])
+        ctx.save_for_backward(feature, normalizer, w1, b1, w2, b2)
         ctx.plan = plan
         return block
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        feature, normalizer, w1, b1, w2, coefficients, square_coefficients = ctx.saved_tensors
+        feature, normalizer, w1, b1, w2, b2 = ctx.saved_tensors
         plan: BandPlan = ctx.plan
         near, inverse = line_and_inverse(feature, normalizer)
+        grad = grad[0].float().contiguous()  # (Hq, rows, keys): the distance view reads its memory
         heads, rows, keys = grad.shape
-        distances, corner = keys - rows + 1, keys - 2 * rows + 1
-        grad = grad.float()
+        width = keys - 1
+        keep, _ = _future_corner(rows, grad.dtype, grad.device)
+        grad[:, :, : rows - 1].mul_(keep)  # the future: V reads it as row a - 1's farthest distances
         grad_w1, grad_b1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
         unit = (w1, b1, w2, grad_w1, grad_b1, grad_w2)
-        # V: the lines' coefficients
-        view = _distance_view(grad)  # (Hq, rows, D) G
-        lines = coefficients[:, :, :distances]  # (2, Hq, D) C, slope
-        grad_coefficients = torch.zeros_like(coefficients)
-        torch.sum(view, 1, out=grad_coefficients[0, :, :distances])  # S0
-        weighted = torch.matmul(inverse, view)  # (Hq, D) S1 = sum_a G inv[a]
-        torch.mul(weighted, near[:distances], out=grad_coefficients[1, :, :distances])
-        # dx (rows, D) = sum_h G slope (+ the zones' ReLUs), to near and inv in fp64 below (FIRE's
-        # c sums dx times dx/dc, whose two terms nearly cancel: fp32 sums of each lose ~1e-4)
-        dx = view[0] * lines[1, 0]
-        for h in range(1, heads):
-            dx.addcmul_(view[h], lines[1, h])
-        _zones_gradient(view, near[:distances], inverse, plan.zones, unit, dx)
-        dx64 = dx.double()
+        slopes = plan.coefficients[1]  # (Hq, keys)
+        grad_lines = torch.empty_like(plan.coefficients)  # (2, Hq, keys) dC, dslope
         grad_near = torch.zeros_like(feature)
-        grad_near[:distances] = (inverse.double() @ dx64).to(feature.dtype)
-        grad_inverse = dx64 @ near[:distances].double()  # (rows,)
-        # the square: only its triangle (row a's last a keys) is its own
-        square = grad[:, :, keys - rows :] * _far_triangle(rows, grad.device)  # (Hq, rows, rows)
-        near_square = _square_of(near[corner:], rows)  # (rows, rows) near[corner + a + m]
-        square_lines = square_coefficients[:, :, corner:]  # (2, Hq, 2 rows - 1)
-        grad_square = torch.zeros_like(square_coefficients)
-        grad_square[0, :, corner:] = anti_diagonal_sums(square)
-        grad_square[1, :, corner:] = anti_diagonal_sums(square * inverse[:, None]) * near[corner:]
-        square_dx = (square * hankel_view(square_lines[1], 0, rows, rows)[0]).sum(0)  # (rows, rows)
-        x_square = near_square * inverse[:, None]
-        for k, reach in enumerate(plan.reaching):
-            if reach:
-                square_dx += _zone_gradient(square, x_square, k, unit)
-        square_dx64 = square_dx.double()
-        grad_near[corner:] += anti_diagonal_sums((square_dx64 * inverse.double()[:, None])[None])[0].to(
-            feature.dtype
+        grad_inverse = torch.zeros(rows, dtype=torch.float64, device=grad.device)
+        # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1), in its own (Hq, 1, 1)
+        parts = (
+            (_distance_view(grad), slice(0, width), slice(0, rows), plan.zones),
+            (
+                grad[:, rows - 1 :, width:],
+                slice(width, keys),
+                slice(rows - 1, rows),
+                _shifted(plan.zones, width),
+            ),
         )
-        grad_inverse += (square_dx64 * near_square.double()).sum(1)
+        for view, columns, part_rows, zones in parts:
+            part_near, part_inverse = near[columns], inverse[part_rows]
+            torch.sum(view, 1, out=grad_lines[0, :, columns])  # S0
+            torch.mul(torch.matmul(part_inverse, view), part_near, out=grad_lines[1, :, columns])  # S1 near
+            # dx (rows, n) = sum_h G slope (+ the zones' ReLUs), to near and inv in fp64 below (FIRE's
+            # c sums dx times dx/dc, whose two terms nearly cancel: fp32 sums of each lose ~1e-4)
+            dx = view[0] * slopes[0, columns]
+            for h in range(1, heads):
+                dx.addcmul_(view[h], slopes[h, columns])
+            _zones_gradient(view, part_near, part_inverse, zones, unit, dx)
+            dx64 = dx.double()
+            grad_near[columns] += (part_inverse.double() @ dx64).to(feature.dtype)
+            grad_inverse[part_rows] += dx64 @ part_near.double()
+        grad_b2 = _lines_gradient(grad_lines, plan, unit)
         # inverse = 1 / normaliser
         grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)
-        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_coefficients, grad_square, None
+        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_b2, None
+
+
+def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> torch.Tensor:
+    """The per-distance gradients of C and slope (2, Hq, keys) to the network: added to w2, b1
+    and w1 (in ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)); -> the gradient of b2 (Hq,).
+    Per band i (C, slope constant there): C_i = b2 + sum_k on[i, k] w2[:, k] b1_k, slope_i =
+    sum_k on[i, k] w2[:, k] w1_k."""
+    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
+    bands = plan.on.shape[0]
+    member = torch.zeros(grad_lines.shape[-1], bands, dtype=grad_lines.dtype, device=grad_lines.device)
+    member[torch.arange(member.shape[0], device=member.device), plan.band_of] = 1.0  # (keys, I)
+    per_band = grad_lines @ member  # (2, Hq, I) dC, dslope summed over each band's distances
+    on = plan.on.to(per_band.dtype)  # (I, K)
+    through_constant, through_slope = per_band @ on  # (Hq, K) each: sum over the bands where k is on
+    grad_w2 += through_constant * b1 + through_slope * w1
+    grad_b1 += (through_constant * w2).sum(0)
+    grad_w1 += (through_slope * w2).sum(0)
+    return per_band[0].sum(1)
 
 
 def _zones_gradient(
@@ -264,10 +264,11 @@ def _zones_gradient(
 ) -> None:
     """Every zone's share of V's gradient ``grad`` (Hq, rows, D) at x = near[d] * inverse[a]
     (``near`` (D,)), zones clipped to 0 .. D: added to the units' w2 columns, b1 and w1 (in
-    ``unit``, as :func:`_zone_gradient`) and to ``dx`` (rows, D). All zones at once: their columns
-    gathered into one (Hq, rows, n) copy, each column with its unit's parameters, the per-unit sums
-    by ``index_add_`` (zones of two units may share columns: both are added), so a block costs a
-    few passes over its zones' columns instead of ten small operations per zone."""
+    ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)) and to ``dx`` (rows, D). All zones at
+    once: their columns gathered into one (Hq, rows, n) copy, each column with its unit's
+    parameters, the per-unit sums by ``index_add_`` (zones of two units may share columns: both
+    are added), so a block costs a few passes over its zones' columns instead of ten small
+    operations per zone."""
     w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
     spans = _clipped_spans(zones, grad.shape[-1])
     if not spans:
@@ -291,37 +292,31 @@ def _zones_gradient(
     dx.index_add_(1, columns, through.mul_(unit_weight))
 
 
-def _zone_gradient(grad: torch.Tensor, x: torch.Tensor, k: int, unit: tuple) -> torch.Tensor:
-    """Unit k's share of a zone's gradient ``grad`` (Hq, rows, n) at ``x`` (rows, n): added to
-    its w2 column, b1 and w1 (in ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)); -> dx
-    (rows, n) through its ReLU."""
-    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
-    hidden = torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)  # (rows, n) r
-    flat = grad.reshape(grad.shape[0], -1)  # (Hq, rows * n): one copy of the strided zone, then BLAS
-    grad_w2[:, k] += flat @ hidden.view(-1)
-    through = (w2[:, k] @ flat).view(hidden.shape).mul_(hidden > 0)  # (rows, n) g
-    grad_b1[k] += through.sum()
-    grad_w1[k] += torch.dot(through.view(-1), x.reshape(-1))
-    return through.mul_(w1[k])
-
-
 @functools.lru_cache(maxsize=8)
-def _far_triangle(rows: int, device: torch.device) -> torch.Tensor:
-    """(rows, rows) fp32: 1 where square column m >= rows - a (row a's keys past distance keys -
-    rows: reversed keys keys - a .. keys - 1), 0 elsewhere."""
-    columns, rows_ = torch.arange(rows, device=device)[None, :], torch.arange(rows, device=device)[:, None]
-    return (columns >= rows - rows_).float()
+def _future_corner(rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, fill), each (rows, rows - 1) of the block's first rows - 1 reversed keys: keep 1 and
+    fill 0 at row a's own keys (j' >= rows - 1 - a), keep 0 and fill the dtype's minimum at its
+    future (j' < rows - 1 - a)."""
+    keys = torch.arange(rows - 1, device=device)[None, :]
+    future = keys < (rows - 1 - torch.arange(rows, device=device))[:, None]  # (rows, rows - 1)
+    keep = (~future).to(dtype)
+    return keep, future.to(dtype) * torch.finfo(dtype).min
 
 
 def _distance_view(block: torch.Tensor) -> torch.Tensor:
-    """(Hq, rows, keys) over reversed keys -> the (Hq, rows, D = keys - rows + 1) view V[h, a, d] =
-    block[h, a, rows - 1 - a + d] (row stride keys - 1)."""
+    """(Hq, rows, keys) over reversed keys -> the (Hq, rows, keys - 1) view V[h, a, d] =
+    block[h, a, rows - 1 - a + d] (row stride keys - 1: contiguous per head)."""
     heads, rows, keys = block.shape
     return block.as_strided(
-        (heads, rows, keys - rows + 1),
+        (heads, rows, keys - 1),
         (block.stride(0), block.stride(1) - 1, 1),
         block.storage_offset() + rows - 1,
     )
+
+
+def _shifted(zones: list[tuple[int, int]], start: int) -> list[tuple[int, int]]:
+    """The zones as distances from ``start`` (for a part of the block that begins there)."""
+    return [(lo - start, hi - start) for lo, hi in zones]
 
 
 def _zones(
@@ -342,10 +337,13 @@ def _zones(
     ]
 
 
-def _coefficients(near: torch.Tensor, zones: list[tuple[int, int]], network: Network) -> torch.Tensor:
-    """(2, Hq, keys): C[h, d] = b2 + sum w2 b1 and slope[h, d] = sum w2 w1 over the units
-    linear at d for every row: outside their zone, before it when w1 < 0, after it when w1 > 0
-    (w1 = 0: relu(b1), on when b1 > 0)."""
+def _coefficients(
+    near: torch.Tensor, zones: list[tuple[int, int]], network: Network
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (band_of (keys,), on (I, K), coefficients (2, Hq, keys)): the bands of distances between
+    the zones' ends, which units are linear in each for every row (outside their zone, before it
+    when w1 < 0, after it when w1 > 0; w1 = 0: relu(b1), on when b1 > 0), and C[h, d] = b2 + sum
+    w2 b1, slope[h, d] = sum w2 w1 over those units."""
     w1, b1, w2, b2 = network
     keys, count, device = near.shape[0], len(zones), near.device
     edges = sorted({0, keys, *(lo for lo, _ in zones), *(hi for _, hi in zones)})
@@ -363,7 +361,7 @@ def _coefficients(near: torch.Tensor, zones: list[tuple[int, int]], network: Net
     # gathered as rows of Hq values, then laid out head-major: each head's pass over the block
     # reads its C and E contiguous (strided reads measured ~4x slower), and this gather ~5x
     # faster than one over the last dim of the (2, Hq, I) view
-    return lines.index_select(1, band_of).transpose(1, 2).contiguous()  # (2, Hq, keys)
+    return band_of, on, lines.index_select(1, band_of).transpose(1, 2).contiguous()
 
 
 def _clipped_spans(zones: list[tuple[int, int]], width: int) -> list[tuple[int, int, int]]:
@@ -381,18 +379,13 @@ def _add_zones(
     units: Units,
 ) -> None:
     """Add w2[:, k] relu(w1_k x + b1_k) over each unit's zone of ``target`` (Hq, rows, n), x =
-    near * inverse[a] with ``near`` (n,) or (rows, n); zones clipped to 0 .. n."""
+    near * inverse[a] with ``near`` (n,); zones clipped to 0 .. n."""
     spans = _clipped_spans(zones, target.shape[-1])
     if not spans:
         return
     w1, b1, w2 = units
     out_columns = w2.t()[:, :, None, None]  # (K, Hq, 1, 1); only the zones' units indexed below
     for k, lo, hi in spans:
-        x = near[..., lo:hi] * inverse[:, None]  # (rows, hi - lo)
+        x = near[lo:hi] * inverse[:, None]  # (rows, hi - lo)
         hidden = torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)
         target[:, :, lo:hi].addcmul_(out_columns[k], hidden)
-
-
-def _square_of(line: torch.Tensor, rows: int) -> torch.Tensor:
-    """(2 rows - 1,) -> the (rows, rows) view t[a, m] = line[a + m]."""
-    return hankel_view(line[None], 0, rows, rows)[0, 0]

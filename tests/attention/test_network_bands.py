@@ -161,8 +161,8 @@ def test_fire_logits_with_banded_blocks_equal_eager():
 @given(**CASES)
 def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, threshold, second_row, seed):
     """The block rebuilt with gradients (``folded_reversed_with_gradients``, as backward of the
-    chunked backend's training blocks takes it) under a random upstream gradient at the causal
-    keys: the gradients of w1, b1, w2, b2, c and the L multiplier are those of the fp64 formula
+    chunked backend's training blocks takes it) under a random upstream gradient (random at the
+    future keys too, whose entries are a constant and take no gradient): the gradients of w1, b1, w2, b2, c and the L multiplier are those of the fp64 formula
     (autograd) within 1e-4 of the largest of each, and for c and L within 16 fp32 epsilons of M =
     sum |upstream| |d bias / d theta| (their sums cancel: the terms through psi(i - j) and
     through the normaliser nearly balance); L sits inside the block's rows or below them, not
@@ -173,7 +173,9 @@ def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, 
     assume(all(abs(big_l - float(p)) > 1e-3 for p in queries.reshape(-1)))
     causal = torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]  # (rows, keys)
     generator = torch.Generator().manual_seed(seed)
-    upstream = torch.randn(queries.shape[0], HEADS, rows, keys, generator=generator).double() * causal
+    # random at the future keys too: their entries are the constant minimum, whatever the parameters
+    anywhere = torch.randn(queries.shape[0], HEADS, rows, keys, generator=generator).double()
+    upstream = anywhere * causal
     # no upstream gradient at a score within rounding of a unit's kink (fp64 |w1 x + b1| < 1e-5):
     # there the ReLU's derivative is 0 or 1 by which side fp32 lands on, a whole term either way
     with torch.no_grad():
@@ -181,11 +183,12 @@ def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, 
         w1, b1 = function.hidden.weight.double()[:, 0], function.hidden.bias.double()
         kinks = ((x[..., None] * w1 + b1).abs() < 1e-5).any(-1)  # (B, rows, keys)
     upstream = upstream.masked_fill(kinks[:, None], 0.0)
+    anywhere = torch.where(causal, upstream, anywhere)
     names, parameters = zip(*function.named_parameters(), strict=True)
     expected = torch.autograd.grad((_formula(function, queries, keys) * upstream).sum(), parameters)
     block = function.bias(queries, rows, keys).folded_reversed_with_gradients(0, rows, keys, torch.float32)
     assert block is not None
-    found = torch.autograd.grad((block.flip(-1).double() * upstream).sum(), parameters, allow_unused=True)
+    found = torch.autograd.grad((block.flip(-1).double() * anywhere).sum(), parameters, allow_unused=True)
     for name, parameter, want, got in zip(names, parameters, expected, found, strict=True):
         got = torch.zeros_like(want) if got is None else got
         tolerance = 1e-4 * max(float(want.abs().max()), 1e-3)
