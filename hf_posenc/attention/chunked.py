@@ -235,8 +235,8 @@ def attend_chunked(
     if isinstance(bias, SeparableBias) and q.dtype in FEATURE_DTYPES and q_len > FEW_QUERIES:
         return attend_separable(q, k, v, bias, mask, softmax_scale, dropout_p, spans, firsts)
 
-    # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block without
-    # gradients needs them (FIRE past its threshold, below)
+    # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block needs them
+    # (FIRE past its threshold, below; with gradients the flip is in the graph, one per layer)
     reversed_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def reversed_keys() -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,8 +262,8 @@ def attend_chunked(
             buffers.append(bias_scratch(memo, scratch_size, q.dtype, q.device))
         return buffers[0]
 
-    # causal blocks without gradients whose form builds them cheaper over the keys in reverse
-    # order (FIRE on CPU)
+    # causal blocks whose form builds them cheaper over the keys in reverse order (FIRE on CPU;
+    # without gradients here, with gradients through RebuiltBiasFlashAttention)
     reverse = mask is None and q_len > FEW_QUERIES
 
     def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
@@ -305,10 +305,16 @@ def attend_chunked(
             def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable
                 return form(values).folded_reversed_with_gradients(start, stop, k_end, q.dtype)
 
+            k_reversed = v_reversed = None
+            if reverse and bias.builds_reversed(q.device):  # (causal: k_start = 0) views, differentiable
+                k_rev, v_rev = reversed_keys()
+                k_reversed, v_reversed = k_rev[:, :, k_len - k_end :], v_rev[:, :, k_len - k_end :]
             return RebuiltBiasFlashAttention.apply(
                 q_block,
                 k_block,
                 v_block,
+                k_reversed,
+                v_reversed,
                 softmax_scale,
                 build,
                 build_reversed,

@@ -3,14 +3,14 @@ its gradient, trained on torch's fused CPU flash-attention kernel with the block
 kept, on CPU in fp32/fp64 without a padding mask (:class:`RebuiltBiasFlashAttention`).
 
 Forward: the block's bias built without gradients (into the chunked backend's shared buffer;
-over the keys in reverse order where the form builds it cheaper that way, FIRE on CPU, with the
-block's k and v flipped), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with
+over the keys in reverse order where the form builds it cheaper that way, FIRE on CPU, with k and
+v in that order: the chunked backend hands them so too, views of one reversed copy per layer), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with
 it as the mask, which also returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp (O(rows))
 and the bias form's O(T) tensors, as :class:`~.chunked.RebuiltBiasAttention` keeps.
 
 Backward: the bias built once more, with gradients, from the form's tensors (over the keys in
-reverse order where the form rebuilds it so, FIRE's bands of distances, with k and v flipped
-and dk, dv flipped back), and the FlashAttention-2 gradients from the kept statistics (Dao
+reverse order where the form rebuilds it so, FIRE's bands of distances: the kept k and v
+flipped, and dk, dv the gradients of the reversed copies), and the FlashAttention-2 gradients from the kept statistics (Dao
 2023, Algorithm 2):
 
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
@@ -58,7 +58,10 @@ def serves(q: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool
 
 
 class RebuiltBiasFlashAttention(torch.autograd.Function):
-    """q (B, H, R, D), k/v (B, H, K, D) of one causal block, ``build(*tensors)`` -> its bias
+    """q (B, H, R, D), k/v (B, H, K, D) of one causal block and, or None, the same k and v over
+    the keys in reverse order (views of one reversed copy of the layer's: forward attends them
+    where the bias comes so, and backward gives them their gradients, with no flip per block;
+    the copies are not kept, k and v are), ``build(*tensors)`` -> its bias
     (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``build_reversed()``
     -> the same over the keys in reverse order, without gradients, or None (then forward
     takes ``build``; either may be given as None / return None), ``rebuild_reversed(*tensors)``
@@ -74,6 +77,8 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         q,
         k,
         v,
+        k_reversed,
+        v_reversed,
         scale: float,
         build,
         build_reversed,
@@ -82,12 +87,15 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         *tensors: torch.Tensor,
     ):
         assert CPU_FLASH is not None
+        ctx.given_reversed = k_reversed is not None
         with torch.no_grad():
             # over the keys in reverse order where the form builds that cheaper (attention does not
-            # depend on the keys' order; the block's k and v flipped, (B, H, K, D) each)
+            # depend on the keys' order; k and v in that order, (B, H, K, D) each)
             backwards = None if build_reversed is None else build_reversed()
             if backwards is not None:
-                out, lse = CPU_FLASH(q, k.flip(2), v.flip(2), 0.0, False, attn_mask=backwards, scale=scale)
+                if k_reversed is None:
+                    k_reversed, v_reversed = k.flip(2), v.flip(2)
+                out, lse = CPU_FLASH(q, k_reversed, v_reversed, 0.0, False, attn_mask=backwards, scale=scale)
             else:
                 out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=build(*tensors), scale=scale)
         ctx.scale, ctx.build, ctx.rebuild_reversed, ctx.buffers = scale, build, rebuild_reversed, buffers
@@ -100,7 +108,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         scale = ctx.scale
         with torch.enable_grad():
             inputs = [
-                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[8:], strict=True)
+                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[10:], strict=True)
             ]
             # (B|1, H, R, K), with gradients to the form's tensors: over the keys in reverse order
             # where the form rebuilds it so (then k and v flipped here and dk, dv back below)
@@ -148,6 +156,8 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         by_input = iter(found)
         tensor_grads = [next(by_input) if t.requires_grad and found else None for t in inputs]
         grad_k, grad_v = grad_k.view(k.shape), grad_v.view(v.shape)
-        if reverse:
-            grad_k, grad_v = grad_k.flip(2), grad_v.flip(2)
-        return (grad_q.view(q.shape), grad_k, grad_v, None, None, None, None, None, *tensor_grads)
+        # to the k and v given in the bias's order; the others get None
+        keys_grads = (None, None, grad_k, grad_v) if reverse else (grad_k, grad_v, None, None)
+        if reverse and not ctx.given_reversed:  # (flipped in forward)
+            keys_grads = (grad_k.flip(2), grad_v.flip(2), None, None)
+        return (grad_q.view(q.shape), *keys_grads, None, None, None, None, None, *tensor_grads)

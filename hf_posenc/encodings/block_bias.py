@@ -113,6 +113,12 @@ class BlockBias:
         slice): a form of the same kind whose head ``h - start`` is this form's head ``h``."""
         raise NotImplementedError(f"{type(self).__name__} cannot be restricted to a range of heads")
 
+    def builds_reversed(self, device: torch.device) -> bool:
+        """Whether :meth:`folded_reversed` builds this form's causal blocks on ``device`` (then the
+        chunked backend hands its training blocks their keys in reverse order, views of one
+        reversed copy of the layer's k and v)."""
+        return False
+
     def folded_reversed(
         self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
     ) -> torch.Tensor | None:

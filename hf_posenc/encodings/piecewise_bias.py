@@ -180,6 +180,9 @@ class PiecewiseDistanceBias(BlockBias):
         fullgraph compiled decoding cannot guard on it)."""
         return self.network is not None and device.type == "cpu" and not torch.compiler.is_compiling()
 
+    def builds_reversed(self, device: torch.device) -> bool:
+        return self._network_blocks(device)
+
     def _reversed_first(self, start: int, k_end: int) -> int:
         """The distance of (query ``start``, reversed key 0 = key k_end-1)."""
         return self.k_len - self.q_len + start - (k_end - 1)
