@@ -2,9 +2,9 @@
 bench``'s defaults: 8 heads of 32, FIRE's initial network, one batch row) at one length:
 
 - the zones of each block (how many units switch inside it, and over how many distances);
-- building every block of 128 queries past L without gradients, in bands of distances
-  (``network_bands``) and from the network's products (``network_block``), per block and per
-  written value;
+- building every block past L (as many queries as the chunked backend takes, ``built_block_rows``)
+  without gradients, in bands of distances (``network_bands``) and from the network's products
+  (``network_block``), per block and per written value;
 - the fused attention kernel over those blocks with the built bias as its mask, against the same
   calls without a mask, and against one causal call over the whole layer (native's).
 
