@@ -3,15 +3,17 @@ its gradient, trained on torch's fused CPU flash-attention kernel with the block
 kept, on CPU in fp32/fp64 without a padding mask (:class:`RebuiltBiasFlashAttention`).
 
 Forward: the block's bias built without gradients (into the chunked backend's shared buffer;
-over the keys in reverse order where the form builds it cheaper that way, FIRE on CPU, with k and
-v in that order: the chunked backend hands them so too, views of one reversed copy per layer), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with
-it as the mask, which also returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the log-sum-exp (O(rows))
-and the bias form's O(T) tensors, as :class:`~.chunked.RebuiltBiasAttention` keeps.
+over the keys in reverse order where the form builds it cheaper that way, FIRE on CPU, with k
+and v in that order: the chunked backend hands them so too, views of one reversed copy per
+layer), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with it as the mask,
+which also returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the
+log-sum-exp (O(rows)) and the bias form's O(T) tensors, as
+:class:`~.chunked.RebuiltBiasAttention` keeps.
 
 Backward: the bias built once more, with gradients, from the form's tensors (over the keys in
 reverse order where the form rebuilds it so, FIRE's bands of distances: the kept k and v
-flipped, and dk, dv the gradients of the reversed copies), and the FlashAttention-2 gradients from the kept statistics (Dao
-2023, Algorithm 2):
+flipped, and dk, dv the gradients of the reversed copies), and the FlashAttention-2 gradients
+from the kept statistics (Dao 2023, Algorithm 2):
 
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
     dQ = s dS K,  dK = s dS^T Q,  dbias = dS (summed over a batch the bias is shared by)
@@ -111,7 +113,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
                 t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[10:], strict=True)
             ]
             # (B|1, H, R, K), with gradients to the form's tensors: over the keys in reverse order
-            # where the form rebuilds it so (then k and v flipped here and dk, dv back below)
+            # where the form rebuilds it so (then k and v flipped here, dk and dv to the reversed copies)
             bias = None if ctx.rebuild_reversed is None else ctx.rebuild_reversed(*inputs)
             reverse = bias is not None
             if bias is None:
