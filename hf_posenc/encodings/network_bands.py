@@ -26,8 +26,8 @@ decides the speed: in its zone a unit gets its exact ReLU whatever side each row
 outside it the only rows it could misplace lie within rounding of p_k, where its ReLU is within
 rounding of 0. C and E change only where a unit enters or leaves its zone, so they are gathered
 per distance from at most 2K + 1 bands. The future (the first rows - 1 - a keys of row a) is
-fp32's minimum, set after V by one multiply-add over the (rows, rows - 1) corner of every row
-(x 0 and + minimum on the future, x 1 and + 0 elsewhere). With gradients (:class:`BandedBlock`)
+fp32's minimum, added after V over the (rows, rows) corner of every row
+(:func:`.network_block.future_minimum`, as the network's blocks add it). With gradients (:class:`BandedBlock`)
 the backward works in the same bands and gives the network's gradients by hand (no autograd
 graph through the bands' coefficients).
 
@@ -39,9 +39,10 @@ Toeplitz views of a second set of coefficients.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
+
+from .network_block import future_minimum
 
 #: causal blocks of at least twice as many keys as rows are built in bands of distances; False:
 #: from the network's products (:mod:`.network_block`; tests compare the two, so does
@@ -158,13 +159,11 @@ def _assemble(
         coefficients[0, :, width:], coefficients[1, :, width:] * near[width:], inverse[-1:], out=last[:, 0]
     )
     _add_zones(last, near[width:], inverse[-1:], _shifted(plan.zones, width), units)
-    # the future of each row (reversed keys j' < rows - 1 - a), where V ran on: x 0 and + minimum
-    # (V's values there are the lines and ReLUs of real distances, finite where the block's are;
-    # a masked_fill_ with a boolean corner measured ~10x slower than this multiply-add)
-    keep, fill = _future_corner(rows, block.dtype, block.device)  # (rows, rows - 1) each
-    corner = block[:, :, : rows - 1]  # (Hq, rows, rows - 1)
-    corner[:, 0].fill_(torch.finfo(block.dtype).min)  # row 0's future: before V, never written
-    torch.addcmul(fill, corner, keep, out=corner)
+    # the future of each row (reversed keys j' < rows - 1 - a), where V ran on: the minimum added,
+    # as the network's blocks add it (V's values there are lines and ReLUs of real distances, and
+    # value + minimum rounds to the minimum; a masked_fill_ measured ~10x slower)
+    block[:, 0, : rows - 1].zero_()  # row 0's future: before V, never written
+    block[:, :, :rows].add_(future_minimum(rows, rows, block.device))
 
 
 class BandedBlock(torch.autograd.Function):
@@ -201,8 +200,8 @@ class BandedBlock(torch.autograd.Function):
         grad = grad[0].float().contiguous()  # (Hq, rows, keys): the distance view reads its memory
         heads, rows, keys = grad.shape
         width = keys - 1
-        keep, _ = _future_corner(rows, grad.dtype, grad.device)
-        grad[:, :, : rows - 1].mul_(keep)  # the future: V reads it as row a - 1's farthest distances
+        # the future at 0: V reads it as row a - 1's farthest distances
+        grad[:, :, :rows].mul_(future_minimum(rows, rows, grad.device) == 0)
         grad_w1, grad_b1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
         unit = (w1, b1, w2, grad_w1, grad_b1, grad_w2)
         slopes = plan.coefficients[1]  # (Hq, keys)
@@ -292,17 +291,6 @@ def _zones_gradient(
     grad_b1.index_add_(0, owner, through.sum(0))
     grad_w1.index_add_(0, owner, (through * x).sum(0))
     dx.index_add_(1, columns, through.mul_(unit_weight))
-
-
-@functools.lru_cache(maxsize=8)
-def _future_corner(rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keep, fill), each (rows, rows - 1) of the block's first rows - 1 reversed keys: keep 1 and
-    fill 0 at row a's own keys (j' >= rows - 1 - a), keep 0 and fill the dtype's minimum at its
-    future (j' < rows - 1 - a)."""
-    keys = torch.arange(rows - 1, device=device)[None, :]
-    future = keys < (rows - 1 - torch.arange(rows, device=device))[:, None]  # (rows, rows - 1)
-    keep = (~future).to(dtype)
-    return keep, future.to(dtype) * torch.finfo(dtype).min
 
 
 def _distance_view(block: torch.Tensor) -> torch.Tensor:

@@ -153,12 +153,12 @@ def reversed_network_block(
     # block (bias + minimum rounds to the minimum for |bias| < 2^103; measured ~2x faster than a
     # masked_fill_ broadcast over the heads)
     span = min(rows, keys)
-    out[..., :span].add_(_future_minimum(rows, span, device))
+    out[..., :span].add_(future_minimum(rows, span, device))
     return out
 
 
 @functools.lru_cache(maxsize=8)
-def _future_minimum(rows: int, span: int, device: torch.device) -> torch.Tensor:
+def future_minimum(rows: int, span: int, device: torch.device) -> torch.Tensor:
     """(rows, span) fp32: the dtype's minimum where reversed key j' < span - rows + (rows - 1 - a)
     is a future key of row a (the first keys of a causal block over keys in reverse order), 0
     elsewhere; cached (the chunked backend's blocks share a few shapes)."""
