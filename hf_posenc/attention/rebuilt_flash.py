@@ -8,7 +8,7 @@ and v in that order: the chunked backend hands them so too, views of one reverse
 layer), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with it as the mask,
 which also returns the rows' log-sum-exp. Kept for backward: q, k, v, the output, the
 log-sum-exp (O(rows)) and the bias form's O(T) tensors, as
-:class:`~.chunked.RebuiltBiasAttention` keeps.
+:class:`~.bias_block.RebuiltBiasAttention` keeps.
 
 Backward: the bias built once more, with gradients, from the form's tensors (over the keys in
 reverse order where the form rebuilds it so, FIRE's bands of distances: the kept k and v
@@ -27,7 +27,7 @@ sent through the rebuilt bias's own backward. No softmax (the statistics are kep
 second forward; the block's (rows x keys) buffers exist only while it is computed.
 
 Before, the block's backward recomputed its weights by a softmax of explicitly recomputed
-scores (:func:`~.chunked.block_gradients`) and built its bias twice (once without gradients
+scores (:func:`~.bias_block.block_gradients`) and built its bias twice (once without gradients
 in forward, once with them in backward, which stays).
 """
 
@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from .bias_block import differentiable_copies, tensor_gradients
 from .softmax_parts import CPU_FLASH
 from .toeplitz_layout import FLUSH, LOG2E, work_buffer
 
@@ -108,10 +109,8 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         scale = ctx.scale
+        inputs = differentiable_copies(tensors, ctx.needs_input_grad[10:])
         with torch.enable_grad():
-            inputs = [
-                t.detach().requires_grad_(n) for t, n in zip(tensors, ctx.needs_input_grad[10:], strict=True)
-            ]
             # (B|1, H, R, K), with gradients to the form's tensors: over the keys in reverse order
             # where the form rebuilds it so (then k and v flipped here, dk and dv to the reversed copies)
             bias = None if ctx.rebuild_reversed is None else ctx.rebuild_reversed(*inputs)
@@ -150,13 +149,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         s3.mul_(grad_p)  # dS = P * (dO V^T - delta)
         grad_q = torch.bmm(s3, k3).mul_(scale)
         grad_k = torch.bmm(s3.transpose(1, 2), q3).mul_(scale)
-        wanted = [t for t in inputs if t.requires_grad]
-        found: tuple[torch.Tensor | None, ...] = ()
-        if wanted and bias.requires_grad:
-            grad_bias = scores.sum_to_size(bias.shape)  # (B|1, H, R, K) dS
-            found = torch.autograd.grad(bias, wanted, grad_bias, allow_unused=True)
-        by_input = iter(found)
-        tensor_grads = [next(by_input) if t.requires_grad and found else None for t in inputs]
+        tensor_grads = tensor_gradients(bias, inputs, scores)  # scores: (B, H, R, K) dS
         grad_k, grad_v = grad_k.view(k.shape), grad_v.view(v.shape)
         # to the k and v given in the bias's order; the others get None
         keys_grads = (None, None, grad_k, grad_v) if reverse else (grad_k, grad_v, None, None)

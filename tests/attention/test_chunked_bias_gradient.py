@@ -12,7 +12,7 @@ from conftest import make_model, patch, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_posenc.attention import chunked, toeplitz
+from hf_posenc.attention import bias_block, chunked, toeplitz
 
 
 @settings(max_examples=20, deadline=None)
@@ -38,7 +38,7 @@ def test_block_attention_gradients_equal_autograd_of_the_formula(
     bias[..., -1] = torch.finfo(torch.float32).min  # a masked key, as the causal fold writes it
     grad = torch.randn(batch, heads, rows, 4, generator=generator)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-    out = chunked.BiasedBlockAttention.apply(*leaves, 0.7, reverse)
+    out = bias_block.BiasedBlockAttention.apply(*leaves, 0.7, reverse)
     (out * grad).sum().backward()
     leaves64 = [t.double().requires_grad_() for t in (q, k, v, bias)]
     q64, k64, v64, b64 = leaves64
@@ -74,9 +74,9 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
     calls = {"toeplitz": 0, "recompute": 0, "separable": 0, "rebuilt": 0, "rebuilt_flash": 0}
     originals = {
         "toeplitz": toeplitz.ToeplitzAttention.apply,
-        "recompute": chunked.BiasedBlockAttention.apply,
+        "recompute": bias_block.BiasedBlockAttention.apply,
         "separable": chunked.attend_separable,
-        "rebuilt": chunked.RebuiltBiasAttention.apply,
+        "rebuilt": bias_block.RebuiltBiasAttention.apply,
         "rebuilt_flash": chunked.RebuiltBiasFlashAttention.apply,
     }
 
@@ -88,9 +88,9 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
         return call
 
     monkeypatch.setattr(toeplitz.ToeplitzAttention, "apply", counting("toeplitz"))
-    monkeypatch.setattr(chunked.BiasedBlockAttention, "apply", counting("recompute"))
+    monkeypatch.setattr(bias_block.BiasedBlockAttention, "apply", counting("recompute"))
     monkeypatch.setattr(chunked, "attend_separable", counting("separable"))
-    monkeypatch.setattr(chunked.RebuiltBiasAttention, "apply", counting("rebuilt"))
+    monkeypatch.setattr(bias_block.RebuiltBiasAttention, "apply", counting("rebuilt"))
     monkeypatch.setattr(chunked.RebuiltBiasFlashAttention, "apply", counting("rebuilt_flash"))
     ids = token_ids(2, 40)
     grads = {}

@@ -11,7 +11,7 @@ from conftest import VOCAB
 from encoding_cases import ALL_CASES, case_ids
 from packing_cases import documents, packed, patched
 
-from hf_posenc.attention import chunked
+from hf_posenc.attention import bias_block, chunked
 
 #: two rows of documents (lengths): documents of 1 token, documents that cross query blocks of
 #: 4, and a row that is one document
@@ -74,15 +74,16 @@ def test_packed_logits_equal_the_documents_alone_under_flex(case):
 
 
 def test_chunked_backend_skips_the_keys_of_earlier_documents(monkeypatch):
-    """Each SDPA call of a query block gets only the keys from the block's first document on."""
+    """Each SDPA call of a query block (:func:`~hf_posenc.attention.bias_block.block_attention`) gets
+    only the keys from the block's first document on."""
     keys: list[int] = []
-    sdpa = chunked.F.scaled_dot_product_attention
+    sdpa = bias_block.F.scaled_dot_product_attention
 
     def spy(q, k, v, **kwargs):
         keys.append(k.shape[-2])
         return sdpa(q, k, v, **kwargs)
 
-    monkeypatch.setattr(chunked.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(bias_block.F, "scaled_dot_product_attention", spy)
     model = patched("alibi", {}, "chunked").eval()
     lengths = [6, 10]  # blocks of 4 queries: [0,4) [4,8) [8,12) [12,16); document 2 starts at 6
     ids = torch.randint(3, VOCAB, (1, 16))
