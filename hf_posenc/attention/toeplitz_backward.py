@@ -18,7 +18,8 @@ gaps' zeros elsewhere, so the anti-diagonal sums are one ``sum`` over the rows. 
 accumulate in (B * H, Tk, D): each block's product adds into contiguous rows. No softmax (the
 statistics are kept), no zero-filled skew buffer or ``new_zeros`` per block, no per-block slice
 gradients (dQ, dK, dV written into one tensor each; dO V^T - rowsum(dO * O) as one product of dO
-and V widened by one column, -rowsum(dO * O) and ones). Computed in fp32 for bf16/fp16 inputs, in their own dtype for fp32/fp64.
+and V widened by one column, -rowsum(dO * O) and ones). Computed in fp32 for bf16/fp16 inputs,
+in their own dtype for fp32/fp64.
 """
 
 from __future__ import annotations
