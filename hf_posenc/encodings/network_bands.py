@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from .network_block import future_minimum
 
@@ -243,9 +244,7 @@ def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> to
     Per band i (C, slope constant there): C_i = b2 + sum_k on[i, k] w2[:, k] b1_k, slope_i =
     sum_k on[i, k] w2[:, k] w1_k."""
     w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
-    bands = plan.on.shape[0]
-    member = torch.zeros(grad_lines.shape[-1], bands, dtype=grad_lines.dtype, device=grad_lines.device)
-    member[torch.arange(member.shape[0], device=member.device), plan.band_of] = 1.0  # (keys, I)
+    member = F.one_hot(plan.band_of, plan.on.shape[0]).to(grad_lines.dtype)  # (keys, I)
     per_band = grad_lines @ member  # (2, Hq, I) dC, dslope summed over each band's distances
     on = plan.on.to(per_band.dtype)  # (I, K)
     through_constant, through_slope = per_band @ on  # (Hq, K) each: sum over the bands where k is on
