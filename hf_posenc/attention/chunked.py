@@ -49,18 +49,27 @@ from .toeplitz import attend_toeplitz
 #: queries per SDPA call; 256 measured fastest on CPU at T = 2048..8192 (128: more calls, 1024: less skipping)
 QUERY_BLOCK = 256
 #: a causal call without gradients whose blocks past a distance table's rows have their bias
-#: built (written out per query: FIRE past L) into one reused buffer of (B, Hq, rows, Tk) values
-#: takes as many queries per block as keep that buffer within BUILT_VALUES values (32 MiB in
-#: fp32), rounded down to a multiple of 64, at least BUILT_BLOCK and at most QUERY_BLOCK
-#: (:func:`built_block_rows`): a block's fixed costs (its plan, the kernel call) spread over more
-#: rows where the buffer is small, and a long or many-headed call keeps BUILT_BLOCK rows (8 heads
-#: from T=8192, 32 heads from T=2048). The bench's model (8 heads, idle, two threads, one
-#: process alternating, scripts/cpu_constant_ab.py --constant ...:BUILT_BLOCK, 2026-11-27 on the
-#: AVX2 machine): FIRE forward 256 rows against 128, 1.21 -> 1.05 s at T=4096 (10 rounds) and
+#: built (written out per query: FIRE past L) into one reused buffer of (B, g, rows, Tk) values
+#: (g heads at a time, BUILT_HEADS below, or all Hq) takes as many queries per block as keep that
+#: buffer within BUILT_VALUES values (32 MiB in fp32), rounded down to a multiple of 64, at least
+#: BUILT_BLOCK and at most QUERY_BLOCK (:func:`built_block_rows`): a block's fixed costs (its
+#: plan, the kernel call) spread over more rows where the buffer is small, and a long call keeps
+#: BUILT_BLOCK rows (one head at a time: from T=65536; all 8 heads: from T=8192). The bench's
+#: model (8 heads, idle, two threads, one process alternating, scripts/cpu_constant_ab.py
+#: --constant ...:BUILT_BLOCK, 2026-11-27 on the AVX2 machine): FIRE forward 256 rows against 128, 1.21 -> 1.05 s at T=4096 (10 rounds) and
 #: 0.365 -> 0.327 s at T=2048 (8 rounds); the buffer 16 -> 32 MiB at T=4096 (it was 128 rows
 #: whatever T from 35e4730 on: with the bands' per-block plan, 128-row blocks cost more)
 BUILT_VALUES = 8 * 1024 * 1024
 BUILT_BLOCK = 128
+#: such a call's blocks built over reversed keys (FIRE past L on CPU, ``BlockBias.folded_reversed_heads``;
+#: the few blocks the bands do not build through ``BlockBias.heads``) are built and attended this
+#: many query heads at a time, each group's block just before its kernel call: the buffer holds one
+#: group's block (4 MiB instead of 32 at T=4096 with 8 heads; the bench's forward peak 1.54x ->
+#: 1.09x native's), and the rows' budget above counts one group. Time: within the machine's noise
+#: (scripts/cpu_constant_ab.py --encoding fire --mode forward --length 4096 --constant
+#: ...:BUILT_HEADS --values 8 1 2 4 --rounds 14, 2026-11-27, idle: medians 1.022 / 1.028 / 1.002 /
+#: 1.010 s; per head more operations (each zone per group) and the block read from cache)
+BUILT_HEADS = 1
 #: up to this many queries (decoding steps) the bias block is written out: cheaper than reversing the keys
 FEW_QUERIES = 16
 #: dtypes in which a separable bias rides in q and k (:func:`attend_separable`); in bf16/fp16 its
@@ -100,11 +109,15 @@ def attend_chunked(
     # the leading queries whose bias is a table over distances (all of them for a DistanceBias):
     # their blocks in one call over the queries in reverse order (attend_toeplitz)
     distance = bias.distance_table() if mask is None and q_len > FEW_QUERIES else None
-    if block is None:
-        # causal calls past a table's rows (FIRE past L) without gradients build their blocks'
-        # bias into one buffer: rows as its budget allows
-        built = distance is not None and distance[0] < q_len and not torch.is_grad_enabled()
-        block = built_block_rows(q.shape[0] * q.shape[1], k_len) if built else QUERY_BLOCK
+    # causal calls past a table's rows (FIRE past L) without gradients build their blocks' bias
+    # into one buffer, a group of heads at a time where the form builds them over reversed keys
+    reverse = mask is None and q_len > FEW_QUERIES  # (see one_block)
+    built = distance is not None and distance[0] < q_len and not torch.is_grad_enabled()
+    group = (
+        min(BUILT_HEADS, q.shape[1]) if built and reverse and bias.builds_reversed(q.device) else q.shape[1]
+    )
+    if block is None:  # rows as the buffer's budget allows
+        block = built_block_rows(q.shape[0] * group, k_len) if built else QUERY_BLOCK
     spans = [(start, min(q_len, start + block)) for start in range(0, q_len, block)]
 
     # skipping keys needs the mask's values on the host: not under torch.compile (a data-dependent
@@ -131,36 +144,55 @@ def attend_chunked(
     # one buffer for every block's bias built without gradients (the blocks of all layers of a
     # forward, through the memo): SDPA reads a block before the next is built
     longest = max(stop - start for start, stop in spans)
-    scratch_size = q.shape[0] * q.shape[1] * longest * k_len
 
     buffers: list[torch.Tensor | None] = []
 
-    def scratch() -> torch.Tensor | None:
+    def scratch(heads: int | None = None) -> torch.Tensor | None:  # for a block of ``heads`` (all: None)
         if torch.is_grad_enabled():
             return None
-        if not buffers:
-            buffers.append(bias_scratch(memo, scratch_size, q.dtype, q.device))
+        size = q.shape[0] * (heads or q.shape[1]) * longest * k_len
+        if not buffers or (buffers[0] is not None and buffers[0].numel() < size):
+            buffers[:] = [bias_scratch(memo, size, q.dtype, q.device)]
         return buffers[0]
 
     # causal blocks whose form builds them cheaper over the keys in reverse order (FIRE on CPU;
     # without gradients here, with gradients through RebuiltBiasFlashAttention)
-    reverse = mask is None and q_len > FEW_QUERIES
 
     def one_block(q_block: torch.Tensor, start: int, stop: int, k_start: int) -> torch.Tensor:
         k_end = causal_keys(q_len, k_len, stop)
         if reverse and not torch.is_grad_enabled():  # (with gradients reversed copies would be kept)
-            backwards = bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
-            if backwards is not None:  # (B|1, Hq, rows, k_end), keys k_end-1 .. 0
+            groups = bias.folded_reversed_heads(start, stop, k_end, q.dtype, group, scratch(group))
+            if groups is not None:  # (B|1, g, rows, k_end) per group of heads, keys k_end-1 .. 0
                 k_rev, v_rev = reversed_keys()
                 k_block, v_block = k_rev[:, :, k_len - k_end :], v_rev[:, :, k_len - k_end :]
-                return block_attention(q_block, k_block, v_block, backwards, softmax_scale, dropout_p)
+                outputs = [
+                    block_attention(
+                        q_block[:, heads],
+                        k_block[:, heads],
+                        v_block[:, heads],
+                        backwards,
+                        softmax_scale,
+                        dropout_p,
+                    )
+                    for heads, backwards in groups
+                ]
+                return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         # (B|1, 1, rows, keys) or None: the causal keys (bottom-right aligned)
         allowed = None if mask is None else mask[..., start:stop, k_start:k_end]
-        folded = bias.folded(
-            start, stop, k_start, k_end, allowed, q.dtype, scratch()
-        )  # (B|1, Hq, rows, keys)
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
-        return block_attention(q_block, k_block, v_block, folded, softmax_scale, dropout_p)
+        outputs = []
+        for first in range(0, q.shape[1], group):  # (all heads at once unless built a group at a time)
+            heads = slice(first, min(q.shape[1], first + group))
+            form = bias if group == q.shape[1] else bias.heads(heads.start, heads.stop)
+            folded = form.folded(
+                start, stop, k_start, k_end, allowed, q.dtype, scratch(group)
+            )  # (B|1, g, rows, keys)
+            outputs.append(
+                block_attention(
+                    q_block[:, heads], k_block[:, heads], v_block[:, heads], folded, softmax_scale, dropout_p
+                )
+            )
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def rebuilt_block(
         q_block: torch.Tensor, start: int, stop: int, k_start: int, tensors: dict

@@ -37,7 +37,7 @@ attention (:mod:`hf_posenc.attention.head_parallel`, DeepSpeed Ulysses' layout) 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +127,23 @@ class BlockBias:
         it cheaper so (attention does not depend on the keys' order: the chunked backend then
         attends the reversed keys); None where the form has no such way (then :meth:`folded`)."""
         return None
+
+    def folded_reversed_heads(
+        self,
+        start: int,
+        stop: int,
+        k_end: int,
+        dtype: torch.dtype,
+        group: int,
+        scratch: torch.Tensor | None = None,
+    ) -> Iterator[tuple[slice, torch.Tensor]] | None:
+        """:meth:`folded_reversed` at most ``group`` heads at a time: (heads, their block (B|1, g,
+        rows, k_end)), each block made (into ``scratch``, at least B' * g * rows * k_end values,
+        where the form uses it) when the iterator reaches it, so the caller uses each block before
+        asking for the next; None where :meth:`folded_reversed` is None. Forms that only build
+        every head at once give them as one slice."""
+        block = self.folded_reversed(start, stop, k_end, dtype)
+        return None if block is None else iter([(slice(0, block.shape[1]), block)])
 
     def folded_reversed_with_gradients(
         self, start: int, stop: int, k_end: int, dtype: torch.dtype

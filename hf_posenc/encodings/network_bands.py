@@ -39,6 +39,7 @@ Toeplitz views of a second set of coefficients.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,7 @@ def fill_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network, bloc
     rows, keys), keys >= 2 rows, its last row's first key at distance 0, the future at fp32's
     minimum (arguments as :func:`plan_bands`); x = near[d] * inverse[a], rounded once."""
     with torch.no_grad():
-        _assemble(plan_bands(near, inverse, network), near, inverse, network[:3], block)
+        _Banded.of(near, inverse, network).write(block)
 
 
 def line_and_inverse(feature: torch.Tensor, normalizer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,16 +112,36 @@ def banded_block(
     Hq, rows, keys) fp32 in ``scratch`` when it is large enough (fp32), ``feature`` (keys,) =
     feature[d] for d = 0 .. keys-1 and ``normalizer`` (B|1, rows) in any float dtype (x = near *
     inverse with near = feature.float(), inverse = normalizer.reciprocal().float())."""
+    heads = network[2].shape[0]
+    return next(banded_head_blocks(feature, normalizer, network, scratch, heads))[1]
+
+
+def banded_head_blocks(
+    feature: torch.Tensor,
+    normalizer: torch.Tensor,
+    network: Network,
+    scratch: torch.Tensor | None,
+    group: int,
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """:func:`banded_block` ``group`` heads at a time: (heads, their block (B|1, g, rows, keys))
+    for consecutive slices of at most ``group`` heads, each block written into ``scratch`` (when
+    large enough) as the iterator reaches it, so the previous one must be used before the next
+    is asked for. The plans and the zones' ReLUs are made once, for all heads."""
     (batch, rows), keys, heads = normalizer.shape, feature.shape[0], network[2].shape[0]
-    size = batch * heads * rows * keys
-    if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= size:
-        out = scratch[:size].view(batch, heads, rows, keys)
-    else:
-        out = feature.new_empty(batch, heads, rows, keys, dtype=torch.float32)
-    near, inverse = line_and_inverse(feature, normalizer)
-    for b in range(batch):
-        fill_bands(near, inverse[b], network, out[b])
-    return out
+    with torch.no_grad():  # (not around the yield: the caller would run without gradients)
+        near, inverse = line_and_inverse(feature, normalizer)
+        rows_of_batch = [_Banded.of(near, row_inverse, network) for row_inverse in inverse]
+    for first in range(0, heads, group):
+        chosen = slice(first, min(heads, first + group))
+        size = batch * (chosen.stop - first) * rows * keys
+        if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= size:
+            out = scratch[:size].view(batch, -1, rows, keys)
+        else:
+            out = feature.new_empty(batch, chosen.stop - first, rows, keys, dtype=torch.float32)
+        with torch.no_grad():
+            for banded, row_block in zip(rows_of_batch, out, strict=True):
+                banded.write(row_block, chosen)
+        yield chosen, out
 
 
 def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> torch.Tensor:
@@ -141,30 +162,53 @@ def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Networ
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def _assemble(
-    plan: BandPlan, near: torch.Tensor, inverse: torch.Tensor, units: Units, block: torch.Tensor
-) -> None:
-    """Write ``block`` (Hq, rows, keys) from its plan, ``units`` = (w1, b1, w2) (see the module's
-    docstring)."""
-    heads, rows, keys = block.shape
-    coefficients = plan.coefficients
-    view = _distance_view(block)  # (Hq, rows, keys - 1) V, contiguous per head
-    width = keys - 1
-    slopes = coefficients[1, :, :width] * near[:width]  # (Hq, keys - 1) E
-    for h in range(heads):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
-        torch.addcmul(coefficients[0, h, :width], slopes[h], inverse[:, None], out=view[h])
-    _add_zones(view, near[:width], inverse, plan.zones, units)
-    # the last row's farthest key (distance keys - 1), outside V
-    last = block[:, rows - 1 :, keys - 1 :]  # (Hq, 1, 1)
-    torch.addcmul(
-        coefficients[0, :, width:], coefficients[1, :, width:] * near[width:], inverse[-1:], out=last[:, 0]
-    )
-    _add_zones(last, near[width:], inverse[-1:], _shifted(plan.zones, width), units)
-    # the future of each row (reversed keys j' < rows - 1 - a), where V ran on: the minimum added,
-    # as the network's blocks add it (V's values there are lines and ReLUs of real distances, and
-    # value + minimum rounds to the minimum; a masked_fill_ measured ~10x slower)
-    block[:, 0, : rows - 1].zero_()  # row 0's future: before V, never written
-    block[:, :, :rows].add_(future_minimum(rows, rows, block.device))
+@dataclasses.dataclass
+class _Banded:
+    """One batch row's block made ready for :meth:`write` to write any of its heads: the plan,
+    V's slopes E (Hq, keys - 1), each zone's ReLUs over V (unit k, lo, hi, relu(w1_k x + b1_k)
+    (rows, hi - lo), shared by the heads) and the last row's farthest key (Hq,), outside V."""
+
+    plan: BandPlan
+    near: torch.Tensor
+    inverse: torch.Tensor
+    w2: torch.Tensor
+    slopes: torch.Tensor
+    relus: list[tuple[int, int, int, torch.Tensor]]
+    farthest: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, near: torch.Tensor, inverse: torch.Tensor, network: Network, plan: BandPlan | None = None
+    ) -> _Banded:
+        plan = plan_bands(near, inverse, network) if plan is None else plan
+        units, width = network[:3], near.shape[0] - 1
+        constant, slope = plan.coefficients  # (Hq, keys) each
+        farthest = torch.addcmul(
+            constant[:, width:], slope[:, width:] * near[width:], inverse[-1:]
+        )  # (Hq, 1)
+        _add_zones(farthest[:, None], near[width:], inverse[-1:], _shifted(plan.zones, width), units)
+        relus = _zone_units(near[:width], inverse, plan.zones, units)
+        return cls(plan, near, inverse, network[2], slope[:, :width] * near[:width], relus, farthest[:, 0])
+
+    def write(self, block: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Write ``heads`` of the block into ``block`` (g, rows, keys) (see the module's docstring)."""
+        count, rows, keys = block.shape
+        constants, slopes = self.plan.coefficients[0, heads], self.slopes[heads]  # (g, keys), (g, keys - 1)
+        view = _distance_view(block)  # (g, rows, keys - 1) V, contiguous per head
+        width = keys - 1
+        for h in range(count):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
+            torch.addcmul(constants[h, :width], slopes[h], self.inverse[:, None], out=view[h])
+        out_columns = self.w2[heads].t()[
+            :, :, None, None
+        ]  # (K, g, 1, 1); only the zones' units indexed below
+        for k, lo, hi, relu in self.relus:
+            view[:, :, lo:hi].addcmul_(out_columns[k], relu)
+        block[:, rows - 1, width].copy_(self.farthest[heads])
+        # the future of each row (reversed keys j' < rows - 1 - a), where V ran on: the minimum added,
+        # as the network's blocks add it (V's values there are lines and ReLUs of real distances, and
+        # value + minimum rounds to the minimum; a masked_fill_ measured ~10x slower)
+        block[:, 0, : rows - 1].zero_()  # row 0's future: before V, never written
+        block[:, :, :rows].add_(future_minimum(rows, rows, block.device))
 
 
 class BandedBlock(torch.autograd.Function):
@@ -188,7 +232,7 @@ class BandedBlock(torch.autograd.Function):
     def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan):
         near, inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
         block = near.new_empty(1, w2.shape[0], inverse.shape[0], near.shape[0])
-        _assemble(plan, near, inverse, (w1, b1, w2), block[0])
+        _Banded.of(near, inverse, (w1, b1, w2, b2), plan).write(block[0])
         ctx.save_for_backward(feature, normalizer, w1, b1, w2, b2)
         ctx.plan = plan
         return block
@@ -369,12 +413,19 @@ def _add_zones(
 ) -> None:
     """Add w2[:, k] relu(w1_k x + b1_k) over each unit's zone of ``target`` (Hq, rows, n), x =
     near * inverse[a] with ``near`` (n,); zones clipped to 0 .. n."""
-    spans = _clipped_spans(zones, target.shape[-1])
-    if not spans:
-        return
-    w1, b1, w2 = units
-    out_columns = w2.t()[:, :, None, None]  # (K, Hq, 1, 1); only the zones' units indexed below
-    for k, lo, hi in spans:
+    out_columns = units[2].t()[:, :, None, None]  # (K, Hq, 1, 1); only the zones' units indexed below
+    for k, lo, hi, relu in _zone_units(near, inverse, zones, units):
+        target[:, :, lo:hi].addcmul_(out_columns[k], relu)
+
+
+def _zone_units(
+    near: torch.Tensor, inverse: torch.Tensor, zones: list[tuple[int, int]], units: Units
+) -> list[tuple[int, int, int, torch.Tensor]]:
+    """(unit k, lo, hi, relu(w1_k x + b1_k) (rows, hi - lo)) of each zone clipped to 0 .. n, x =
+    near[lo:hi] * inverse[a] with ``near`` (n,)."""
+    w1, b1, _ = units
+    relus = []
+    for k, lo, hi in _clipped_spans(zones, near.shape[0]):
         x = near[lo:hi] * inverse[:, None]  # (rows, hi - lo)
-        hidden = torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)
-        target[:, :, lo:hi].addcmul_(out_columns[k], hidden)
+        relus.append((k, lo, hi, torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)))
+    return relus

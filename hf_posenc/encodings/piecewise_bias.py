@@ -35,6 +35,7 @@ The views, each exact (the same fp32 operations on the same x):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +212,33 @@ class PiecewiseDistanceBias(BlockBias):
                     self.feature, normalizer, first, k_end, network, x_range, scratch
                 )
         return None if block is None else block.to(dtype)
+
+    def folded_reversed_heads(
+        self,
+        start: int,
+        stop: int,
+        k_end: int,
+        dtype: torch.dtype,
+        group: int,
+        scratch: torch.Tensor | None = None,
+    ) -> Iterator[tuple[slice, torch.Tensor]] | None:
+        """:meth:`folded_reversed` ``group`` heads at a time where the bands build it (their plans and
+        zones made once for all heads, :func:`.network_bands.banded_head_blocks`); other blocks
+        (fewer keys than twice the rows) as one slice of every head when ``group`` covers them
+        all, else None."""
+        network = self.network
+        if network is None or not self._network_blocks(self.feature.device):
+            return None
+        heads = network[2].shape[0]
+        if not network_bands.serves(self._reversed_first(start, k_end), stop - start, k_end):
+            if group < heads:  # (keys < 2 rows: the caller builds it a group of heads at a time)
+                return None
+            block = self.folded_reversed(start, stop, k_end, dtype, scratch)
+            return None if block is None else iter([(slice(0, heads), block)])
+        blocks = network_bands.banded_head_blocks(
+            self.feature[:k_end], self.normalizer[:, start:stop], network, scratch, group
+        )
+        return ((heads, block.to(dtype)) for heads, block in blocks)
 
     def folded_reversed_with_gradients(
         self, start: int, stop: int, k_end: int, dtype: torch.dtype

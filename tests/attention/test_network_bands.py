@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from unittest import mock
 
+import pytest
 import torch
 from conftest import make_model, patch, token_ids
 from hypothesis import assume, given, settings
@@ -114,11 +115,11 @@ def _case(rows, past, width, c, threshold, second_row, seed):
 @given(**CASES)
 def test_banded_blocks_are_the_formula(rows, past, width, c, threshold, second_row, seed):
     """A block of ``rows`` queries, the last at key index keys - 1, keys = 2 rows + past: built in
-    bands (checked: :func:`fill_bands` ran), flipped back from reversed keys it is the formula at
+    bands (checked: :func:`plan_bands` ran), flipped back from reversed keys it is the formula at
     every causal key (fp32, 1e-5 of the scale) and the minimum at every future one."""
     function, queries, keys, start = _case(rows, past, width, c, threshold, second_row, seed)
     bias = function.bias(queries, rows, keys)
-    with torch.no_grad(), _counted(network_bands, "fill_bands") as calls:
+    with torch.no_grad(), _counted(network_bands, "plan_bands") as calls:
         block = bias.folded_reversed(0, rows, keys, torch.float32)
     assert block is not None and len(calls) == queries.shape[0]
     block = block.flip(-1)  # (B, H, rows, keys) over keys 0 .. keys-1
@@ -129,11 +130,45 @@ def test_banded_blocks_are_the_formula(rows, past, width, c, threshold, second_r
     assert bool((block[~causal] == torch.finfo(torch.float32).min).all())
 
 
-def test_fire_logits_with_banded_blocks_equal_eager():
+@settings(max_examples=20, deadline=None)
+@given(**CASES, group=st.integers(1, HEADS + 1))
+def test_banded_head_groups_are_the_formula(rows, past, width, c, threshold, second_row, seed, group):
+    """The same block built ``group`` heads at a time (``folded_reversed_heads``, as the chunked
+    backend attends FIRE past L without gradients), each group written into one shared buffer:
+    consecutive slices of at most ``group`` heads covering every head once, each group's block,
+    read before the next one is built, the formula at every causal key of its heads and the
+    minimum at every future one."""
+    function, queries, keys, start = _case(rows, past, width, c, threshold, second_row, seed)
+    bias = function.bias(queries, rows, keys)
+    expected = _formula(function, queries, keys).detach()  # (B, H, rows, keys)
+    causal = torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]  # (rows, keys)
+    scale = max(1.0, float(expected.abs().max()))
+    scratch = torch.empty(queries.shape[0] * group * rows * keys)
+    covered = []
+    with torch.no_grad():
+        groups = bias.folded_reversed_heads(0, rows, keys, torch.float32, group, scratch)
+        assert groups is not None
+        for heads, block in groups:
+            assert block.data_ptr() == scratch.data_ptr()  # the buffer, not a new block
+            assert heads.stop - heads.start == block.shape[1] <= group
+            covered.extend(range(heads.start, heads.stop))
+            block = block.flip(-1)  # over keys 0 .. keys-1
+            want = expected[:, heads]
+            torch.testing.assert_close(
+                block[..., causal].double(), want[..., causal], atol=1e-5 * scale, rtol=1e-5
+            )
+            assert bool((block[..., ~causal] == torch.finfo(torch.float32).min).all())
+    assert covered == list(range(HEADS))
+
+
+@pytest.mark.parametrize("heads_at_once", [1, 3, 4])
+def test_fire_logits_with_banded_blocks_equal_eager(heads_at_once):
     """T=700 with L=64 and a trained-like network (non-zero output layer, units switching
     inside [0, 1]): the chunked backend's blocks past L come from bands of distances (blocks of
-    128 queries over 2 x 128 keys or more), and its logits equal eager's (fp32, 1e-5); the same
-    with the bands switched off (the network's products)."""
+    128 queries over 2 x 128 keys or more), attended ``heads_at_once`` of the 4 query heads at a
+    time (3: a group of 3 and one of 1), and its logits equal eager's (fp32, 1e-5), its bias
+    buffer never asked for more than one group's block; the same with the bands switched off
+    (the network's products)."""
     models = {
         b: patch(make_model("llama"), "fire", {"init_L": 64.0}, backend=b) for b in ("eager", "chunked")
     }
@@ -147,7 +182,10 @@ def test_fire_logits_with_banded_blocks_equal_eager():
     # blocks of BUILT_BLOCK = 128 queries (no buffer budget to take more)
     with torch.no_grad(), mock.patch.object(chunked, "BUILT_VALUES", 0):
         reference = models["eager"](ids).logits
-        with _counted(network_bands, "fill_bands") as calls:
+        with (
+            _counted(network_bands, "plan_bands") as calls,
+            mock.patch.object(chunked, "BUILT_HEADS", heads_at_once),
+        ):
             banded = models["chunked"](ids).logits
         with mock.patch.object(network_bands, "BANDS", False):
             products = models["chunked"](ids).logits
@@ -155,6 +193,35 @@ def test_fire_logits_with_banded_blocks_equal_eager():
     assert len(calls) == layers * 5  # queries 128.., 256.., 384.., 512.., 640..699
     torch.testing.assert_close(banded, reference, atol=1e-5, rtol=0)
     torch.testing.assert_close(products, reference, atol=1e-5, rtol=0)
+
+
+def test_fire_forward_buffer_holds_one_head():
+    """Without gradients, past L = 128 every block of 128 queries is built in bands (keys >= 2 x
+    128) one query head at a time (``chunked.BUILT_HEADS = 1``): the bias buffer the chunked
+    backend asks for holds one head's block (128 x 700 values), a quarter of the 4 heads' block
+    it held before."""
+    model = patch(make_model("llama"), "fire", {"init_L": 128.0}, backend="chunked")
+    with torch.no_grad():  # L = 128: the first 128 queries are a table over distances
+        for name, parameter in model.posenc.named_parameters():
+            if name.endswith("L_multiplier"):
+                parameter.fill_(1.0)
+    sizes: list[int] = []
+    buffer = chunked.bias_scratch
+
+    def sized(memo, size, *args):
+        sizes.append(size)
+        return buffer(memo, size, *args)
+
+    with (
+        torch.no_grad(),
+        mock.patch.object(chunked, "BUILT_VALUES", 0),
+        mock.patch.object(chunked, "BUILT_HEADS", 1),
+        mock.patch.object(chunked, "bias_scratch", sized),
+        _counted(network_bands, "plan_bands") as calls,
+    ):
+        model(token_ids(1, 700))
+    assert len(calls) == model.config.num_hidden_layers * 5  # queries 128.. to 640..699
+    assert set(sizes) == {128 * 700}
 
 
 @settings(max_examples=12, deadline=None)
