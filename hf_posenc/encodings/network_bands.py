@@ -311,26 +311,33 @@ def _zones_gradient(
     ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)) and to ``dx`` (rows, D). All zones at
     once: their columns gathered into one (Hq, rows, n) copy, each column with its unit's
     parameters, the per-unit sums by ``index_add_`` (zones of two units may share columns: both
-    are added), so a block costs a few passes over its zones' columns instead of ten small
-    operations per zone."""
+    are added), so a block costs a few passes over its zones' columns (one per head) instead of
+    ten small operations per zone."""
     w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
     spans = _clipped_spans(zones, grad.shape[-1])
     if not spans:
         return
-    where = torch.tensor(
-        [
-            [d for _, lo, hi in spans for d in range(lo, hi)],
-            [k for k, lo, hi in spans for _ in range(lo, hi)],
-        ],
-        device=grad.device,
-    )  # (2, n): each gathered column's distance and unit
-    columns, owner = where[0], where[1]
+    given = torch.tensor(spans, device=grad.device).t()  # (3, zones): unit, lo, hi
+    widths = given[2] - given[1]
+    owner = torch.repeat_interleave(given[0], widths)  # (n,) each gathered column's unit
+    # and its distance: lo of its zone plus its place in the zone
+    columns = torch.arange(owner.shape[0], device=grad.device)
+    columns += torch.repeat_interleave(given[1] - (torch.cumsum(widths, 0) - widths), widths)
     gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in spans], dim=2)  # (Hq, rows, n) G
     x = near[columns] * inverse[:, None]  # (rows, n)
     unit_weight = w1[owner]  # (n,)
     hidden = torch.addcmul(b1[owner], x, unit_weight).clamp_(min=0)  # (rows, n) r
-    grad_w2.index_add_(1, owner, (gathered * hidden).sum(1))  # sum over rows of G r, per column
-    through = (gathered * w2[:, owner][:, None, :]).sum(0).mul_(hidden > 0)  # (rows, n) g
+    # head by head (no (Hq, rows, n) temporaries: ~20 % faster): the sums over rows of G r per
+    # column, and g = sum_h w2[h, k] G
+    weights = w2[:, owner]  # (Hq, n)
+    per_column = torch.empty_like(weights)  # (Hq, n)
+    through = gathered[0] * weights[0]  # (rows, n)
+    for h in range(gathered.shape[0]):
+        torch.sum(gathered[h] * hidden, 0, out=per_column[h])
+        if h:
+            through.addcmul_(gathered[h], weights[h])
+    grad_w2.index_add_(1, owner, per_column)
+    through.mul_(hidden > 0)  # g where the unit is on
     grad_b1.index_add_(0, owner, through.sum(0))
     grad_w1.index_add_(0, owner, (through * x).sum(0))
     dx.index_add_(1, columns, through.mul_(unit_weight))
