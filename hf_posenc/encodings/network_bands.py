@@ -83,14 +83,6 @@ def plan_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network) -> B
     return BandPlan(zones, band_of, on, coefficients)
 
 
-def fill_bands(near: torch.Tensor, inverse: torch.Tensor, network: Network, block: torch.Tensor) -> None:
-    """Write the causal block of one batch row over keys in reverse order into ``block`` (Hq,
-    rows, keys), keys >= 2 rows, its last row's first key at distance 0, the future at fp32's
-    minimum (arguments as :func:`plan_bands`); x = near[d] * inverse[a], rounded once."""
-    with torch.no_grad():
-        _Banded.of(near, inverse, network).write(block)
-
-
 def line_and_inverse(feature: torch.Tensor, normalizer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(near, inverse) in fp32 from ``feature`` (keys,) and ``normalizer`` (..., rows) in any
     float dtype: near = feature rounded once, inverse = 1 / normaliser rounded once (x = near *
@@ -109,9 +101,11 @@ def banded_block(
     feature: torch.Tensor, normalizer: torch.Tensor, network: Network, scratch: torch.Tensor | None
 ) -> torch.Tensor:
     """Without gradients, the causal block of every batch row over keys in reverse order, (B|1,
-    Hq, rows, keys) fp32 in ``scratch`` when it is large enough (fp32), ``feature`` (keys,) =
-    feature[d] for d = 0 .. keys-1 and ``normalizer`` (B|1, rows) in any float dtype (x = near *
-    inverse with near = feature.float(), inverse = normalizer.reciprocal().float())."""
+    Hq, rows, keys) fp32 in ``scratch`` when it is large enough (fp32), keys >= 2 rows, its
+    last row's first key at distance 0, the future at fp32's minimum; ``feature`` (keys,)
+    = feature[d] for d = 0 .. keys-1 and ``normalizer`` (B|1, rows) in any float dtype (x =
+    near[d] * inverse[a], rounded once, with near = feature.float(), inverse =
+    normalizer.reciprocal().float())."""
     heads = network[2].shape[0]
     return next(banded_head_blocks(feature, normalizer, network, scratch, heads))[1]
 
@@ -146,7 +140,7 @@ def banded_head_blocks(
 
 def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> torch.Tensor:
     """The causal block of every batch row, (B|1, Hq, rows, keys) fp32 over keys in reverse order,
-    as :func:`fill_bands` writes it from near = feature.float() and inverse =
+    as :func:`banded_block` writes it from near = feature.float() and inverse =
     normalizer.reciprocal().float(); ``feature`` (keys,) = feature[d] for d = 0 .. keys-1 and
     ``normalizer`` (B|1, rows) in any float dtype (FIRE: fp64), differentiable in them and the
     network (:class:`BandedBlock`)."""
@@ -213,7 +207,7 @@ class _Banded:
 
 class BandedBlock(torch.autograd.Function):
     """(near (keys,), inverse (rows,), w1, b1, w2, b2, the :class:`BandPlan`) -> one batch row's
-    block (1, Hq, rows, keys) as :func:`fill_bands` writes it. Backward, from the block's gradient G
+    block (1, Hq, rows, keys) as :func:`banded_block` writes it. Backward, from the block's gradient G
     (its future entries, which a softmax's dS holds as exact zeros, are set to 0 in place: V
     reads them), in the same bands:
 

@@ -231,10 +231,8 @@ class PiecewiseDistanceBias(BlockBias):
             return None
         heads = network[2].shape[0]
         if not network_bands.serves(self._reversed_first(start, k_end), stop - start, k_end):
-            if group < heads:  # (keys < 2 rows: the caller builds it a group of heads at a time)
-                return None
-            block = self.folded_reversed(start, stop, k_end, dtype, scratch)
-            return None if block is None else iter([(slice(0, heads), block)])
+            # (keys < 2 rows: for groups of fewer heads the caller builds it a group at a time)
+            return super().folded_reversed_heads(start, stop, k_end, dtype, group) if group >= heads else None
         blocks = network_bands.banded_head_blocks(
             self.feature[:k_end], self.normalizer[:, start:stop], network, scratch, group
         )
