@@ -125,6 +125,7 @@ def banded_head_blocks(
     with torch.no_grad():  # (not around the yield: the caller would run without gradients)
         near, inverse = line_and_inverse(feature, normalizer)
         rows_of_batch = [_Banded.of(near, row_inverse, network) for row_inverse in inverse]
+    views: tuple[tuple[int, torch.Size], list[_BlockViews]] | None = None  # of the last block written
     for first in range(0, heads, group):
         chosen = slice(first, min(heads, first + group))
         size = batch * (chosen.stop - first) * rows * keys
@@ -132,9 +133,19 @@ def banded_head_blocks(
             out = scratch[:size].view(batch, -1, rows, keys)
         else:
             out = feature.new_empty(batch, chosen.stop - first, rows, keys, dtype=torch.float32)
+        # the groups of one block written into one buffer share their views (taking them is a
+        # good part of a group's cost: ~35 indexing operations per head at 256 rows)
+        if views is None or views[0] != (out.data_ptr(), out.shape):
+            views = (
+                (out.data_ptr(), out.shape),
+                [
+                    _BlockViews.of(row_block, banded.spans)
+                    for banded, row_block in zip(rows_of_batch, out, strict=True)
+                ],
+            )
         with torch.no_grad():
-            for banded, row_block in zip(rows_of_batch, out, strict=True):
-                banded.write(row_block, chosen)
+            for banded, row_views in zip(rows_of_batch, views[1], strict=True):
+                banded.write(row_views, chosen)
         yield chosen, out
 
 
@@ -158,51 +169,92 @@ def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Networ
 
 @dataclasses.dataclass
 class _Banded:
-    """One batch row's block made ready for :meth:`write` to write any of its heads: the plan,
-    V's slopes E (Hq, keys - 1), each zone's ReLUs over V (unit k, lo, hi, relu(w1_k x + b1_k)
-    (rows, hi - lo), shared by the heads) and the last row's farthest key (Hq,), outside V."""
+    """One batch row's block made ready for :meth:`write` to write any of its heads: per head C[h]
+    and E[h] over V's distances (keys - 1,), the zones' ReLUs over V (relu(w1_k x + b1_k), (rows,
+    hi - lo) per zone [lo, hi) of unit k, shared by the heads), w2, and the last row's farthest
+    key (Hq,), outside V."""
 
-    plan: BandPlan
-    near: torch.Tensor
-    inverse: torch.Tensor
-    w2: torch.Tensor
-    slopes: torch.Tensor
-    relus: list[tuple[int, int, int, torch.Tensor]]
+    constants: list[torch.Tensor]
+    slopes: list[torch.Tensor]
+    inverse: torch.Tensor  # (rows, 1)
+    spans: list[tuple[int, int]]
+    relus: list[tuple[int, torch.Tensor]]
+    weights: list[list[float]]  # (Hq, K) w2 as numbers
+    out_columns: torch.Tensor  # (K, Hq, 1, 1) w2
     farthest: torch.Tensor
+    corner: torch.Tensor  # (rows, rows): the future's minimum over the first rows reversed keys
 
     @classmethod
     def of(
         cls, near: torch.Tensor, inverse: torch.Tensor, network: Network, plan: BandPlan | None = None
     ) -> _Banded:
         plan = plan_bands(near, inverse, network) if plan is None else plan
-        units, width = network[:3], near.shape[0] - 1
+        w1, b1, w2, b2 = network
+        width = near.shape[0] - 1
         constant, slope = plan.coefficients  # (Hq, keys) each
-        farthest = torch.addcmul(
-            constant[:, width:], slope[:, width:] * near[width:], inverse[-1:]
-        )  # (Hq, 1)
-        _add_zones(farthest[:, None], near[width:], inverse[-1:], _shifted(plan.zones, width), units)
-        relus = _zone_units(near[:width], inverse, plan.zones, units)
-        return cls(plan, near, inverse, network[2], slope[:, :width] * near[:width], relus, farthest[:, 0])
+        # the last row's farthest key (distance keys - 1) from the network itself: one value per head
+        farthest = torch.addmv(b2, w2, torch.relu(w1 * (near[width] * inverse[-1]) + b1))  # (Hq,)
+        zones = _zone_units(near[:width], inverse, plan.zones, network[:3])
+        return cls(
+            list(constant[:, :width]),
+            list(slope[:, :width] * near[:width]),
+            inverse[:, None],
+            [(lo, hi) for _, lo, hi, _ in zones],
+            [(k, relu) for k, _, _, relu in zones],
+            w2.tolist(),
+            w2.t()[:, :, None, None],
+            farthest,
+            future_minimum(inverse.shape[0], inverse.shape[0], near.device),
+        )
 
-    def write(self, block: torch.Tensor, heads: slice = slice(None)) -> None:
-        """Write ``heads`` of the block into ``block`` (g, rows, keys) (see the module's docstring)."""
-        count, rows, keys = block.shape
-        constants, slopes = self.plan.coefficients[0, heads], self.slopes[heads]  # (g, keys), (g, keys - 1)
-        view = _distance_view(block)  # (g, rows, keys - 1) V, contiguous per head
-        width = keys - 1
-        for h in range(count):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
-            torch.addcmul(constants[h, :width], slopes[h], self.inverse[:, None], out=view[h])
-        out_columns = self.w2[heads].t()[
-            :, :, None, None
-        ]  # (K, g, 1, 1); only the zones' units indexed below
-        for k, lo, hi, relu in self.relus:
-            view[:, :, lo:hi].addcmul_(out_columns[k], relu)
-        block[:, rows - 1, width].copy_(self.farthest[heads])
+    def write(self, views: _BlockViews, heads: slice) -> None:
+        """Write ``heads`` of the block into the block ``views`` shows (g, rows, keys) (see the
+        module's docstring)."""
+        first = heads.start
+        for h, line in enumerate(
+            views.lines
+        ):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
+            torch.addcmul(self.constants[first + h], self.slopes[first + h], self.inverse, out=line)
+        if len(views.lines) == 1:  # one head: its w2 as numbers
+            weights = self.weights[first]
+            for (k, relu), columns in zip(self.relus, views.zones, strict=True):
+                columns.add_(relu, alpha=weights[k])
+        else:
+            out_columns = self.out_columns[:, heads]  # (K, g, 1, 1)
+            for (k, relu), columns in zip(self.relus, views.zones, strict=True):
+                columns.addcmul_(out_columns[k], relu)
+        views.farthest.copy_(self.farthest[heads])
         # the future of each row (reversed keys j' < rows - 1 - a), where V ran on: the minimum added,
         # as the network's blocks add it (V's values there are lines and ReLUs of real distances, and
         # value + minimum rounds to the minimum; a masked_fill_ measured ~10x slower)
-        block[:, 0, : rows - 1].zero_()  # row 0's future: before V, never written
-        block[:, :, :rows].add_(future_minimum(rows, rows, block.device))
+        views.row_zero_future.zero_()  # row 0's future: before V, never written
+        views.corner.add_(self.corner)
+
+
+@dataclasses.dataclass
+class _BlockViews:
+    """The views of one block (g, rows, keys) over reversed keys that :meth:`_Banded.write` writes:
+    each head's V (rows, keys - 1), each zone's columns of V (g, rows, hi - lo), the last row's
+    farthest key (g,), row 0's future (g, rows - 1) and the (g, rows, rows) corner of every row's
+    future."""
+
+    lines: list[torch.Tensor]
+    zones: list[torch.Tensor]
+    farthest: torch.Tensor
+    row_zero_future: torch.Tensor
+    corner: torch.Tensor
+
+    @classmethod
+    def of(cls, block: torch.Tensor, spans: list[tuple[int, int]]) -> _BlockViews:
+        _, rows, keys = block.shape
+        view = _distance_view(block)  # (g, rows, keys - 1) V, contiguous per head
+        return cls(
+            list(view),
+            [view[:, :, lo:hi] for lo, hi in spans],
+            block[:, rows - 1, keys - 1],
+            block[:, 0, : rows - 1],
+            block[:, :, :rows],
+        )
 
 
 class BandedBlock(torch.autograd.Function):
@@ -226,7 +278,8 @@ class BandedBlock(torch.autograd.Function):
     def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan):
         near, inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
         block = near.new_empty(1, w2.shape[0], inverse.shape[0], near.shape[0])
-        _Banded.of(near, inverse, (w1, b1, w2, b2), plan).write(block[0])
+        banded = _Banded.of(near, inverse, (w1, b1, w2, b2), plan)
+        banded.write(_BlockViews.of(block[0], banded.spans), slice(0, w2.shape[0]))
         ctx.save_for_backward(feature, normalizer, w1, b1, w2, b2)
         ctx.plan = plan
         return block
@@ -403,20 +456,6 @@ def _clipped_spans(zones: list[tuple[int, int]], width: int) -> list[tuple[int, 
     return [
         (k, max(lo, 0), min(hi, width)) for k, (lo, hi) in enumerate(zones) if min(hi, width) > max(lo, 0)
     ]
-
-
-def _add_zones(
-    target: torch.Tensor,
-    near: torch.Tensor,
-    inverse: torch.Tensor,
-    zones: list[tuple[int, int]],
-    units: Units,
-) -> None:
-    """Add w2[:, k] relu(w1_k x + b1_k) over each unit's zone of ``target`` (Hq, rows, n), x =
-    near * inverse[a] with ``near`` (n,); zones clipped to 0 .. n."""
-    out_columns = units[2].t()[:, :, None, None]  # (K, Hq, 1, 1); only the zones' units indexed below
-    for k, lo, hi, relu in _zone_units(near, inverse, zones, units):
-        target[:, :, lo:hi].addcmul_(out_columns[k], relu)
 
 
 def _zone_units(
