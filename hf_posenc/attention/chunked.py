@@ -168,8 +168,8 @@ def attend_chunked(
                 # each group's q, k, v (the groups are consecutive slices of `group` heads)
                 parts = zip(*(part.split(group, dim=1) for part in (q_block, k_block, v_block)), strict=True)
                 outputs = [
-                    block_attention(*part, backwards, softmax_scale, dropout_p)
-                    for part, (_, backwards) in zip(parts, groups, strict=True)
+                    block_attention(q_part, k_part, v_part, backwards, softmax_scale, dropout_p)
+                    for (q_part, k_part, v_part), (_, backwards) in zip(parts, groups, strict=True)
                 ]
                 return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         # (B|1, 1, rows, keys) or None: the causal keys (bottom-right aligned)
