@@ -56,19 +56,20 @@ QUERY_BLOCK = 256
 #: plan, the kernel call) spread over more rows where the buffer is small, and a long call keeps
 #: BUILT_BLOCK rows (one head at a time: from T=65536; all 8 heads: from T=8192). The bench's
 #: model (8 heads, idle, two threads, one process alternating, scripts/cpu_constant_ab.py
-#: --constant ...:BUILT_BLOCK, 2026-11-27 on the AVX2 machine): FIRE forward 256 rows against 128, 1.21 -> 1.05 s at T=4096 (10 rounds) and
-#: 0.365 -> 0.327 s at T=2048 (8 rounds); the buffer 16 -> 32 MiB at T=4096 (it was 128 rows
-#: whatever T from 35e4730 on: with the bands' per-block plan, 128-row blocks cost more)
+#: --constant ...:BUILT_BLOCK, 2026-11-27 on the AVX2 machine, all heads at once): FIRE forward
+#: 256 rows against 128, 1.21 -> 1.05 s at T=4096 (10 rounds) and 0.365 -> 0.327 s at T=2048 (8
+#: rounds); the buffer 16 -> 32 MiB at T=4096 (it was 128 rows whatever T from 35e4730 on: with
+#: the bands' per-block plan, 128-row blocks cost more)
 BUILT_VALUES = 8 * 1024 * 1024
 BUILT_BLOCK = 128
 #: such a call's blocks built over reversed keys (FIRE past L on CPU, ``BlockBias.folded_reversed_heads``;
 #: the few blocks the bands do not build through ``BlockBias.heads``) are built and attended this
-#: many query heads at a time, each group's block just before its kernel call: the buffer holds one
-#: group's block (4 MiB instead of 32 at T=4096 with 8 heads; the bench's forward peak 1.54x ->
-#: 1.09x native's), and the rows' budget above counts one group. Time: within the machine's noise
-#: (scripts/cpu_constant_ab.py --encoding fire --mode forward --length 4096 --constant
-#: ...:BUILT_HEADS --values 8 1 2 4 --rounds 14, 2026-11-27, idle: medians 1.022 / 1.028 / 1.002 /
-#: 1.010 s; per head more operations (each zone per group) and the block read from cache)
+#: many query heads at a time, each group's block just before its kernel call: the buffer holds
+#: one group's block (4 MiB instead of 32 at T=4096 with 8 heads; the bench model's inference peak
+#: by the profiler's count 72 -> 44 MiB, native 41), and the rows' budget above counts one group.
+#: Time per forward at T=4096 (scripts/cpu_constant_ab.py --encoding fire --mode forward --length
+#: 4096 --constant ...:BUILT_HEADS --values 8 1 2 4 --rounds 12, 2026-11-27, idle, a block's views
+#: shared by its groups): medians 1.137 / 1.132 / 1.217 / 1.195 s (the machine's noise is ~5 %)
 BUILT_HEADS = 1
 #: up to this many queries (decoding steps) the bias block is written out: cheaper than reversing the keys
 FEW_QUERIES = 16

@@ -211,9 +211,8 @@ class _Banded:
         """Write ``heads`` of the block into the block ``views`` shows (g, rows, keys) (see the
         module's docstring)."""
         first = heads.start
-        for h, line in enumerate(
-            views.lines
-        ):  # one pass per head (two broadcast passes over all heads: ~30 % slower)
+        # one pass per head (two broadcast passes over all heads: ~30 % slower)
+        for h, line in enumerate(views.lines):
             torch.addcmul(self.constants[first + h], self.slopes[first + h], self.inverse, out=line)
         if len(views.lines) == 1:  # one head: its w2 as numbers
             weights = self.weights[first]
