@@ -299,6 +299,10 @@ class BandedBlock(torch.autograd.Function):
         grad_lines = torch.empty_like(plan.coefficients)  # (2, Hq, keys) dC, dslope
         grad_near = torch.zeros_like(feature)
         grad_inverse = torch.zeros(rows, dtype=torch.float64, device=grad.device)
+        # near and inv unrounded (fp64) for dx's sums to them: their two paths to c nearly cancel, so
+        # each must be as exact as dx (with near, inv rounded to fp32 c's gradient was off by ~1e-5 of
+        # either path's size: rows=1, keys=3, c=1, L=1 read 3.996e-6 against 4.143e-6)
+        near64, inverse64 = feature.double(), normalizer.double().reciprocal()
         # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1), in its own (Hq, 1, 1)
         parts = (
             (_distance_view(grad), slice(0, width), slice(0, rows), plan.zones),
@@ -320,8 +324,8 @@ class BandedBlock(torch.autograd.Function):
                 dx.addcmul_(view[h], slopes[h, columns])
             _zones_gradient(view, part_near, part_inverse, zones, unit, dx)
             dx64 = dx.double()
-            grad_near[columns] += (part_inverse.double() @ dx64).to(feature.dtype)
-            grad_inverse[part_rows] += dx64 @ part_near.double()
+            grad_near[columns] += (inverse64[part_rows] @ dx64).to(feature.dtype)
+            grad_inverse[part_rows] += dx64 @ near64[columns]
         grad_b2 = _lines_gradient(grad_lines, plan, unit)
         # inverse = 1 / normaliser
         grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)

@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import make_model, patch, token_ids
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.attention import chunked
@@ -226,6 +226,9 @@ def test_fire_forward_buffer_holds_one_head():
 
 @settings(max_examples=12, deadline=None)
 @given(**CASES)
+# c's two paths (through psi(d) and through the normaliser) nearly cancel here: with the fp32
+# near and inv in dx's sums c's gradient read 3.996e-6 against 4.143e-6
+@example(rows=1, past=1, width=1, c=1.0, threshold=1.0, second_row=False, seed=0)
 def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, threshold, second_row, seed):
     """The block rebuilt with gradients (``folded_reversed_with_gradients``, as backward of the
     chunked backend's training blocks takes it) under a random upstream gradient (random at the
