@@ -27,7 +27,7 @@ outside it the only rows it could misplace lie within rounding of p_k, where its
 rounding of 0. C and E change only where a unit enters or leaves its zone, so they are gathered
 per distance from at most 2K + 1 bands. The future (the first rows - 1 - a keys of row a) is
 fp32's minimum, added after V over the (rows, rows) corner of every row
-(:func:`.network_block.future_minimum`, as the network's blocks add it). With gradients (:class:`BandedBlock`)
+(:func:`.network_block.future_minimum`, as the network's blocks add it). With gradients (:class:`.network_bands_backward.BandedBlock`)
 the backward works in the same bands and gives the network's gradients by hand (no autograd
 graph through the bands' coefficients).
 
@@ -42,7 +42,6 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from .network_block import future_minimum
 
@@ -124,8 +123,8 @@ def banded_head_blocks(
     (batch, rows), keys, heads = normalizer.shape, feature.shape[0], network[2].shape[0]
     with torch.no_grad():  # (not around the yield: the caller would run without gradients)
         near, inverse = line_and_inverse(feature, normalizer)
-        rows_of_batch = [_Banded.of(near, row_inverse, network) for row_inverse in inverse]
-    views: tuple[tuple[int, torch.Size], list[_BlockViews]] | None = None  # of the last block written
+        rows_of_batch = [Banded.of(near, row_inverse, network) for row_inverse in inverse]
+    views: tuple[tuple[int, torch.Size], list[BlockViews]] | None = None  # of the last block written
     for first in range(0, heads, group):
         chosen = slice(first, min(heads, first + group))
         size = batch * (chosen.stop - first) * rows * keys
@@ -139,7 +138,7 @@ def banded_head_blocks(
             views = (
                 (out.data_ptr(), out.shape),
                 [
-                    _BlockViews.of(row_block, banded.spans)
+                    BlockViews.of(row_block, banded.spans)
                     for banded, row_block in zip(rows_of_batch, out, strict=True)
                 ],
             )
@@ -149,26 +148,8 @@ def banded_head_blocks(
         yield chosen, out
 
 
-def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> torch.Tensor:
-    """The causal block of every batch row, (B|1, Hq, rows, keys) fp32 over keys in reverse order,
-    as :func:`banded_block` writes it from near = feature.float() and inverse =
-    normalizer.reciprocal().float(); ``feature`` (keys,) = feature[d] for d = 0 .. keys-1 and
-    ``normalizer`` (B|1, rows) in any float dtype (FIRE: fp64), differentiable in them and the
-    network (:class:`BandedBlock`)."""
-    with torch.no_grad():
-        near, inverse = line_and_inverse(feature, normalizer)
-    blocks = [
-        BandedBlock.apply(feature, row_normalizer, *network, plan_bands(near, row_inverse, network))
-        for row_normalizer, row_inverse in zip(normalizer, inverse, strict=True)
-    ]  # (1, Hq, rows, keys) each
-    # one row's block is the function's own output, not a view of it: the chunked backend writes
-    # its scores into the block in backward (in place), and a view's gradient would then be
-    # rebuilt as an as_strided one (a zero-filled block and a scatter, ~2 ms per block)
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-
-
 @dataclasses.dataclass
-class _Banded:
+class Banded:
     """One batch row's block made ready for :meth:`write` to write any of its heads: per head C[h]
     and E[h] over V's distances (keys - 1,), the zones' ReLUs over V (relu(w1_k x + b1_k), (rows,
     hi - lo) per zone [lo, hi) of unit k, shared by the heads), w2, and the last row's farthest
@@ -187,7 +168,7 @@ class _Banded:
     @classmethod
     def of(
         cls, near: torch.Tensor, inverse: torch.Tensor, network: Network, plan: BandPlan | None = None
-    ) -> _Banded:
+    ) -> Banded:
         plan = plan_bands(near, inverse, network) if plan is None else plan
         w1, b1, w2, b2 = network
         width = near.shape[0] - 1
@@ -207,7 +188,7 @@ class _Banded:
             future_minimum(inverse.shape[0], inverse.shape[0], near.device),
         )
 
-    def write(self, views: _BlockViews, heads: slice) -> None:
+    def write(self, views: BlockViews, heads: slice) -> None:
         """Write ``heads`` of the block into the block ``views`` shows (g, rows, keys) (see the
         module's docstring)."""
         first = heads.start
@@ -231,8 +212,8 @@ class _Banded:
 
 
 @dataclasses.dataclass
-class _BlockViews:
-    """The views of one block (g, rows, keys) over reversed keys that :meth:`_Banded.write` writes:
+class BlockViews:
+    """The views of one block (g, rows, keys) over reversed keys that :meth:`Banded.write` writes:
     each head's V (rows, keys - 1), each zone's columns of V (g, rows, hi - lo), the last row's
     farthest key (g,), row 0's future (g, rows - 1) and the (g, rows, rows) corner of every row's
     future."""
@@ -244,9 +225,9 @@ class _BlockViews:
     corner: torch.Tensor
 
     @classmethod
-    def of(cls, block: torch.Tensor, spans: list[tuple[int, int]]) -> _BlockViews:
+    def of(cls, block: torch.Tensor, spans: list[tuple[int, int]]) -> BlockViews:
         _, rows, keys = block.shape
-        view = _distance_view(block)  # (g, rows, keys - 1) V, contiguous per head
+        view = distance_view(block)  # (g, rows, keys - 1) V, contiguous per head
         return cls(
             list(view),
             [view[:, :, lo:hi] for lo, hi in spans],
@@ -256,144 +237,7 @@ class _BlockViews:
         )
 
 
-class BandedBlock(torch.autograd.Function):
-    """(near (keys,), inverse (rows,), w1, b1, w2, b2, the :class:`BandPlan`) -> one batch row's
-    block (1, Hq, rows, keys) as :func:`banded_block` writes it. Backward, from the block's gradient G
-    (its future entries, which a softmax's dS holds as exact zeros, are set to 0 in place: V
-    reads them), in the same bands:
-
-    - V's lines: dC[h, d] = S0[h, d] = sum_a G[h, a, d], dslope[h, d] = near[d] S1[h, d] with
-      S1 = sum_a G inv[a] (one product over V's rows), d near[d] += sum_h slope S1, d inv[a] +=
-      sum_h (G[h] @ E[h])[a] (E = slope * near); the same for the last row's farthest key;
-    - each zone: with r = relu(w1 x + b1), d w2[:, k] += sum G r, g = sum_h w2[h, k] G where r > 0,
-      d b1_k += sum g, d w1_k += sum g x, and dx = w1_k g to near and inv;
-    - the lines to the network (:func:`_lines_gradient`): dC and dslope summed per band, then
-      through C = b2 + sum_on w2 b1 and slope = sum_on w2 w1.
-
-    near and inv pass theirs on to FIRE's c and L. O(rows x keys) work per head, no matrix
-    products over features."""
-
-    @staticmethod
-    def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan):
-        near, inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
-        block = near.new_empty(1, w2.shape[0], inverse.shape[0], near.shape[0])
-        banded = _Banded.of(near, inverse, (w1, b1, w2, b2), plan)
-        banded.write(_BlockViews.of(block[0], banded.spans), slice(0, w2.shape[0]))
-        ctx.save_for_backward(feature, normalizer, w1, b1, w2, b2)
-        ctx.plan = plan
-        return block
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        feature, normalizer, w1, b1, w2, b2 = ctx.saved_tensors
-        plan: BandPlan = ctx.plan
-        near, inverse = line_and_inverse(feature, normalizer)
-        grad = grad[0].float().contiguous()  # (Hq, rows, keys): the distance view reads its memory
-        heads, rows, keys = grad.shape
-        width = keys - 1
-        # the future at 0: V reads it as row a - 1's farthest distances
-        grad[:, :, :rows].mul_(future_minimum(rows, rows, grad.device) == 0)
-        grad_w1, grad_b1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        unit = (w1, b1, w2, grad_w1, grad_b1, grad_w2)
-        slopes = plan.coefficients[1]  # (Hq, keys)
-        grad_lines = torch.empty_like(plan.coefficients)  # (2, Hq, keys) dC, dslope
-        grad_near = torch.zeros_like(feature)
-        grad_inverse = torch.zeros(rows, dtype=torch.float64, device=grad.device)
-        # near and inv unrounded (fp64) for dx's sums to them: their two paths to c nearly cancel, so
-        # each must be as exact as dx (with near, inv rounded to fp32 c's gradient was off by ~1e-5 of
-        # either path's size: rows=1, keys=3, c=1, L=1 read 3.996e-6 against 4.143e-6)
-        near64, inverse64 = feature.double(), normalizer.double().reciprocal()
-        # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1), in its own (Hq, 1, 1)
-        parts = (
-            (_distance_view(grad), slice(0, width), slice(0, rows), plan.zones),
-            (
-                grad[:, rows - 1 :, width:],
-                slice(width, keys),
-                slice(rows - 1, rows),
-                _shifted(plan.zones, width),
-            ),
-        )
-        for view, columns, part_rows, zones in parts:
-            part_near, part_inverse = near[columns], inverse[part_rows]
-            torch.sum(view, 1, out=grad_lines[0, :, columns])  # S0
-            torch.mul(torch.matmul(part_inverse, view), part_near, out=grad_lines[1, :, columns])  # S1 near
-            # dx (rows, n) = sum_h G slope (+ the zones' ReLUs), to near and inv in fp64 below (FIRE's
-            # c sums dx times dx/dc, whose two terms nearly cancel: fp32 sums of each lose ~1e-4)
-            dx = view[0] * slopes[0, columns]
-            for h in range(1, heads):
-                dx.addcmul_(view[h], slopes[h, columns])
-            _zones_gradient(view, part_near, part_inverse, zones, unit, dx)
-            dx64 = dx.double()
-            grad_near[columns] += (inverse64[part_rows] @ dx64).to(feature.dtype)
-            grad_inverse[part_rows] += dx64 @ near64[columns]
-        grad_b2 = _lines_gradient(grad_lines, plan, unit)
-        # inverse = 1 / normaliser
-        grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)
-        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_b2, None
-
-
-def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> torch.Tensor:
-    """The per-distance gradients of C and slope (2, Hq, keys) to the network: added to w2, b1
-    and w1 (in ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)); -> the gradient of b2 (Hq,).
-    Per band i (C, slope constant there): C_i = b2 + sum_k on[i, k] w2[:, k] b1_k, slope_i =
-    sum_k on[i, k] w2[:, k] w1_k."""
-    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
-    member = F.one_hot(plan.band_of, plan.on.shape[0]).to(grad_lines.dtype)  # (keys, I)
-    per_band = grad_lines @ member  # (2, Hq, I) dC, dslope summed over each band's distances
-    on = plan.on.to(per_band.dtype)  # (I, K)
-    through_constant, through_slope = per_band @ on  # (Hq, K) each: sum over the bands where k is on
-    grad_w2 += through_constant * b1 + through_slope * w1
-    grad_b1 += (through_constant * w2).sum(0)
-    grad_w1 += (through_slope * w2).sum(0)
-    return per_band[0].sum(1)
-
-
-def _zones_gradient(
-    grad: torch.Tensor,
-    near: torch.Tensor,
-    inverse: torch.Tensor,
-    zones: list[tuple[int, int]],
-    unit: tuple,
-    dx: torch.Tensor,
-) -> None:
-    """Every zone's share of V's gradient ``grad`` (Hq, rows, D) at x = near[d] * inverse[a]
-    (``near`` (D,)), zones clipped to 0 .. D: added to the units' w2 columns, b1 and w1 (in
-    ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)) and to ``dx`` (rows, D). All zones at
-    once: their columns gathered into one (Hq, rows, n) copy, each column with its unit's
-    parameters, the per-unit sums by ``index_add_`` (zones of two units may share columns: both
-    are added), so a block costs a few passes over its zones' columns (one per head) instead of
-    ten small operations per zone."""
-    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
-    spans = _clipped_spans(zones, grad.shape[-1])
-    if not spans:
-        return
-    given = torch.tensor(spans, device=grad.device).t()  # (3, zones): unit, lo, hi
-    widths = given[2] - given[1]
-    owner = torch.repeat_interleave(given[0], widths)  # (n,) each gathered column's unit
-    # and its distance: lo of its zone plus its place in the zone
-    columns = torch.arange(owner.shape[0], device=grad.device)
-    columns += torch.repeat_interleave(given[1] - (torch.cumsum(widths, 0) - widths), widths)
-    gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in spans], dim=2)  # (Hq, rows, n) G
-    x = near[columns] * inverse[:, None]  # (rows, n)
-    unit_weight = w1[owner]  # (n,)
-    hidden = torch.addcmul(b1[owner], x, unit_weight).clamp_(min=0)  # (rows, n) r
-    # head by head (no (Hq, rows, n) temporaries: ~20 % faster): the sums over rows of G r per
-    # column, and g = sum_h w2[h, k] G
-    weights = w2[:, owner]  # (Hq, n)
-    per_column = torch.empty_like(weights)  # (Hq, n)
-    through = gathered[0] * weights[0]  # (rows, n)
-    for h in range(gathered.shape[0]):
-        torch.sum(gathered[h] * hidden, 0, out=per_column[h])
-        if h:
-            through.addcmul_(gathered[h], weights[h])
-    grad_w2.index_add_(1, owner, per_column)
-    through.mul_(hidden > 0)  # g where the unit is on
-    grad_b1.index_add_(0, owner, through.sum(0))
-    grad_w1.index_add_(0, owner, (through * x).sum(0))
-    dx.index_add_(1, columns, through.mul_(unit_weight))
-
-
-def _distance_view(block: torch.Tensor) -> torch.Tensor:
+def distance_view(block: torch.Tensor) -> torch.Tensor:
     """(Hq, rows, keys) over reversed keys -> the (Hq, rows, keys - 1) view V[h, a, d] =
     block[h, a, rows - 1 - a + d] (row stride keys - 1: contiguous per head)."""
     heads, rows, keys = block.shape
@@ -404,7 +248,7 @@ def _distance_view(block: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _shifted(zones: list[tuple[int, int]], start: int) -> list[tuple[int, int]]:
+def shifted(zones: list[tuple[int, int]], start: int) -> list[tuple[int, int]]:
     """The zones as distances from ``start`` (for a part of the block that begins there)."""
     return [(lo - start, hi - start) for lo, hi in zones]
 
@@ -454,7 +298,7 @@ def _coefficients(
     return band_of, on, lines.index_select(1, band_of).transpose(1, 2).contiguous()
 
 
-def _clipped_spans(zones: list[tuple[int, int]], width: int) -> list[tuple[int, int, int]]:
+def clipped_spans(zones: list[tuple[int, int]], width: int) -> list[tuple[int, int, int]]:
     """(unit, lo, hi) of each unit's zone clipped to 0 .. ``width``, the empty ones left out."""
     return [
         (k, max(lo, 0), min(hi, width)) for k, (lo, hi) in enumerate(zones) if min(hi, width) > max(lo, 0)
@@ -465,10 +309,29 @@ def _zone_units(
     near: torch.Tensor, inverse: torch.Tensor, zones: list[tuple[int, int]], units: Units
 ) -> list[tuple[int, int, int, torch.Tensor]]:
     """(unit k, lo, hi, relu(w1_k x + b1_k) (rows, hi - lo)) of each zone clipped to 0 .. n, x =
-    near[lo:hi] * inverse[a] with ``near`` (n,)."""
+    near[lo:hi] * inverse[a] with ``near`` (n,): column views of one (rows, sum of widths) tensor
+    (a few operations per block instead of three per zone)."""
+    spans = clipped_spans(zones, near.shape[0])
+    if not spans:
+        return []
+    relus = zone_columns(near, inverse, spans, units)[3]  # (rows, n)
+    offsets = [0]
+    for _, lo, hi in spans:
+        offsets.append(offsets[-1] + hi - lo)
+    return [(k, lo, hi, relus[:, offsets[i] : offsets[i + 1]]) for i, (k, lo, hi) in enumerate(spans)]
+
+
+def zone_columns(
+    near: torch.Tensor, inverse: torch.Tensor, spans: list[tuple[int, int, int]], units: Units
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The zones' (unit k, lo, hi) columns side by side: each column's distance d and unit k (n,)
+    each, x = near[d] * inverse[a] and relu(w1_k x + b1_k) (rows, n) each."""
     w1, b1, _ = units
-    relus = []
-    for k, lo, hi in _clipped_spans(zones, near.shape[0]):
-        x = near[lo:hi] * inverse[:, None]  # (rows, hi - lo)
-        relus.append((k, lo, hi, torch.addcmul(b1[k], x, w1[k]).clamp_(min=0)))
-    return relus
+    given = torch.tensor(spans, device=near.device).t()  # (3, zones): unit, lo, hi
+    widths = given[2] - given[1]
+    owner = torch.repeat_interleave(given[0], widths)  # (n,) each column's unit
+    # and its distance: lo of its zone plus its place in the zone
+    columns = torch.arange(owner.shape[0], device=near.device)
+    columns += torch.repeat_interleave(given[1] - (torch.cumsum(widths, 0) - widths), widths)
+    x = near[columns] * inverse[:, None]  # (rows, n)
+    return columns, owner, x, torch.addcmul(b1[owner], x, w1[owner]).clamp_(min=0)

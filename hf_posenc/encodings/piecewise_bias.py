@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
-from . import network_bands, network_block
+from . import network_bands, network_bands_backward, network_block
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
 from .network_block import reversed_network_block
 from .piecewise_block import PiecewiseBlock, monotone_segments
@@ -242,7 +242,7 @@ class PiecewiseDistanceBias(BlockBias):
         self, start: int, stop: int, k_end: int, dtype: torch.dtype
     ) -> torch.Tensor | None:
         """:meth:`folded_reversed` differentiable in the form's tensors, from the bands of distances
-        (:func:`.network_bands.banded_rows`, whose backward works in the same bands); None where
+        (:func:`.network_bands_backward.banded_rows`, whose backward works in the same bands); None where
         those do not serve (not a causal block of at least twice as many keys as rows, or
         :meth:`folded_reversed` would not)."""
         network = self.network
@@ -253,7 +253,9 @@ class PiecewiseDistanceBias(BlockBias):
         ):
             return None
         # feature[d] for d = 0 .. k_end-1 and the rows' normalisers, as folded_reversed reads them
-        block = network_bands.banded_rows(self.feature[:k_end], self.normalizer[:, start:stop], network)
+        block = network_bands_backward.banded_rows(
+            self.feature[:k_end], self.normalizer[:, start:stop], network
+        )
         return block.to(dtype)
 
     def folded(

@@ -26,7 +26,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.attention.chunked import attend_chunked
-from hf_posenc.encodings import network_bands, network_block
+from hf_posenc.encodings import network_bands, network_bands_backward, network_block
 from hf_posenc.encodings.fire import FIREFunction
 
 HEADS, WIDTH_D = 2, 4
@@ -143,7 +143,7 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
     # or, causal blocks of at least twice as many keys as rows (bands), from bands of distances
     built = []  # whether each block built from the network's products had gradients
     banded = []  # the same for the blocks built in bands
-    apply, apply_banded = network_block.NetworkBlock.apply, network_bands.BandedBlock.apply
+    apply, apply_banded = network_block.NetworkBlock.apply, network_bands_backward.BandedBlock.apply
 
     def counting(*args):
         built.append(torch.is_grad_enabled())
@@ -158,7 +158,7 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
         mock.patch.object(network_block, "NETWORK_CHUNK", chunk),  # scores per slab, both directions
         mock.patch.object(network_bands, "BANDS", bands),
         mock.patch.object(network_block.NetworkBlock, "apply", counting),
-        mock.patch.object(network_bands.BandedBlock, "apply", counting_banded),
+        mock.patch.object(network_bands_backward.BandedBlock, "apply", counting_banded),
     ):
         bias = function.bias(positions, length, length)
         out = attend_chunked(*leaves, bias=bias, mask=mask, softmax_scale=scale, block=block)  # (B, T, H, D)
