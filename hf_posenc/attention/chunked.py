@@ -166,11 +166,16 @@ def attend_chunked(
             if groups is not None:  # (B|1, g, rows, k_end) per group of heads, keys k_end-1 .. 0
                 k_rev, v_rev = reversed_keys()
                 k_block, v_block = k_rev[:, :, k_len - k_end :], v_rev[:, :, k_len - k_end :]
-                # each group's q, k, v (the groups are consecutive slices of `group` heads)
-                parts = zip(*(part.split(group, dim=1) for part in (q_block, k_block, v_block)), strict=True)
                 outputs = [
-                    block_attention(q_part, k_part, v_part, backwards, softmax_scale, dropout_p)
-                    for (q_part, k_part, v_part), (_, backwards) in zip(parts, groups, strict=True)
+                    block_attention(
+                        q_block[:, heads],
+                        k_block[:, heads],
+                        v_block[:, heads],
+                        backwards,
+                        softmax_scale,
+                        dropout_p,
+                    )
+                    for heads, backwards in groups
                 ]
                 return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         # (B|1, 1, rows, keys) or None: the causal keys (bottom-right aligned)

@@ -117,33 +117,35 @@ def banded_head_blocks(
     group: int,
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """:func:`banded_block` ``group`` heads at a time: (heads, their block (B|1, g, rows, keys))
-    for consecutive slices of at most ``group`` heads, each block written into ``scratch`` (when
-    large enough) as the iterator reaches it, so the previous one must be used before the next
-    is asked for. The plans and the zones' ReLUs are made once, for all heads."""
+    for consecutive slices of at most ``group`` heads, each block written into one buffer
+    (``scratch`` when large enough) as the iterator reaches it, so the previous one must be used
+    before the next is asked for. The plans and the zones' ReLUs are made once, for all heads."""
     (batch, rows), keys, heads = normalizer.shape, feature.shape[0], network[2].shape[0]
     with torch.no_grad():  # (not around the yield: the caller would run without gradients)
         near, inverse = line_and_inverse(feature, normalizer)
         rows_of_batch = [Banded.of(near, row_inverse, network) for row_inverse in inverse]
-    views: tuple[tuple[int, torch.Size], list[BlockViews]] | None = None  # of the last block written
+    # one buffer for every group (the scratch where large enough): the groups share their views,
+    # taken once per head count (a group's other cost: ~35 indexing operations per head at 256 rows)
+    size = batch * min(group, heads) * rows * keys
+    buffer = feature.new_empty(size, dtype=torch.float32) if scratch is None else scratch
+    if buffer.dtype != torch.float32 or buffer.numel() < size:
+        buffer = feature.new_empty(size, dtype=torch.float32)
+    views: dict[int, tuple[torch.Tensor, list[BlockViews]]] = {}  # by heads in the group
     for first in range(0, heads, group):
         chosen = slice(first, min(heads, first + group))
-        size = batch * (chosen.stop - first) * rows * keys
-        if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= size:
-            out = scratch[:size].view(batch, -1, rows, keys)
-        else:
-            out = feature.new_empty(batch, chosen.stop - first, rows, keys, dtype=torch.float32)
-        # the groups of one block written into one buffer share their views (taking them is a
-        # good part of a group's cost: ~35 indexing operations per head at 256 rows)
-        if views is None or views[0] != (out.data_ptr(), out.shape):
-            views = (
-                (out.data_ptr(), out.shape),
+        count = chosen.stop - first
+        if count not in views:
+            out = buffer[: batch * count * rows * keys].view(batch, count, rows, keys)
+            views[count] = (
+                out,
                 [
-                    BlockViews.of(row_block, banded.spans)
-                    for banded, row_block in zip(rows_of_batch, out, strict=True)
+                    BlockViews.of(block, banded.spans)
+                    for banded, block in zip(rows_of_batch, out, strict=True)
                 ],
             )
+        out, block_views = views[count]
         with torch.no_grad():
-            for banded, row_views in zip(rows_of_batch, views[1], strict=True):
+            for banded, row_views in zip(rows_of_batch, block_views, strict=True):
                 banded.write(row_views, chosen)
         yield chosen, out
 
