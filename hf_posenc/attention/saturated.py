@@ -35,9 +35,11 @@ repeats the key heads (its causal mask is by row index, which stacking would bre
 
 Registered as backend ``saturated``: under ``backend="auto"``, ``"chunked"`` and ``"flex"``
 (where FlexAttention does not serve) for calls with a SaturatingDistanceBias whose W is below
-the length, no padding mask, no cache (Tq = Tk), fp32/fp64 on CPU (the fused kernel's dtypes), no
-dropout, no weights asked for, not under torch.compile. Every other call (decoding, padding,
-packed documents, bf16, GPU) goes to the backends that read the form as a DistanceBias.
+the length, of more than :data:`LONGER_THAN` queries (shorter ones measured faster on the chunked
+backend's Toeplitz path), no padding mask, no cache (Tq = Tk), fp32/fp64 on CPU (the fused
+kernel's dtypes), no dropout, no weights asked for, not under torch.compile. Every other call
+(shorter ones, decoding, padding, packed documents, bf16, GPU) goes to the backends that read
+the form as a DistanceBias.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD, cpu_flash_forward, sta
 #: queries per band block (its keys: block + W - 1); a t5 training step (T = 2048, 8 heads of 32,
 #: one thread, under load) measured 1.12x native at 64 against 1.16x at 128 and 1.21x at 32
 BAND_BLOCK = 64
+#: the backend serves calls of more than this many queries; shorter ones take the chunked
+#: backend's Toeplitz path (:mod:`.toeplitz`: the table's Hankel view as the fused kernel's mask,
+#: an explicit backward summing the table's gradient), which measured faster there: the bench's
+#: t5 model (Llama, hidden 256, 8 heads of 32, 4 layers, vocab 256), native / this backend /
+#: the Toeplitz path alternating in one process (2026-11-27, the 2-core AVX2 machine, idle,
+#: torch's two threads), training step T = 512: 1.165x / 0.968x native, 2048: 1.11x / 1.021x,
+#: 3072: 1.16x / 1.015x, 4096: 1.092x / 1.09x, 6144: 1.023x / 1.147x, 8192: 1.059x / 1.175x;
+#: forward T = 4096: 1.061x / 1.032x, 6144: 1.014x / 1.011x, 8192: 1.076x / 1.085x (the band's
+#: fixed O(T W) work and the merge weigh less as T grows, the explicit backward more)
+LONGER_THAN = 4096
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -280,6 +292,7 @@ def serves_call(
         and k.dtype == v.dtype == q.dtype
         and q.shape[-1] == v.shape[-1]  # the fused kernel's widths
         and q.shape[-2] == k.shape[-2] > max(chunked.FEW_QUERIES, bias.saturation)  # decoding: chunked
+        and q.shape[-2] > LONGER_THAN
         and not torch.compiler.is_compiling()
     )
 

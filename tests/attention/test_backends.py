@@ -20,6 +20,7 @@ from encoding_cases import BLOCK_CASES, ROW_CASES, case_ids
 
 import hf_posenc
 import hf_posenc.attention.chunked as chunked
+import hf_posenc.attention.saturated as saturated
 import hf_posenc.attention.saturating_band as saturating_band
 
 ATOL = 1e-5
@@ -213,7 +214,8 @@ STAND_IN_TESTS = {
 
 
 #: cases beside every encoding's defaults, for backends the defaults do not reach at 17 tokens:
-#: t5 whose last bucket starts at W = 8 (the saturated backend serves lengths past W); cope
+#: t5 whose last bucket starts at W = 8 (the saturated backend, its length floor lowered below,
+#: serves lengths past W); cope
 #: counting to 2 positions, so that its rows saturate within the 17 tokens (the saturating band,
 #: with its blocks and first band width made small below, then attends far keys)
 EXTRA_CASES = [("t5", {"num_buckets": 8, "max_distance": 12}), ("cope", {"npos_max": 2})]
@@ -245,6 +247,7 @@ def test_every_encoding_on_every_backend_choice_equals_eager_and_every_backend_i
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 5)
     monkeypatch.setattr(saturating_band, "BLOCK", 4)
     monkeypatch.setattr(saturating_band, "BAND_KEYS", 4)
+    monkeypatch.setattr(saturated, "LONGER_THAN", 0)  # (it serves long calls only)
     ids = token_ids(2, 17)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0

@@ -171,32 +171,47 @@ def _model_gradients(backend, params, ids, dtype=torch.float32, **overrides):
 
 
 @pytest.mark.parametrize(
-    ("params", "batch", "length", "dtype", "served"),
+    ("params", "batch", "length", "dtype", "longer_than", "served"),
     [
         (
             {"num_buckets": 8, "max_distance": 12},
             2,
             40,
             torch.float32,
+            0,
             True,
         ),  # T >> W = 8 (GQA: 4 q / 2 kv heads)
-        ({"num_buckets": 8, "max_distance": 12, "shared_across_layers": False}, 1, 30, torch.float32, True),
+        (
+            {"num_buckets": 8, "max_distance": 12, "shared_across_layers": False},
+            1,
+            30,
+            torch.float32,
+            0,
+            True,
+        ),
         (
             {"num_buckets": 8, "max_distance": 12, "scaling": {"type": "linear", "factor": 2.0}},
             1,
             40,
             torch.float32,
+            0,
             True,
         ),
-        ({"num_buckets": 8, "max_distance": 12}, 1, 40, torch.float64, True),
-        ({}, 1, 40, torch.float32, False),  # T < W = 113: the chunked backend
+        ({"num_buckets": 8, "max_distance": 12}, 1, 40, torch.float64, 0, True),
+        ({}, 1, 40, torch.float32, 0, False),  # T < W = 113: the chunked backend
+        # the length floor: up to LONGER_THAN queries the chunked backend's Toeplitz path (the
+        # saturated table with its gradient), past it this backend
+        ({"num_buckets": 8, "max_distance": 12}, 2, 40, torch.float32, 40, False),
+        ({"num_buckets": 8, "max_distance": 12}, 2, 41, torch.float32, 40, True),
     ],
-    ids=["gqa-batch2", "per-layer-tables", "scaled", "fp64", "below-W"],
+    ids=["gqa-batch2", "per-layer-tables", "scaled", "fp64", "below-W", "at-the-floor", "past-the-floor"],
 )
-def test_patched_model_training_equals_eager(params, batch, length, dtype, served, monkeypatch):
+def test_patched_model_training_equals_eager(params, batch, length, dtype, longer_than, served, monkeypatch):
     """A patched Llama (grouped-query heads) trained on the default backend: logits and every
     parameter's gradient (the T5 tables' included) equal the eager backend's (fp32 1e-5, fp64
-    1e-10, against the sdpa backend); the saturated backend serves exactly the calls whose length passes W."""
+    1e-10, against the sdpa backend); the saturated backend serves exactly the calls whose length
+    passes W and ``saturated.LONGER_THAN``."""
+    monkeypatch.setattr(saturated, "LONGER_THAN", longer_than)
     calls = []
     original = saturated.attend_saturated
 
