@@ -32,9 +32,6 @@ from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 if TYPE_CHECKING:
     from .backend import AttentionCall
 
-#: whether calls without gradients come here too (else: one fused SDPA call, values and stream
-#: concatenated after it)
-FORWARD_TOO = False
 #: kernel calls per layer (fewer where there are fewer KV heads): see :func:`_head_chunks`
 HEAD_CHUNKS = 4
 
