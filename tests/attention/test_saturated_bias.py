@@ -294,3 +294,18 @@ def test_training_keeps_what_a_fused_attention_keeps():
 
     for length in (64, 256):
         assert _saved(ours, length) <= _saved(native, length) + 4 * (4 * 6 + 4), length
+
+
+def test_the_backend_serves_past_its_length_floor_only():
+    """At the default floor (``saturated.LONGER_THAN`` = 4096 queries) a call of 4096 queries goes
+    to the chunked backend's Toeplitz path (measured faster there) and one of 4097 to this
+    backend."""
+
+    def call_of(length: int) -> bool:
+        q, k, v = (torch.zeros(1, 1, length, 4) for _ in range(3))
+        bias = SaturatingDistanceBias(length, length, torch.zeros(1, 8), torch.zeros(1))
+        return saturated.serves_call(bias, q, k, v, None, 0.0)
+
+    assert saturated.LONGER_THAN == 4096
+    assert not call_of(4096)
+    assert call_of(4097)
