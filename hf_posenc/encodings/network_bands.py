@@ -55,6 +55,8 @@ ZONE_MARGIN = 2
 
 Network = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Units = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # w1, b1, w2
+#: zones' columns side by side: each column's distance and unit (n,), x and the ReLU (rows, n)
+ZoneColumns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -166,6 +168,9 @@ class Banded:
     out_columns: torch.Tensor  # (K, Hq, 1, 1) w2
     farthest: torch.Tensor
     corner: torch.Tensor  # (rows, rows): the future's minimum over the first rows reversed keys
+    #: V's zone columns side by side (:func:`zone_columns`: distance, unit, x, ReLU), or None
+    #: without zones: the ReLUs above are views of them, and a block's backward reads them again
+    columns: ZoneColumns | None
 
     @classmethod
     def of(
@@ -177,7 +182,7 @@ class Banded:
         constant, slope = plan.coefficients  # (Hq, keys) each
         # the last row's farthest key (distance keys - 1) from the network itself: one value per head
         farthest = torch.addmv(b2, w2, torch.relu(w1 * (near[width] * inverse[-1]) + b1))  # (Hq,)
-        zones = _zone_units(near[:width], inverse, plan.zones, network[:3])
+        zones, columns = _zone_units(near[:width], inverse, plan.zones, network[:3])
         return cls(
             list(constant[:, :width]),
             list(slope[:, :width] * near[:width]),
@@ -188,6 +193,7 @@ class Banded:
             w2.t()[:, :, None, None],
             farthest,
             future_minimum(inverse.shape[0], inverse.shape[0], near.device),
+            columns,
         )
 
     def write(self, views: BlockViews, heads: slice) -> None:
@@ -309,23 +315,27 @@ def clipped_spans(zones: list[tuple[int, int]], width: int) -> list[tuple[int, i
 
 def _zone_units(
     near: torch.Tensor, inverse: torch.Tensor, zones: list[tuple[int, int]], units: Units
-) -> list[tuple[int, int, int, torch.Tensor]]:
+) -> tuple[list[tuple[int, int, int, torch.Tensor]], ZoneColumns | None]:
     """(unit k, lo, hi, relu(w1_k x + b1_k) (rows, hi - lo)) of each zone clipped to 0 .. n, x =
     near[lo:hi] * inverse[a] with ``near`` (n,): column views of one (rows, sum of widths) tensor
-    (a few operations per block instead of three per zone)."""
+    (a few operations per block instead of three per zone); and those columns
+    (:func:`zone_columns`), None without zones."""
     spans = clipped_spans(zones, near.shape[0])
     if not spans:
-        return []
-    relus = zone_columns(near, inverse, spans, units)[3]  # (rows, n)
+        return [], None
+    columns = zone_columns(near, inverse, spans, units)
+    relus = columns[3]  # (rows, n)
     offsets = [0]
     for _, lo, hi in spans:
         offsets.append(offsets[-1] + hi - lo)
-    return [(k, lo, hi, relus[:, offsets[i] : offsets[i + 1]]) for i, (k, lo, hi) in enumerate(spans)]
+    return [
+        (k, lo, hi, relus[:, offsets[i] : offsets[i + 1]]) for i, (k, lo, hi) in enumerate(spans)
+    ], columns
 
 
 def zone_columns(
     near: torch.Tensor, inverse: torch.Tensor, spans: list[tuple[int, int, int]], units: Units
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> ZoneColumns:
     """The zones' (unit k, lo, hi) columns side by side: each column's distance d and unit k (n,)
     each, x = near[d] * inverse[a] and relu(w1_k x + b1_k) (rows, n) each."""
     w1, b1, _ = units

@@ -15,6 +15,7 @@ from .network_bands import (
     BandPlan,
     BlockViews,
     Network,
+    ZoneColumns,
     clipped_spans,
     distance_view,
     line_and_inverse,
@@ -67,7 +68,9 @@ class BandedBlock(torch.autograd.Function):
         banded = Banded.of(near, inverse, (w1, b1, w2, b2), plan)
         banded.write(BlockViews.of(block[0], banded.spans), slice(0, w2.shape[0]))
         ctx.save_for_backward(feature, normalizer, w1, b1, w2, b2)
-        ctx.plan = plan
+        # V's zone columns (x and the ReLUs) for the zones' gradient: this block is rebuilt in the
+        # attention's backward and its own backward runs right after, so they live that long only
+        ctx.plan, ctx.columns = plan, banded.columns
         return block
 
     @staticmethod
@@ -92,15 +95,16 @@ class BandedBlock(torch.autograd.Function):
         near64, inverse64 = feature.double(), normalizer.double().reciprocal()
         # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1), in its own (Hq, 1, 1)
         parts = (
-            (distance_view(grad), slice(0, width), slice(0, rows), plan.zones),
+            (distance_view(grad), slice(0, width), slice(0, rows), plan.zones, ctx.columns),
             (
                 grad[:, rows - 1 :, width:],
                 slice(width, keys),
                 slice(rows - 1, rows),
                 shifted(plan.zones, width),
+                None,
             ),
         )
-        for view, columns, part_rows, zones in parts:
+        for view, columns, part_rows, zones, made in parts:
             part_near, part_inverse = near[columns], inverse[part_rows]
             torch.sum(view, 1, out=grad_lines[0, :, columns])  # S0
             torch.mul(torch.matmul(part_inverse, view), part_near, out=grad_lines[1, :, columns])  # S1 near
@@ -109,7 +113,7 @@ class BandedBlock(torch.autograd.Function):
             dx = view[0] * slopes[0, columns]
             for h in range(1, heads):
                 dx.addcmul_(view[h], slopes[h, columns])
-            _zones_gradient(view, part_near, part_inverse, zones, unit, dx)
+            _zones_gradient(view, part_near, part_inverse, zones, unit, dx, made)
             dx64 = dx.double()
             grad_near[columns] += (inverse64[part_rows] @ dx64).to(feature.dtype)
             grad_inverse[part_rows] += dx64 @ near64[columns]
@@ -142,10 +146,12 @@ def _zones_gradient(
     zones: list[tuple[int, int]],
     unit: tuple,
     dx: torch.Tensor,
+    made: ZoneColumns | None = None,
 ) -> None:
     """Every zone's share of V's gradient ``grad`` (Hq, rows, D) at x = near[d] * inverse[a]
     (``near`` (D,)), zones clipped to 0 .. D: added to the units' w2 columns, b1 and w1 (in
-    ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)) and to ``dx`` (rows, D). All zones at
+    ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)) and to ``dx`` (rows, D); ``made``: these
+    zones' :func:`~.network_bands.zone_columns` where the block's build made them. All zones at
     once: their columns gathered into one (Hq, rows, n) copy, each column with its unit's
     parameters, the per-unit sums by ``index_add_`` (zones of two units may share columns: both
     are added), so a block costs a few passes over its zones' columns (one per head) instead of
@@ -154,7 +160,8 @@ def _zones_gradient(
     spans = clipped_spans(zones, grad.shape[-1])
     if not spans:
         return
-    columns, owner, x, hidden = zone_columns(near, inverse, spans, (w1, b1, w2))  # x, r (rows, n)
+    # x, r (rows, n)
+    columns, owner, x, hidden = zone_columns(near, inverse, spans, (w1, b1, w2)) if made is None else made
     gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in spans], dim=2)  # (Hq, rows, n) G
     unit_weight = w1[owner]  # (n,)
     # head by head (no (Hq, rows, n) temporaries: ~20 % faster): the sums over rows of G r per
