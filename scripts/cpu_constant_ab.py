@@ -6,8 +6,11 @@ the same machine state (this 2-core machine is noisy: compare values within one 
     python scripts/cpu_constant_ab.py --encoding fire --mode forward --length 4096 \\
         --constant hf_posenc.encodings.network_block:NETWORK_CHUNK --values 16384 32768
 
-prints each value's step times (seconds, sorted) and median. It imports the hf_posenc of the
-checkout it sits in (so a worktree's script times that worktree's code).
+prints each value's step times (seconds, sorted) and median. With ``--native`` the unpatched
+model (the same weights) takes a step in each round too, and each value's median is also given
+as a ratio to native's; without ``--constant`` the encoding is timed as it is (against native,
+with ``--native``). It imports the hf_posenc of the checkout it sits in (so a worktree's script
+times that worktree's code).
 """
 
 from __future__ import annotations
@@ -37,50 +40,79 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("forward", "train"), default="forward")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--constant", help="module:NAME, e.g. hf_posenc.attention.chunked:QUERY_BLOCK")
     p.add_argument(
-        "--constant", required=True, help="module:NAME, e.g. hf_posenc.attention.chunked:QUERY_BLOCK"
+        "--values", nargs="+", type=int, default=[], help="the constant's values (with --constant)"
     )
-    p.add_argument("--values", required=True, nargs="+", type=int)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--native", action="store_true", help="also time the unpatched model in every round")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    module_name, _, name = args.constant.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        print(f"--constant: no module {module_name!r} (expected module:NAME)", file=sys.stderr)
+    if (args.constant is None) != (not args.values):
+        print("--constant and --values go together (neither: the encoding as it is)", file=sys.stderr)
         return 2
-    if not name or not hasattr(module, name):
-        print(f"--constant: {module_name} has no attribute {name!r}", file=sys.stderr)
-        return 2
+    module, name = None, "as is"
+    if args.constant is not None:
+        module_name, _, name = args.constant.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            print(f"--constant: no module {module_name!r} (expected module:NAME)", file=sys.stderr)
+            return 2
+        if not name or not hasattr(module, name):
+            print(f"--constant: {module_name} has no attribute {name!r}", file=sys.stderr)
+            return 2
     torch.manual_seed(0)
-    # the bench's own model (its defaults: family, width, layers, heads)
-    model = bench_model(BenchConfig(encodings=[args.encoding], vocab_size=args.vocab_size), args.length)
+    # the bench's own model (its defaults: family, width, layers, heads); native keeps its weights
+    config = BenchConfig(encodings=[args.encoding], vocab_size=args.vocab_size)
+    model = bench_model(config, args.length)
+    native = None
+    if args.native:
+        native = bench_model(config, args.length)
+        native.load_state_dict(model.state_dict())
     if args.encoding != "native":
         hf_posenc.patch_model(model, args.encoding)
     ids = torch.randint(0, args.vocab_size, (1, args.length))
 
-    def step() -> None:  # the bench's own timed calls
-        (bench_forward if args.mode == "forward" else bench_train_step)(model, ids)
+    def step(which) -> float:  # the bench's own timed calls
+        start = time.perf_counter()
+        (bench_forward if args.mode == "forward" else bench_train_step)(which, ids)
+        return time.perf_counter() - start
 
-    original = getattr(module, name)
-    times: dict[int, list[float]] = {value: [] for value in args.values}
+    original = None if module is None else getattr(module, name)
+    values: list[int | None] = list(args.values) or [None]
+    times: dict[int | None, list[float]] = {value: [] for value in values}
+    native_times: list[float] = []
     try:
-        step()  # warm-up: first-call allocations and lazy imports
+        step(model)  # warm-up: first-call allocations and lazy imports
+        if native is not None:
+            step(native)
         for _ in range(args.rounds):
-            for value in args.values:
-                setattr(module, name, value)
-                start = time.perf_counter()
-                step()
-                times[value].append(time.perf_counter() - start)
+            if native is not None:
+                native_times.append(step(native))
+            for value in values:
+                if module is not None:
+                    setattr(module, name, value)
+                times[value].append(step(model))
     finally:
-        setattr(module, name, original)
-    for value, seconds in times.items():
+        if module is not None:
+            setattr(module, name, original)
+    if native_times:
         print(
-            f"{name}={value}: median {statistics.median(seconds):.3f} s  {[round(s, 3) for s in sorted(seconds)]}"
+            f"native: median {statistics.median(native_times):.3f} s  {[round(s, 3) for s in sorted(native_times)]}"
+        )
+    for value, seconds in times.items():
+        label = name if value is None else f"{name}={value}"
+        ratio = (
+            f" ({statistics.median(seconds) / statistics.median(native_times):.3f}x native)"
+            if native_times
+            else ""
+        )
+        print(
+            f"{label}: median {statistics.median(seconds):.3f} s{ratio}  {[round(s, 3) for s in sorted(seconds)]}"
         )
     return 0
 

@@ -67,7 +67,9 @@ BAND_BLOCK = 64
 #: torch's two threads), training step T = 512: 1.165x / 0.968x native, 2048: 1.11x / 1.021x,
 #: 3072: 1.16x / 1.015x, 4096: 1.092x / 1.09x, 6144: 1.023x / 1.147x, 8192: 1.059x / 1.175x;
 #: forward T = 4096: 1.061x / 1.032x, 6144: 1.014x / 1.011x, 8192: 1.076x / 1.085x (the band's
-#: fixed O(T W) work and the merge weigh less as T grows, the explicit backward more)
+#: fixed O(T W) work and the merge weigh less as T grows, the explicit backward more). Repeat:
+#: scripts/cpu_constant_ab.py --encoding t5 --mode train --length 2048 --native --constant
+#: hf_posenc.attention.saturated:LONGER_THAN --values 0 4096 (0: this backend)
 LONGER_THAN = 4096
 DTYPES = (torch.float32, torch.float64)
 

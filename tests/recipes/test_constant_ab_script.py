@@ -49,3 +49,25 @@ def test_an_unknown_module_is_one_line(capsys):
     assert _script().main(["--encoding", "fire", "--constant", "nonexistent.module:X", "--values", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["--constant: no module 'nonexistent.module' (expected module:NAME)"]
+
+
+def test_native_alongside_the_encoding_as_it_is(capsys):
+    """``--native`` without ``--constant``: the unpatched model and the encoding each take every
+    round, and the encoding's median is given against native's."""
+    code = _script().main(
+        ["--encoding", "t5", "--mode", "forward", "--length", "32", "--rounds", "2", "--native"]
+    )
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["native", "as is"]
+    assert all(line.count(",") == 1 for line in lines)  # two rounds each
+    assert "x native)" in lines[1]
+
+
+def test_a_constant_without_values_is_one_line(capsys):
+    code = _script().main(
+        ["--encoding", "fire", "--constant", "hf_posenc.encodings.network_block:NETWORK_CHUNK"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--constant and --values go together (neither: the encoding as it is)"]
