@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def tiny_model(
+def tiny_config(
     family: str,
     *,
     vocab_size: int = 256,
@@ -23,15 +23,10 @@ def tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     max_positions: int = 256,
-    seed: int = 0,
     **config_overrides: Any,
-) -> PreTrainedModel:
-    """A causal LM of ``family`` (see ``hf_posenc.supported_families()``) with random weights,
-    in eval mode. Families without grouped-query attention ignore ``num_kv_heads``.
-    ``config_overrides`` set any further config attribute (e.g. ``sliding_window=8``).
-    """
-    from transformers import AutoModelForCausalLM
-
+) -> Any:
+    """The config :func:`tiny_model` builds its model from (the family adapter's
+    ``tiny_config`` with the special tokens 0, 1, 2 and ``config_overrides`` set on it)."""
     from ..core.registry import get_family
 
     config = get_family(family).tiny_config(
@@ -47,5 +42,18 @@ def tiny_model(
     )
     for key, value in config_overrides.items():
         setattr(config, key, value)
+    return config
+
+
+def tiny_model(family: str, *, seed: int = 0, **config_arguments: Any) -> PreTrainedModel:
+    """A causal LM of ``family`` (see ``hf_posenc.supported_families()``) with random weights
+    (``torch.manual_seed(seed)``), in eval mode, built from ``tiny_config(family,
+    **config_arguments)``: the shape (``vocab_size``, ``hidden_size``, ``num_layers``,
+    ``num_heads``, ``num_kv_heads``, ``max_positions``) and any further config attribute (e.g.
+    ``sliding_window=8``). Families without grouped-query attention ignore ``num_kv_heads``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **config_arguments)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()

@@ -107,12 +107,39 @@ def test_traceback_flag_is_accepted_by_every_subcommand_and_shows_the_traceback(
         (["bench", "--device", "cuda:7"], "--device cuda:7"),
         (["bench", "--encodings", "alibbi", "--lengths", "8"], "Did you mean 'alibi'"),
         (["bench", "--backend", "fast"], "--backend 'fast' is not allowed"),
+        (["bench", "--vocab-size", "0"], "--vocab-size 0 is not allowed; allowed: >= 1"),
+        (
+            ["bench", "--hidden-size", "30", "--num-heads", "4"],
+            "not a multiple of the number of attention heads",
+        ),
+        (
+            ["bench", "--family", "qwen2", "--hidden-size", "28", "--num-heads", "4"],
+            "the native model's rotary dimension",
+        ),
+        (
+            [
+                "bench",
+                "--family",
+                "gpt2",
+                "--hidden-size",
+                "20",
+                "--num-heads",
+                "4",
+                "--encodings",
+                "alibi",
+                "rope",
+            ],
+            "rope: rotary dimension",
+        ),
     ],
 )
 def test_bench_bad_input_is_one_line(argv, message, capsys, tmp_path):
-    assert main([*argv, "--output-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
+    """... before any row is measured: nothing on stdout, nothing written."""
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert err.count("\n") == 0 and message in err, err
+    assert "[bench]" not in captured.out and not (tmp_path / "out").exists()
 
 
 def test_flag_names_are_shared_across_subcommands():

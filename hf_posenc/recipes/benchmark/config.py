@@ -30,3 +30,9 @@ class BenchConfig:
     #: train mode without the encoding's own parameters' gradients (learned tables frozen): the
     #: cost of learning them, measured against the same run's trainable rows
     freeze_encoding: bool = False
+
+    @property
+    def longest(self) -> int:
+        """Positions the run's models are built for: the longest length, train length or
+        decoded prompt."""
+        return max([*self.lengths, *(self.train_lengths or []), self.decode_prompt + self.decode_tokens])

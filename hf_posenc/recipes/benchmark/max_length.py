@@ -34,6 +34,7 @@ import torch
 
 from ...models import DEFAULT_FAMILY
 from ..atomic import replacing
+from .model_check import check_model_arguments
 
 NATIVE = "native"
 
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         parser().error(f"unknown encoding {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    check_model_arguments(parser(), args, names, max_positions=args.start)
     args.forwarded = _model_flags(args)
     rows = []
     for name in [NATIVE, *names]:

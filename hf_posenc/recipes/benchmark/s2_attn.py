@@ -23,6 +23,7 @@ import torch
 
 from ...models import DEFAULT_FAMILY
 from ..atomic import replacing
+from .model_check import check_model_arguments
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from ...attention.shifted import ShiftedSparse
 
     settings = ShiftedSparse.of(args.group_size)  # one line for a bad group, before the model is built
+    check_model_arguments(parser(), args, [args.encoding], max_positions=max(args.lengths))
     for length in args.lengths:
         settings.group(length)
     rows = measure(args)

@@ -29,6 +29,7 @@ import torch
 
 from ..atomic import replacing
 from . import max_length
+from .model_check import check_model_arguments
 
 #: lines of these files name where a tensor was saved (the innermost three)
 SOURCES = ("hf_posenc", "modeling_")
@@ -143,7 +144,8 @@ def parser() -> argparse.ArgumentParser:
 
 def check_lengths_and_encodings(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The two-length benchmarks' checks (this one, :mod:`.peak_memory`), before any model loads:
-    ``--lengths SHORT LONG`` with 2 <= SHORT < LONG and known ``--encodings``; the names given."""
+    ``--lengths SHORT LONG`` with 2 <= SHORT < LONG, known ``--encodings``, and a model those
+    encodings can patch (:func:`.model_check.check_model_arguments`); the names given."""
     short, long = args.lengths
     if not 2 <= short < long:
         p.error(f"--lengths {short} {long}: need 2 <= SHORT < LONG")
@@ -153,6 +155,7 @@ def check_lengths_and_encodings(p: argparse.ArgumentParser, args: argparse.Names
     unknown = [n for n in args.encodings or [] if n not in known]
     if unknown:
         p.error(f"unknown encoding {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    check_model_arguments(p, args, args.encodings or sorted(known), max_positions=long)
     return list(args.encodings or [])
 
 

@@ -109,10 +109,7 @@ class _Bench:
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        longest = max(
-            [*config.lengths, *(config.train_lengths or []), config.decode_prompt + config.decode_tokens]
-        )
-        self.native = _model(config, longest)
+        self.native = _model(config, config.longest)
         self.native_memory: dict[tuple[str, int], int] = {}
         self.native_times: dict[tuple[str, int], list[float]] = {}
 

@@ -123,6 +123,7 @@ def command_bench(args: argparse.Namespace) -> int:
     from ...core.registry import canonical_name, list_encodings
     from .. import run_lock
     from ..benchmark import BenchConfig, ratio_table, run_suite, write_results
+    from ..benchmark.model_check import check_model_flags, model_flags
     from ..evaluation.report import check_fresh_output
 
     check_bench_args(args)
@@ -131,6 +132,7 @@ def command_bench(args: argparse.Namespace) -> int:
     )
     fields = set(BenchConfig.__dataclass_fields__) - {"encodings"}
     config = BenchConfig(encodings=names, **{k: v for k, v in vars(args).items() if k in fields})
+    check_model_flags(config.family, names, **model_flags(args), max_positions=config.longest)
     output = check_fresh_output(args.output_dir, "bench.json", overwrite=args.overwrite, flag="--output-dir")
     with run_lock.holding(output, "bench run"):  # a second run into it: one line
         results = run_suite(config)
