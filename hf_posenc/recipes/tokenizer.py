@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..errors import InvalidParameterError
+
 END_OF_TEXT = "<|endoftext|>"
 PAD = "<pad>"
+#: the smallest vocabulary :func:`train_bpe_tokenizer` trains: the 256 bytes, some merges, the specials
+MIN_VOCAB_SIZE = 300
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *, min_frequency: int = 2):
@@ -17,9 +21,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, *, min_fre
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 300:
-        raise ValueError(
-            f"vocab_size={vocab_size} is too small; allowed: >= 300 (256 bytes + merges + specials)"
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise InvalidParameterError(
+            f"vocab_size={vocab_size} is too small; allowed: >= {MIN_VOCAB_SIZE} (256 bytes + merges + specials)"
         )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -80,6 +80,28 @@ def test_study_refuses_a_pattern_longer_than_the_base_models_depth(workspace, tm
 
 
 @pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--encodings", "alibi*5+nope"], "'alibi*5+nope' has 6 entries but the model has 4 layer(s)"),
+        (["--encodings", f'rope{{"scaling": {TINY}}}'], "past the float32 range"),
+        (["--hidden-size", "30"], "(hidden_size=30, 4 heads): not a model llama can build"),
+        (["--hidden-size", "20"], "RoPE requires an even rotary dimension"),
+        (["--vocab-size", "5"], "vocab_size=5 is not allowed; allowed: an integer >= 300"),
+    ],
+)
+def test_study_checks_its_embedded_base_model_before_training_it(tmp_path, capsys, extra, message):
+    """Without --base-model the study pretrains a tiny Llama of --hidden-size / --num-layers on a
+    tokenizer of --vocab-size first: a shape that model cannot have, or an encoding that cannot
+    patch it, was found only after the tokenizer and the base were trained (or, for the
+    vocabulary, after the documents were read, as a traceback). Now one line, before anything."""
+    out = tmp_path / "study"
+    assert main(["study", "--output-dir", str(out), "--steps", "1", "--pretrain-steps", "1", *extra]) == 2
+    line = one_error(capsys)
+    assert message in line, line
+    assert not out.exists() or not any(out.iterdir())  # no tokenizer, no base model, no run
+
+
+@pytest.mark.parametrize(
     "model, extra, factor",
     [
         ("base", ["--encoding", "rope"], TINY),

@@ -27,11 +27,14 @@ def check_model_flags(
     num_heads: int,
     num_kv_heads: int | None = None,
     max_positions: int = 2048,
-) -> None:
+    named: str | None = None,
+) -> Any:
     """Raise a one-line :class:`~hf_posenc.errors.PosencError` naming the flags (an unknown
     family: :class:`~hf_posenc.errors.UnsupportedModelError`) unless ``tiny_model(family, ...)``
     builds with these flags, its native positions can run at its head width, and every encoding
-    in ``encodings`` can patch it. ``num_kv_heads`` None: as many as ``num_heads``."""
+    in ``encodings`` can patch it. ``num_kv_heads`` None: as many as ``num_heads``; ``named``: how
+    the errors name the model (default: its ``--family``, ``--hidden-size`` and ``--num-heads``).
+    Returns the model's config (for checks of encodings with parameters: ``check_patch_fits``)."""
     sizes = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
@@ -47,7 +50,7 @@ def check_model_flags(
             f"--num-kv-heads {sizes['num_kv_heads']} is not allowed with --num-heads {num_heads}; allowed: "
             f"a divisor of {num_heads}"
         )
-    shape = f"--family {family} --hidden-size {hidden_size} --num-heads {num_heads}"
+    shape = named or f"--family {family} --hidden-size {hidden_size} --num-heads {num_heads}"
     config = _built_config(family, shape, max_positions=max_positions, **sizes)
 
     from ...core.plan import check_patch_fits
@@ -71,6 +74,7 @@ def check_model_flags(
             check_patch_fits(config, name)
         except PosencError as error:
             raise InvalidParameterError(f"{shape}: {error}") from None
+    return config
 
 
 def _built_config(family: str, shape: str, **arguments: int) -> Any:
@@ -89,7 +93,7 @@ def _built_config(family: str, shape: str, **arguments: int) -> Any:
             AutoModelForCausalLM.from_config(config)
     except Exception as error:  # transformers' validators wrap the reason (a ValueError) in their own
         reason = str(error.__cause__ or error).strip().splitlines()[0]
-        raise InvalidParameterError(f"{shape} is not a model {family} can build: {reason}") from None
+        raise InvalidParameterError(f"{shape}: not a model {family} can build: {reason}") from None
     return config
 
 

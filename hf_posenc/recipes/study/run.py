@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import InvalidParameterError
+from ...errors import InvalidParameterError, PosencError
 from ..atomic import write_text
 from .spec import StudyConfig, parse_encoding_spec, spec_slug
 
@@ -89,8 +89,47 @@ def check_study(config: StudyConfig) -> Path:
     check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings))
     check_sources(config.data)
     check_sources(config.eval_data or config.data)
+    if not config.base_model:
+        _check_embedded_base(config)
     _check_retrieval_length(config)
     return out
+
+
+#: attention heads of the embedded base model (the tiny Llama the study pretrains)
+BASE_HEADS = 4
+
+
+def _check_embedded_base(config: StudyConfig) -> None:
+    """The embedded base model's settings, before its tokenizer is trained: a vocabulary the
+    tokenizer can train, a model of ``hidden_size`` / ``num_layers`` that its family builds
+    (:func:`..benchmark.model_check.check_model_flags`), and every encoding of the study, with
+    its parameters, patching it (``check_patch_fits``, as a given base model's config is checked)."""
+    from ...core.plan import check_patch_fits
+    from ...models import DEFAULT_FAMILY
+    from ..benchmark.model_check import check_model_flags
+    from ..tokenizer import MIN_VOCAB_SIZE
+
+    if config.vocab_size < MIN_VOCAB_SIZE:
+        raise InvalidParameterError(
+            f"study: vocab_size={config.vocab_size} is not allowed; allowed: an integer >= {MIN_VOCAB_SIZE} "
+            "(the byte-level tokenizer's 256 bytes, merges and special tokens)"
+        )
+    model_config = check_model_flags(
+        DEFAULT_FAMILY,
+        [],
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=BASE_HEADS,
+        max_positions=config.train_length * max(config.multiples),
+        named=f"study: the embedded base model (hidden_size={config.hidden_size}, {BASE_HEADS} heads)",
+    )
+    for spec in config.encodings:
+        name, params = parse_encoding_spec(spec)
+        try:
+            check_patch_fits(model_config, name, params)
+        except PosencError as error:
+            raise type(error)(f"study: encoding {spec!r}: {error}") from None
 
 
 def _check_retrieval_length(config: StudyConfig) -> None:
@@ -148,8 +187,8 @@ def _pretrain_base(config: StudyConfig, settings, status: str):
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         num_layers=config.num_layers,
-        num_heads=4,
-        num_kv_heads=4,
+        num_heads=BASE_HEADS,
+        num_kv_heads=BASE_HEADS,
         max_positions=config.train_length * max(config.multiples),
         seed=config.seed,
         bos_token_id=tokenizer.bos_token_id,
