@@ -87,6 +87,7 @@ def test_study_refuses_a_pattern_longer_than_the_base_models_depth(workspace, tm
         (["--hidden-size", "30"], "(hidden_size=30, 4 heads): not a model llama can build"),
         (["--hidden-size", "20"], "RoPE requires an even rotary dimension"),
         (["--vocab-size", "5"], "vocab_size=5 is not allowed; allowed: an integer >= 300"),
+        (["--max-documents", "0"], "max_documents=0 is not allowed; allowed: an integer >= 1"),
     ],
 )
 def test_study_checks_its_embedded_base_model_before_training_it(tmp_path, capsys, extra, message):

@@ -69,6 +69,24 @@ def test_lora_dropout_outside_a_probability_is_refused_before_anything(workspace
     assert "lora_dropout=2.0" in line and "[0, 1)" in line, line
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # LoRA's output is scaled by alpha / r: at 0 the adapters add nothing and the run learns nothing
+        (["--lora", "--lora-alpha", "0"], "lora_alpha=0 is not allowed; allowed: an integer >= 1"),
+        # no document was read, and the error then said the data held none
+        (["--max-documents", "0"], "max_documents=0 is not allowed; allowed: an integer >= 1"),
+    ],
+)
+def test_settings_that_would_train_on_nothing_are_refused_before_anything(
+    workspace, tmp_path, capsys, extra, message
+):
+    assert run(workspace, tmp_path, "--data", str(workspace / "data.txt"), *extra) == 2
+    line = one_error(capsys)
+    assert message in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_lora_targets_are_named_with_the_models_modules_before_loading(workspace, tmp_path, capsys):
     data = str(workspace / "data.txt")
     assert run(workspace, tmp_path, "--data", data, "--lora", "--lora-targets", "q_proj", "bogus_proj") == 2

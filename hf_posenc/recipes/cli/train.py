@@ -113,7 +113,10 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay, help="AdamW weight decay")
     group.add_argument(
-        "--max-grad-norm", type=float, default=DEFAULTS.max_grad_norm, help="gradient clipping norm"
+        "--max-grad-norm",
+        type=float,
+        default=DEFAULTS.max_grad_norm,
+        help="gradient clipping norm (0: no clipping)",
     )
     add_run_option(group, "seed", default=DEFAULTS.seed)
 

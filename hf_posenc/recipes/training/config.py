@@ -85,6 +85,21 @@ class TrainConfig:
                 raise InvalidParameterError(
                     f"train: {name}={value!r} is not allowed; allowed: an integer >= 1"
                 )
+        if self.max_documents is not None and (
+            isinstance(self.max_documents, bool)
+            or not isinstance(self.max_documents, int)
+            or self.max_documents < 1
+        ):  # (0 read no document, and the error then blamed the data)
+            raise InvalidParameterError(
+                f"train: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 (left out: every document)"
+            )
+        if self.lora and (
+            isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1
+        ):
+            raise InvalidParameterError(  # (0 scales the adapters' output to nothing: a run that learns nothing)
+                f"train: lora_alpha={self.lora_alpha!r} is not allowed; allowed: an integer >= 1 (LoRA's scale is "
+                "alpha / r)"
+            )
         if self.eval_every < 0 or self.eval_tokens < 1:
             raise InvalidParameterError(
                 f"train: eval_every={self.eval_every!r}, eval_tokens={self.eval_tokens!r}; allowed: "
