@@ -142,6 +142,32 @@ def test_bench_bad_input_is_one_line(argv, message, capsys, tmp_path):
     assert "[bench]" not in captured.out and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["bench", "longeval", "perplexity"])
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--device 'tpu' is not a device; allowed: cpu, cuda, cuda:N, mps"),
+        ("cuda:x", "--device 'cuda:x' is not a device"),
+        ("meta", "--device 'meta' is not allowed; allowed: cpu, cuda, cuda:N, mps"),
+    ],
+)
+def test_a_device_that_is_none_is_one_line_in_every_command_that_takes_one(
+    model_dir, command, device, message, capsys
+):
+    """One check for every --device (bench's said so; longeval and perplexity passed a name torch
+    cannot read to torch.device: a RuntimeError traceback)."""
+    model = str(model_dir / "model")
+    out = str(model_dir / f"out-{command}-{device}")
+    argv = {
+        "bench": ["bench", "--output-dir", out],
+        "longeval": ["longeval", "--model", model, "--output-dir", out],
+        "perplexity": [*commands(model_dir, model, [])["perplexity"][:-2], "--output", out],
+    }[command]
+    assert main([*argv, "--device", device]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+
+
 def test_flag_names_are_shared_across_subcommands():
     """--output-dir (alias --output) everywhere; --seq-len and --train-length name the same value."""
     parser = build_parser()

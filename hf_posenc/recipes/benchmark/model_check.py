@@ -111,8 +111,13 @@ def check_model_arguments(
     parser: argparse.ArgumentParser, args: argparse.Namespace, encodings: Iterable[str], max_positions: int
 ) -> None:
     """:func:`check_model_flags` for a benchmark module's options (``--family`` and
-    :func:`model_flags`), a failure through ``parser.error`` (one line, exit status 2)."""
+    :func:`model_flags`), and its ``--device`` where it has one (``checked_device``), a failure
+    through ``parser.error`` (one line, exit status 2)."""
+    from ..cli.common import checked_device
+
     try:
+        if getattr(args, "device", None) is not None:
+            checked_device(args.device)
         check_model_flags(args.family, encodings, **model_flags(args), max_positions=max_positions)
     except PosencError as error:
         parser.error(str(error))

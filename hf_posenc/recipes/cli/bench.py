@@ -6,6 +6,7 @@ import argparse
 
 from ...errors import InvalidParameterError
 from ...models import canonical_family, family_names
+from .common import checked_device
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -94,7 +95,6 @@ def check_bench_args(args: argparse.Namespace) -> None:
             raise InvalidParameterError(f"--{flag.replace('_', '-')} {value} is not allowed; allowed: >= 1")
     if args.warmup < 0:
         raise InvalidParameterError(f"--warmup {args.warmup} is not allowed; allowed: >= 0")
-    import torch
 
     from ...attention import BACKENDS
 
@@ -102,21 +102,7 @@ def check_bench_args(args: argparse.Namespace) -> None:
         raise InvalidParameterError(
             f"--backend {args.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}"
         )
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise InvalidParameterError(
-            f"--device {args.device!r} is not a device; allowed: cpu, cuda, cuda:N"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameterError(
-            f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__}); "
-            "use --device cpu"
-        )
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise InvalidParameterError(
-            f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-        )
+    checked_device(args.device)
 
 
 def command_bench(args: argparse.Namespace) -> int:

@@ -164,3 +164,38 @@ def add_run_option(parser: argparse._ActionsContainer, name: str, **wording: Any
     ``default``: ``train`` and ``study`` cannot drift apart in what the option accepts."""
     flags, form = RUN_OPTIONS[name]
     parser.add_argument(*flags, **{**form, **wording})
+
+
+def checked_device(flag_value: str | None, *, flag: str = "--device") -> str:
+    """The device a ``--device`` value names, checked before any model loads (one line for a
+    string torch does not read as a device, a device type other than cpu, cuda and mps, CUDA or
+    MPS on a machine without it, or a CUDA index past the machine's devices); None: ``cuda``
+    where available, else ``cpu``."""
+    import torch
+
+    from ...errors import InvalidParameterError
+
+    if flag_value is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(flag_value)
+    except (RuntimeError, ValueError):
+        raise InvalidParameterError(
+            f"{flag} {flag_value!r} is not a device; allowed: cpu, cuda, cuda:N, mps"
+        ) from None
+    if device.type not in ("cpu", "cuda", "mps"):  # (torch reads more names, no model runs there)
+        raise InvalidParameterError(f"{flag} {flag_value!r} is not allowed; allowed: cpu, cuda, cuda:N, mps")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidParameterError(
+            f"{flag} {flag_value}: MPS is not available on this machine; use {flag} cpu"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError(
+            f"{flag} {flag_value}: CUDA is not available on this machine (torch {torch.__version__}); "
+            f"use {flag} cpu"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidParameterError(
+            f"{flag} {flag_value}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return flag_value

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import run_lock
 from ..evaluation.errors import EvaluationError
-from .common import add_model_overrides, add_threads_argument, parse_encoding_params
+from .common import add_model_overrides, add_threads_argument, checked_device, parse_encoding_params
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe")
@@ -50,8 +50,6 @@ def train_length_of(directory: Path, given: int | None) -> int | None:
 
 def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """Every check that needs no model: flags, tasks, output folder, model folders, encoding request."""
-    import torch
-
     from ...core.request import check_request
     from ..longeval.tasks import check_depths, check_lengths, check_samples, check_tasks
     from ..threads import check_threads
@@ -70,9 +68,7 @@ def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
     params = parse_encoding_params(args.encoding_param)
     if args.encoding is not None:
         check_request(args.encoding, params)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    device = checked_device(args.device)
     longest = max(lengths) + max(task.max_new_tokens for task in tasks)  # the prompt and what is generated
     plans = [plan_model(str(d), args.encoding, params, longest, shorten="--lengths") for d in directories]
     return {

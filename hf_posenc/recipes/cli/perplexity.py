@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import run_lock
 from ..evaluation.errors import EvaluationError
-from .common import add_model_overrides, add_threads_argument, parse_encoding_params
+from .common import add_model_overrides, add_threads_argument, checked_device, parse_encoding_params
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 
@@ -108,11 +108,7 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     params = parse_encoding_params(args.encoding_param)
     if args.encoding is not None:
         check_request(args.encoding, params)  # unknown name / bad value / a pattern refusing an entry
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EvaluationError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    device = checked_device(args.device)
     plans = [plan_model(str(d), args.encoding, params, max(lengths)) for d in directories]
     labels = model_labels(args, plans, params)
     return Checked(output, directories, multiples, lengths, params, device, plans, labels)
