@@ -103,6 +103,40 @@ def test_lora_targets_without_lora_are_not_ignored(workspace, tmp_path, capsys):
     assert "lora_targets=['q_proj'] without lora would be ignored" in line, line
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--lora-r", "4"],
+            "--lora-r without --lora would be ignored; allowed: add --lora, or drop --lora-r",
+        ),
+        (["--lora-alpha", "8", "--lora-dropout", "0.1"], "--lora-alpha, --lora-dropout without --lora"),
+        (
+            ["--eval-tokens", "64"],
+            "--eval-tokens without --eval-every would be ignored; allowed: add --eval-every N",
+        ),
+        (["--eval-data", "{data}", "--eval-split", "test"], "--eval-data, --eval-split without --eval-every"),
+    ],
+)
+def test_flags_that_act_only_with_another_are_not_ignored(workspace, tmp_path, capsys, extra, message):
+    data = str(workspace / "data.txt")
+    extra = [data if value == "{data}" else value for value in extra]
+    assert run(workspace, tmp_path, "--data", data, *extra) == 2
+    line = one_error(capsys)
+    assert message in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_runs_settings_file_holding_every_field_is_still_accepted(workspace, tmp_path, capsys):
+    """The dependent-flag check reads the command line only: a --config file written from a dry
+    run's resolved settings holds lora_r, eval_tokens and the rest at their defaults."""
+    data = str(workspace / "data.txt")
+    assert run(workspace, tmp_path, "--data", data, "--dry-run") == 0
+    settings = tmp_path / "settings.json"
+    settings.write_text(capsys.readouterr().out)
+    assert main(["train", "--config", str(settings), "--dry-run"]) == 0
+
+
 def test_unknown_lora_targets_are_refused_through_the_api_too(workspace, tmp_path):
     from hf_posenc import InvalidParameterError
 
