@@ -109,6 +109,11 @@ def test_traceback_flag_is_accepted_by_every_subcommand_and_shows_the_traceback(
         (["bench", "--backend", "fast"], "--backend 'fast' is not allowed"),
         (["bench", "--vocab-size", "0"], "--vocab-size 0 is not allowed; allowed: >= 1"),
         (
+            ["bench", "--modes", "forward", "--train-lengths", "64", "--freeze-encoding"],
+            "error: --train-lengths, --freeze-encoding without the train mode would be ignored; allowed: add train",
+        ),
+        (["bench", "--modes", "train", "--decode-tokens", "4"], "--decode-tokens without the decode mode"),
+        (
             ["bench", "--hidden-size", "30", "--num-heads", "4"],
             "not a multiple of the number of attention heads",
         ),

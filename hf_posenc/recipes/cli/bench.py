@@ -6,7 +6,7 @@ import argparse
 
 from ...errors import InvalidParameterError
 from ...models import canonical_family, family_names
-from .common import checked_device
+from .common import checked_device, given_on_command_line, refuse_ignored_flags, subcommand_argv
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -78,7 +78,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the results of an earlier run in --output-dir"
     )
-    parser.set_defaults(run=command_bench)
+    parser.set_defaults(run=command_bench, _parser=parser)
 
 
 def check_bench_args(args: argparse.Namespace) -> None:
@@ -103,6 +103,13 @@ def check_bench_args(args: argparse.Namespace) -> None:
             f"--backend {args.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}"
         )
     checked_device(args.device)
+    if hasattr(args, "_parser"):  # (the command line's: flags the chosen modes would ignore)
+        modes = args.modes
+        rules = [
+            (("train_lengths", "freeze_encoding"), "train" in modes, "the train mode", "train to --modes"),
+            (("decode_prompt", "decode_tokens"), "decode" in modes, "the decode mode", "decode to --modes"),
+        ]
+        refuse_ignored_flags("", given_on_command_line(args._parser, subcommand_argv(args)), rules)
 
 
 def command_bench(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -199,3 +200,23 @@ def checked_device(flag_value: str | None, *, flag: str = "--device") -> str:
             f"{flag} {flag_value}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
     return flag_value
+
+
+#: a rule of :func:`refuse_ignored_flags`: (destinations of flags that act only when ``active``,
+#: active, what they need as the message names it, how to add it)
+DependentFlags = tuple[tuple[str, ...], bool, str, str]
+
+
+def refuse_ignored_flags(command: str, given: set[str], rules: Sequence[DependentFlags]) -> None:
+    """One line for flags given on the command line (``given``: :func:`given_on_command_line`)
+    that the run would ignore: those of a rule whose setting is not active. ``command``: the
+    message's prefix (none where the command's own errors carry none)."""
+    from ...errors import InvalidParameterError
+
+    for names, active, needed, add in rules:
+        used = ", ".join("--" + name.replace("_", "-") for name in names if name in given)
+        if used and not active:
+            raise InvalidParameterError(
+                f"{command + ': ' if command else ''}{used} without {needed} would be ignored; allowed: add {add}, "
+                f"or drop {used}"
+            )

@@ -24,6 +24,7 @@ from .common import (
     given_on_command_line,
     merge_settings,
     parse_encoding_params,
+    refuse_ignored_flags,
     subcommand_argv,
 )
 from .long_context import add_long_context_arguments
@@ -330,29 +331,18 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     for name, flag in (("model", "--model"), ("output_dir", "--output-dir")):
         if not values.get(name):
             args._parser.error(f"{flag} is required (on the command line or in --config)")
-    check_dependent_flags(given_on_command_line(args._parser, subcommand_argv(args)), values)
+    # flags the settings would ignore (the command line only: a dry run's settings file holds every field)
+    rules = [
+        (("lora_r", "lora_alpha", "lora_dropout"), bool(values.get("lora")), "--lora", "--lora"),
+        (
+            ("eval_data", "eval_split", "eval_tokens"),
+            bool(values.get("eval_every")),
+            "--eval-every",
+            "--eval-every N",
+        ),
+    ]
+    refuse_ignored_flags("train", given_on_command_line(args._parser, subcommand_argv(args)), rules)
     return values
-
-
-#: flags that act only with another setting: (their destinations, that setting, the flag that sets it)
-DEPENDENT_FLAGS = (
-    (("lora_r", "lora_alpha", "lora_dropout"), "lora", "--lora"),
-    (("eval_data", "eval_split", "eval_tokens"), "eval_every", "--eval-every N"),
-)
-
-
-def check_dependent_flags(given: set[str], values: dict[str, Any]) -> None:
-    """One line for a flag given on the command line that the resolved settings would ignore
-    (``--lora-r`` without ``--lora``, ``--eval-data`` without ``--eval-every``); a ``--config``
-    file's values do not count (a dry run's resolved settings hold every field)."""
-    from ...errors import InvalidParameterError
-
-    for names, needed, flag in DEPENDENT_FLAGS:
-        used = ", ".join("--" + name.replace("_", "-") for name in names if name in given)
-        if used and not values.get(needed):
-            raise InvalidParameterError(
-                f"train: {used} without {flag.split()[0]} would be ignored; allowed: add {flag}, or drop {used}"
-            )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
