@@ -103,6 +103,30 @@ def test_study_checks_its_embedded_base_model_before_training_it(tmp_path, capsy
 
 
 @pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--base-model", "{base}", "--hidden-size", "64", "--pretrain-steps", "5"],
+            "--hidden-size, --pretrain-steps with --base-model (they shape and pretrain the embedded base) would be "
+            "ignored; allowed: drop --base-model",
+        ),
+        (
+            ["--retrieval-documents", "0", "--retrieval-samples", "2", "--retrieval-max-key", "50"],
+            "--retrieval-samples, --retrieval-max-key with --retrieval-documents 0 would be ignored",
+        ),
+    ],
+)
+def test_study_flags_its_settings_would_ignore_are_refused(workspace, tmp_path, capsys, extra, message):
+    """The embedded base's flags with a given base model, and the passkey prompts' flags with no
+    passkey documents, did nothing and said nothing."""
+    extra = [str(workspace / "base") if value == "{base}" else value for value in extra]
+    out = tmp_path / "study"
+    assert main(["study", "--output-dir", str(out), "--encodings", "alibi", "--dry-run", *extra]) == 2
+    line = one_error(capsys)
+    assert message in line, line
+
+
+@pytest.mark.parametrize(
     "model, extra, factor",
     [
         ("base", ["--encoding", "rope"], TINY),

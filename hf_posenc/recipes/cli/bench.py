@@ -106,8 +106,18 @@ def check_bench_args(args: argparse.Namespace) -> None:
     if hasattr(args, "_parser"):  # (the command line's: flags the chosen modes would ignore)
         modes = args.modes
         rules = [
-            (("train_lengths", "freeze_encoding"), "train" in modes, "the train mode", "train to --modes"),
-            (("decode_prompt", "decode_tokens"), "decode" in modes, "the decode mode", "decode to --modes"),
+            (
+                ("train_lengths", "freeze_encoding"),
+                "train" in modes,
+                "without the train mode",
+                "add train to --modes",
+            ),
+            (
+                ("decode_prompt", "decode_tokens"),
+                "decode" in modes,
+                "without the decode mode",
+                "add decode to --modes",
+            ),
         ]
         refuse_ignored_flags("", given_on_command_line(args._parser, subcommand_argv(args)), rules)
 

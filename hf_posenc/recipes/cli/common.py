@@ -203,7 +203,7 @@ def checked_device(flag_value: str | None, *, flag: str = "--device") -> str:
 
 
 #: a rule of :func:`refuse_ignored_flags`: (destinations of flags that act only when ``active``,
-#: active, what they need as the message names it, how to add it)
+#: active, when they would be ignored ("without --lora"), the remedy ("add --lora"))
 DependentFlags = tuple[tuple[str, ...], bool, str, str]
 
 
@@ -213,10 +213,10 @@ def refuse_ignored_flags(command: str, given: set[str], rules: Sequence[Dependen
     message's prefix (none where the command's own errors carry none)."""
     from ...errors import InvalidParameterError
 
-    for names, active, needed, add in rules:
+    for names, active, condition, remedy in rules:
         used = ", ".join("--" + name.replace("_", "-") for name in names if name in given)
         if used and not active:
             raise InvalidParameterError(
-                f"{command + ': ' if command else ''}{used} without {needed} would be ignored; allowed: add {add}, "
+                f"{command + ': ' if command else ''}{used} {condition} would be ignored; allowed: {remedy}, "
                 f"or drop {used}"
             )

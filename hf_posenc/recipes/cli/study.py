@@ -6,7 +6,15 @@ import argparse
 import dataclasses
 
 from ..study import StudyConfig, load_study_config, run_study
-from .common import TRACKERS, add_run_option, add_threads_argument, merge_settings
+from .common import (
+    TRACKERS,
+    add_run_option,
+    add_threads_argument,
+    given_on_command_line,
+    merge_settings,
+    refuse_ignored_flags,
+    subcommand_argv,
+)
 
 
 def _defaults() -> argparse.Namespace:
@@ -180,6 +188,23 @@ def command_study(args: argparse.Namespace) -> int:
     fields = [f.name for f in dataclasses.fields(StudyConfig)]
     file_values = load_study_config(args.config) if args.config else {}
     values = merge_settings(args, fields, file_values)  # flags given on the command line win
+    # flags the settings would ignore (the command line only: a study_config.json holds every field)
+    embedded = not values.get("base_model")
+    rules = [
+        (
+            ("vocab_size", "hidden_size", "num_layers", "pretrain_steps"),
+            embedded,
+            "with --base-model (they shape and pretrain the embedded base)",
+            "drop --base-model",
+        ),
+        (
+            ("retrieval_samples", "retrieval_max_key", "retrieval_instruction"),
+            bool(values.get("retrieval_documents")),
+            "with --retrieval-documents 0",
+            "give --retrieval-documents N > 0",
+        ),
+    ]
+    refuse_ignored_flags("study", given_on_command_line(args._parser, subcommand_argv(args)), rules)
     if args.retrieval:  # the preset of before is the default now: said, not silently swallowed
         print(
             f"[study] --retrieval changes nothing: its setting ({_tuned(_defaults())}) is the default now; "

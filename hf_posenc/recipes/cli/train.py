@@ -333,7 +333,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             args._parser.error(f"{flag} is required (on the command line or in --config)")
     # flags the settings would ignore (the command line only: a dry run's settings file holds every field)
     rules = [
-        (("lora_r", "lora_alpha", "lora_dropout"), bool(values.get("lora")), "--lora", "--lora"),
+        (("lora_r", "lora_alpha", "lora_dropout"), bool(values.get("lora")), "without --lora", "add --lora"),
         (
             ("eval_data", "eval_split", "eval_tokens"),
             bool(values.get("eval_every")),
