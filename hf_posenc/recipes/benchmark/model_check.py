@@ -1,5 +1,5 @@
-"""The benchmarks' model flags checked before any model is built: one line for a shape the
-family cannot build (or its native model cannot run) and for an encoding that cannot patch it,
+"""The benchmarks' model flags (and the study's embedded base) checked before any model is
+built: one line for a shape the family cannot build (or its native model cannot run) and for an encoding that cannot patch it,
 instead of a traceback from transformers, or an error after other rows were measured.
 
 Everything is decided from the model's config and a build on the meta device (no memory, no
@@ -73,7 +73,7 @@ def check_model_flags(
         try:
             check_patch_fits(config, name)
         except PosencError as error:
-            raise InvalidParameterError(f"{shape}: {error}") from None
+            raise type(error)(f"{shape}: {error}") from None
     return config
 
 
