@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PosencError
+from ..errors import InvalidParameterError, PosencError
 
 if TYPE_CHECKING:
     import torch
@@ -196,6 +196,27 @@ def check_sources(sources: Sequence[str]) -> None:
             _local_files(source)
             if Path(source).is_file():
                 check_not_blank(Path(source))
+
+
+def check_source_options(
+    sources: Sequence[str], *, split_flag: str | None = None, text_field_flag: str | None = None
+) -> None:
+    """One line for a split or text field given on the command line (pass its flag, e.g.
+    ``split_flag="--split"``) that no source of ``sources`` reads: only hub datasets and
+    ``builtin:stdlib`` have splits (a local file is read whole, whatever the split), only hub
+    datasets and local JSON files have fields (a text file is one document)."""
+    if split_flag and not any(s == BUILTIN_STDLIB or s.startswith("hf:") for s in sources):
+        raise InvalidParameterError(
+            f"{split_flag} would be ignored: the data sources {list(sources)} are local files, read whole; allowed: "
+            f"an hf:NAME or {BUILTIN_STDLIB} source, or drop {split_flag}"
+        )
+    local = [s for s in sources if s != BUILTIN_STDLIB and not s.startswith("hf:")]
+    json_files = (path.suffix in JSON_SUFFIXES for source in local for path in _local_files(source))
+    if text_field_flag and not any(s.startswith("hf:") for s in sources) and not any(json_files):
+        raise InvalidParameterError(
+            f"{text_field_flag} would be ignored: the data sources {list(sources)} hold no JSON file (a text "
+            f"file is one document, {BUILTIN_STDLIB} one per source file); allowed: .jsonl/.json files or an hf:NAME source, or drop {text_field_flag}"
+        )
 
 
 #: files up to this size are read by the early checks to see whether they hold only blank space

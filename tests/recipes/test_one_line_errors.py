@@ -127,6 +127,44 @@ def test_flags_that_act_only_with_another_are_not_ignored(workspace, tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--split", "test"], "--split would be ignored: the data sources"),
+        (["--text-field", "body"], "--text-field would be ignored: the data sources"),
+        (["--eval-every", "2", "--eval-split", "test"], "--eval-split would be ignored"),
+    ],
+)
+def test_a_split_or_field_no_source_has_is_refused(workspace, tmp_path, capsys, extra, message):
+    """A local text file is read whole: `--split test` on it trained (or evaluated) on all of it,
+    and `--text-field body` read it as one document, both silently."""
+    assert run(workspace, tmp_path, "--data", str(workspace / "data.txt"), *extra) == 2
+    line = one_error(capsys)
+    assert message in line and "allowed:" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_which_sources_have_splits_and_fields(tmp_path):
+    """Splits: hub datasets and builtin:stdlib; fields: hub datasets and local JSON files (a
+    mixed list passes when any source reads the option)."""
+    from hf_posenc import InvalidParameterError
+    from hf_posenc.recipes.data import check_source_options
+
+    text, rows = tmp_path / "a.txt", tmp_path / "rows.jsonl"
+    text.write_text("one document")
+    rows.write_text('{"body": "a row"}\n')
+    check_source_options(["builtin:stdlib"], split_flag="--split")
+    check_source_options(["hf:org/corpus", str(text)], split_flag="--split", text_field_flag="--text-field")
+    check_source_options([str(text), str(rows)], text_field_flag="--text-field")
+    check_source_options([str(text)])  # nothing given: nothing to check
+    with pytest.raises(InvalidParameterError, match="--split would be ignored"):
+        check_source_options([str(text), str(rows)], split_flag="--split")
+    with pytest.raises(InvalidParameterError, match="--text-field would be ignored"):
+        check_source_options([str(text)], text_field_flag="--text-field")
+    with pytest.raises(InvalidParameterError, match="--text-field would be ignored"):  # stdlib has no fields
+        check_source_options(["builtin:stdlib"], text_field_flag="--text-field")
+
+
 def test_a_dry_runs_settings_file_holding_every_field_is_still_accepted(workspace, tmp_path, capsys):
     """The dependent-flag check reads the command line only: a --config file written from a dry
     run's resolved settings holds lora_r, eval_tokens and the rest at their defaults."""

@@ -33,7 +33,14 @@ from typing import Any
 
 from .. import run_lock
 from ..evaluation.errors import EvaluationError
-from .common import add_model_overrides, add_threads_argument, checked_device, parse_encoding_params
+from .common import (
+    add_model_overrides,
+    add_threads_argument,
+    checked_device,
+    given_on_command_line,
+    parse_encoding_params,
+    subcommand_argv,
+)
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 
@@ -85,13 +92,20 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     """Every flag, the output folder, the model folders, the data sources, the encoding request and
     each model's position limit, before any model or data is loaded; paths and values before torch
     and transformers are imported (a missing model folder is answered at once)."""
-    from ..data import check_sources
+    from ..data import check_source_options, check_sources
     from ..evaluation.report import FILE_NAMES, check_fresh_output
     from ..threads import check_threads
 
     output = check_fresh_output(args.output, FILE_NAMES["json"], overwrite=args.overwrite)
     directories = [check_model_dir(d) for d in args.model]
     check_sources(args.data)
+    if hasattr(args, "_parser"):  # a --split / --text-field given that no source reads
+        given = given_on_command_line(args._parser, subcommand_argv(args))
+        check_source_options(
+            args.data,
+            split_flag="--split" if "split" in given else None,
+            text_field_flag="--text-field" if "text_field" in given else None,
+        )
     from ...core.request import check_request
     from ..evaluation.perplexity import check_multiples
 
@@ -307,4 +321,4 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--perplexity", action="store_true", help="also print perplexity columns")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on error")
-    parser.set_defaults(run=command_perplexity)
+    parser.set_defaults(run=command_perplexity, _parser=parser)

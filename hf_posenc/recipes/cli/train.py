@@ -337,12 +337,29 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         (
             ("eval_data", "eval_split", "eval_tokens"),
             bool(values.get("eval_every")),
-            "--eval-every",
-            "--eval-every N",
+            "without --eval-every",
+            "add --eval-every N",
         ),
     ]
-    refuse_ignored_flags("train", given_on_command_line(args._parser, subcommand_argv(args)), rules)
+    given = given_on_command_line(args._parser, subcommand_argv(args))
+    refuse_ignored_flags("train", given, rules)
+    _check_source_options(values, given)
     return values
+
+
+def _check_source_options(values: dict[str, Any], given: set[str]) -> None:
+    """A --split, --text-field or --eval-split given that no source of its data reads: one line."""
+    from ..data import check_source_options
+
+    if values.get("data"):
+        check_source_options(
+            values["data"],
+            split_flag="--split" if "split" in given else None,
+            text_field_flag="--text-field" if "text_field" in given else None,
+        )
+    held_out = values.get("eval_data") or values.get("data")
+    if "eval_split" in given and held_out:
+        check_source_options(held_out, split_flag="--eval-split")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
