@@ -55,3 +55,27 @@ def test_decay_goes_to_matrices_and_the_encoding_has_its_own_rate(partitioned):
         (0.0, 1e-3): expected["no_decay"],
         (0.0, 5e-3): expected["own"],
     }
+
+
+def test_an_encoding_rate_of_zero_freezes_the_encoding():
+    """encoding_lr=0 is a rate (the encoding's parameters stay where they are), not "not given":
+    the group took the model's rate before (`encoding_lr or lr`)."""
+    model = make_model("llama")
+    patch(model, "t5")
+    config = TrainConfig(model="m", output_dir="o", lr=1e-3, encoding_lr=0.0)
+    own = {id(p) for n, p in model.named_parameters() if ".posenc." in n or n.startswith("posenc.")}
+    rates = {
+        group["lr"] for group in build_optimizer(model, config).param_groups if id(group["params"][0]) in own
+    }
+    assert rates == {0.0}
+
+
+def test_an_encoding_rate_for_an_encoding_without_parameters_is_refused():
+    from hf_posenc import InvalidParameterError
+
+    model = make_model("llama")
+    patch(model, "alibi")
+    assert not [n for n, _ in model.named_parameters() if ".posenc." in n or n.startswith("posenc.")]
+    with pytest.raises(InvalidParameterError, match="encoding_lr=0.01 would be ignored"):
+        build_optimizer(model, TrainConfig(model="m", output_dir="o", lr=1e-3, encoding_lr=0.01))
+    build_optimizer(model, TrainConfig(model="m", output_dir="o", lr=1e-3))  # not given: fine

@@ -70,10 +70,18 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
             decay.append(parameter)
         else:
             no_decay.append(parameter)
+    if config.encoding_lr is not None and not own:  # (its own rate for parameters there are none of)
+        raise InvalidParameterError(
+            f"train: encoding_lr={config.encoding_lr!r} would be ignored: the patched model's encoding has no "
+            "trainable parameters of its own; allowed: an encoding that learns some (a bias table or network, "
+            "learned frequencies), or drop --encoding-lr"
+        )
+    # (encoding_lr 0 freezes them: not `encoding_lr or lr`, which took 0 for "not given")
+    own_lr = config.lr if config.encoding_lr is None else config.encoding_lr
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
-        {"params": own, "weight_decay": 0.0, "lr": config.encoding_lr or config.lr},
+        {"params": own, "weight_decay": 0.0, "lr": own_lr},
     ]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=config.lr, betas=(config.beta1, config.beta2)
