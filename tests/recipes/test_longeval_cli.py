@@ -62,6 +62,11 @@ BAD = {
     ),
     "no digits in the vocabulary": (["--tasks", "passkey"], "the tokenizer cannot express passkey's answers"),
     "typo in the encoding": (["--encoding", "alibbi"], "Did you mean 'alibi'"),
+    # vt and fwe place nothing at a depth: the depths were dropped without a word
+    "depths for tasks without one": (
+        ["--tasks", "vt", "fwe", "--depths", "0.5"],
+        "--depths with only tasks that have no depth would be ignored; allowed: add a task placed at a depth",
+    ),
 }
 MODEL_OF = {"over the learned table": "learned", "no digits in the vocabulary": "no-digits"}
 

@@ -21,7 +21,15 @@ from typing import Any
 
 from .. import run_lock
 from ..evaluation.errors import EvaluationError
-from .common import add_model_overrides, add_threads_argument, checked_device, parse_encoding_params
+from .common import (
+    add_model_overrides,
+    add_threads_argument,
+    checked_device,
+    given_on_command_line,
+    parse_encoding_params,
+    refuse_ignored_flags,
+    subcommand_argv,
+)
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
 DEFAULT_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe")
@@ -57,6 +65,17 @@ def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
     tasks = check_tasks(args.tasks)
     lengths = check_lengths(args.lengths)
     depths = check_depths(args.depths)
+    if hasattr(args, "_parser"):  # --depths given for tasks that all place nothing at a depth
+        depthless = not any(task.uses_depth for task in tasks)
+        rules = [
+            (
+                ("depths",),
+                not depthless,
+                "with only tasks that have no depth",
+                "add a task placed at a depth (passkey, niah_*)",
+            )
+        ]
+        refuse_ignored_flags("", given_on_command_line(args._parser, subcommand_argv(args)), rules)
     check_samples(args.samples)
     if args.batch_size < 1:
         raise EvaluationError(f"--batch-size {args.batch_size} is not allowed; allowed: >= 1")
@@ -313,4 +332,4 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--title", default=None, help="title of the chart and report")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on error")
-    parser.set_defaults(run=command_longeval)
+    parser.set_defaults(run=command_longeval, _parser=parser)
