@@ -16,8 +16,19 @@ from typing import Any
 from ..errors import InvalidParameterError
 
 
-def load_settings_file(path: str, *, allowed: Iterable[str], section: str) -> dict[str, Any]:
-    """The settings in ``path`` (YAML or JSON), checked against the ``allowed`` field names."""
+def list_fields(settings: Any) -> set[str]:
+    """The fields of the settings dataclass ``settings`` that hold lists (``list[...]``, or None)."""
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(settings) if str(f.type).startswith("list[")}
+
+
+def load_settings_file(
+    path: str, *, allowed: Iterable[str], section: str, lists: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The settings in ``path`` (YAML or JSON), checked against the ``allowed`` field names. A
+    field of ``lists`` given one value (``data: corpus.txt``) is that value's one-item list (it
+    was iterated: each character a data source)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"--config {path!r} does not exist; allowed: a YAML or JSON file")
@@ -41,4 +52,8 @@ def load_settings_file(path: str, *, allowed: Iterable[str], section: str) -> di
         raise InvalidParameterError(
             f"--config {path!r}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(names)}"
         )
-    return values
+    listed = set(lists)
+    return {
+        key: [value] if key in listed and isinstance(value, (str, int, float)) else value
+        for key, value in values.items()
+    }

@@ -98,6 +98,25 @@ def test_train_config_file_is_read_and_flags_given_win(model_dir, tmp_path, suff
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_a_list_setting_given_one_value_in_a_file_is_a_list_of_it(model_dir, tmp_path, capsys):
+    """`data: corpus.txt` in a YAML file (one source, no brackets) is the list of that source; it was
+    iterated as a string, each character a data source ("data source 't' is not a file ..."), and
+    a study's `encodings: alibi` each character an encoding."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: {model_dir / 'model'}\noutput_dir: {tmp_path / 'out'}\ndata: {model_dir / 'data.txt'}\n"
+        "report_to: tensorboard\n"
+    )
+    assert main(["train", "--config", str(config), "--dry-run"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["data"] == [str(model_dir / "data.txt")] and resolved["report_to"] == ["tensorboard"]
+    study = tmp_path / "study.yaml"
+    study.write_text(f"data: {model_dir / 'data.txt'}\nencodings: alibi\nmultiples: 2\n")
+    assert main(["study", "--config", str(study), "--output-dir", str(tmp_path / "s"), "--dry-run"]) == 0
+    plan = capsys.readouterr()
+    assert "alibi" in plan.out + plan.err
+
+
 def test_train_dry_run_output_is_a_config_that_reproduces_it(model_dir, tmp_path, capsys):
     argv = ["train", "--model", str(model_dir / "model"), "--output-dir", str(tmp_path / "o")]
     argv += ["--data", str(model_dir / "data.txt"), "--encoding", "alibi", "--max-steps", "3"]

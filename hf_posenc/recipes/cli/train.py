@@ -316,9 +316,11 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     given; --encoding-param keys override the file's ``encoding_params`` key by key."""
     file_values: dict[str, Any] = {}
     if args.config:
-        from ..settings_file import load_settings_file
+        from ..settings_file import list_fields, load_settings_file
 
-        file_values = load_settings_file(args.config, allowed=_config_fields(), section="train")
+        file_values = load_settings_file(
+            args.config, allowed=_config_fields(), section="train", lists=list_fields(TrainConfig)
+        )
     values = merge_settings(args, _config_fields(), file_values)
     file_params = file_values.get("encoding_params") or {}
     if not isinstance(file_params, dict):

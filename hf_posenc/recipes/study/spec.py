@@ -148,10 +148,13 @@ def parse_encoding_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 def load_study_config(path: str) -> dict[str, Any]:
     """The fields of a study config file (YAML or JSON, e.g. a previous run's study_config.json)."""
-    from ..settings_file import load_settings_file
+    from ..settings_file import list_fields, load_settings_file
 
     return load_settings_file(
-        path, allowed=[f.name for f in dataclasses.fields(StudyConfig)], section="study"
+        path,
+        allowed=[f.name for f in dataclasses.fields(StudyConfig)],
+        section="study",
+        lists=list_fields(StudyConfig),
     )
 
 
