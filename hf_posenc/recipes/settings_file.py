@@ -37,7 +37,7 @@ def load_settings_file(
         if file.suffix in (".yaml", ".yml"):
             import yaml
 
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_yaml_loader())
         else:
             values = json.loads(text)
     except Exception as error:  # yaml.YAMLError, json.JSONDecodeError
@@ -57,3 +57,22 @@ def load_settings_file(
         key: [value] if key in listed and isinstance(value, (str, int, float)) else value
         for key, value in values.items()
     }
+
+
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader reading ``1e-3`` as the number it is: PyYAML follows YAML 1.1, whose
+    floats need a dot (``1.0e-3``), so ``lr: 1e-3`` was the string '1e-3' and refused as "not a
+    number" (YAML 1.2, and JSON, read it as a float). A subclass: PyYAML's own loader is left as is."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    return Loader

@@ -117,6 +117,22 @@ def test_a_list_setting_given_one_value_in_a_file_is_a_list_of_it(model_dir, tmp
     assert "alibi" in plan.out + plan.err
 
 
+def test_yaml_scientific_notation_is_a_number(model_dir, tmp_path, capsys):
+    """`lr: 1e-3` in YAML: PyYAML's YAML 1.1 reads floats only with a dot (`1.0e-3`), so this was the
+    string '1e-3', refused as "not a number"; JSON and YAML 1.2 read a float, and so do we now."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: {model_dir / 'model'}\noutput_dir: {tmp_path / 'out'}\ndata: [{model_dir / 'data.txt'}]\n"
+        "lr: 1e-3\nweight_decay: 2E-2\n"
+    )
+    assert main(["train", "--config", str(config), "--dry-run"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["lr"] == 1e-3 and resolved["weight_decay"] == 2e-2
+    study = tmp_path / "study.yaml"
+    study.write_text("lr: 5e-4\n")
+    assert main(["study", "--config", str(study), "--output-dir", str(tmp_path / "s"), "--dry-run"]) == 0
+
+
 def test_train_dry_run_output_is_a_config_that_reproduces_it(model_dir, tmp_path, capsys):
     argv = ["train", "--model", str(model_dir / "model"), "--output-dir", str(tmp_path / "o")]
     argv += ["--data", str(model_dir / "data.txt"), "--encoding", "alibi", "--max-steps", "3"]
