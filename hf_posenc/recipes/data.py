@@ -215,7 +215,8 @@ def check_source_options(
     if text_field_flag and not any(s.startswith("hf:") for s in sources) and not any(json_files):
         raise InvalidParameterError(
             f"{text_field_flag} would be ignored: the data sources {list(sources)} hold no JSON file (a text "
-            f"file is one document, {BUILTIN_STDLIB} one per source file); allowed: .jsonl/.json files or an hf:NAME source, or drop {text_field_flag}"
+            f"file is one document, {BUILTIN_STDLIB} one per source file); allowed: .jsonl/.json files or an "
+            f"hf:NAME source, or drop {text_field_flag}"
         )
 
 

@@ -1,6 +1,7 @@
 """The benchmarks' model flags (and the study's embedded base) checked before any model is
-built: one line for a shape the family cannot build (or its native model cannot run) and for an encoding that cannot patch it,
-instead of a traceback from transformers, or an error after other rows were measured.
+built: one line for a shape the family cannot build (or its native model cannot run) and for an
+encoding that cannot patch it, instead of a traceback from transformers, or an error after other
+rows were measured.
 
 Everything is decided from the model's config and a build on the meta device (no memory, no
 initialisation, no weights): transformers validates the config (RoPE's even width, heads

@@ -78,7 +78,8 @@ class StudyConfig:
             or self.max_documents < 1
         ):
             raise InvalidParameterError(
-                f"study: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 (left out: every document)"
+                f"study: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 "
+                "(left out: every document)"
             )
         from ..threads import check_threads
 

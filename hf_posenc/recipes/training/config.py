@@ -91,7 +91,8 @@ class TrainConfig:
             or self.max_documents < 1
         ):  # (0 read no document, and the error then blamed the data)
             raise InvalidParameterError(
-                f"train: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 (left out: every document)"
+                f"train: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 "
+                "(left out: every document)"
             )
         if self.lora and (
             isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1
