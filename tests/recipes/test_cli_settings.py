@@ -111,7 +111,9 @@ def test_a_list_setting_given_one_value_in_a_file_is_a_list_of_it(model_dir, tmp
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["data"] == [str(model_dir / "data.txt")] and resolved["report_to"] == ["tensorboard"]
     study = tmp_path / "study.yaml"
-    study.write_text(f"data: {model_dir / 'data.txt'}\nencodings: alibi\nmultiples: 2\n")
+    study.write_text(
+        f"data: {model_dir / 'data.txt'}\neval_data: {model_dir / 'data.txt'}\nencodings: alibi\nmultiples: 2\n"
+    )
     assert main(["study", "--config", str(study), "--output-dir", str(tmp_path / "s"), "--dry-run"]) == 0
     plan = capsys.readouterr()
     assert "alibi" in plan.out + plan.err

@@ -167,7 +167,7 @@ def test_finished_runs_trained_on_since_edited_data_are_not_reused(tmp_path, cap
     documents = list(stdlib_documents())[:12]
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    mini = {**MINI, "encodings": ["alibi"], "data": [str(data)]}
+    mini = {**MINI, "encodings": ["alibi"], "data": [str(data)], "eval_data": [str(data)]}
     out = tmp_path / "study"
     run_study(StudyConfig(output_dir=str(out), **mini))
     before = (out / "runs" / "alibi" / "final" / "model.safetensors").read_bytes()
@@ -248,6 +248,7 @@ def test_an_interrupted_run_on_since_edited_data_is_refused_then_retrained(tmp_p
     argv = ["study", "--output-dir", str(tmp_path / "study"), "--base-model", str(root / "base")]
     argv += ["--encodings", "alibi", "--data", str(data), "--train-length", "16", "--multiples", "1", "2"]
     argv += ["--steps", "4", "--batch-size", "4", "--eval-tokens", "64", "--retrieval-documents", "0"]
+    argv += ["--eval-data", str(data)]  # (a local file has no held-out split)
     assert main(argv) == 130
     run = tmp_path / "study" / "runs" / "alibi"
     assert (run / "checkpoint-2").is_dir() and not (run / "final").exists()
@@ -300,6 +301,11 @@ def test_encoding_specs_parse_names_aliases_and_json():
         (["--encodings", "alibbi"], "Did you mean 'alibi'"),
         (["--encodings", "expe{oops"], "not JSON"),
         (["--data", "no/such/file.txt"], "no/such/file.txt"),
+        # a local file has no held-out split: its "validation split" was the training text itself
+        (
+            ["--data", __file__],
+            "holds local files, which have no held-out split: the losses would be measured",
+        ),
         (["--base-model", "./my-llama"], "'./my-llama' does not exist"),
         (["--encodings", 't5{"num_buckets": -1}'], "num_buckets"),
         (["--steps", "0"], "steps=0"),

@@ -89,6 +89,13 @@ def check_study(config: StudyConfig) -> Path:
     check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings))
     check_sources(config.data)
     check_sources(config.eval_data or config.data)
+    if config.eval_data is None and not all(s.startswith(("builtin:", "hf:")) for s in config.data):
+        # (a local file has no validation split: its "validation" is the whole file, the training text)
+        raise InvalidParameterError(
+            f"study: --data {list(config.data)} holds local files, which have no held-out split: the losses "
+            "would be measured on the training text; allowed: --eval-data SRC (held-out text), or --data "
+            "sources with a validation split (builtin:stdlib, hf:NAME)"
+        )
     if not config.base_model:
         _check_embedded_base(config)
     _check_retrieval_length(config)
