@@ -187,12 +187,18 @@ def _hub_documents(source: str, text_field: str, split: str) -> Iterator[str]:
         yield _row_text(Path(source), f"row {number}", row, text_field)
 
 
+def is_local(source: str) -> bool:
+    """Whether ``source`` is local files (a file, directory or glob), read whole: no split, and
+    fields only in JSON files; ``builtin:stdlib`` and ``hf:`` datasets have splits."""
+    return source != BUILTIN_STDLIB and not source.startswith("hf:")
+
+
 def check_sources(sources: Sequence[str]) -> None:
     """Fail fast (before any long work) on a local source that does not exist."""
     if not sources:
         raise FileNotFoundError("no data source given")
     for source in sources:
-        if source != BUILTIN_STDLIB and not source.startswith("hf:"):
+        if is_local(source):
             _local_files(source)
             if Path(source).is_file():
                 check_not_blank(Path(source))
@@ -205,12 +211,12 @@ def check_source_options(
     ``split_flag="--split"``) that no source of ``sources`` reads: only hub datasets and
     ``builtin:stdlib`` have splits (a local file is read whole, whatever the split), only hub
     datasets and local JSON files have fields (a text file is one document)."""
-    if split_flag and not any(s == BUILTIN_STDLIB or s.startswith("hf:") for s in sources):
+    if split_flag and all(is_local(s) for s in sources):
         raise InvalidParameterError(
             f"{split_flag} would be ignored: the data sources {list(sources)} are local files, read whole; allowed: "
             f"an hf:NAME or {BUILTIN_STDLIB} source, or drop {split_flag}"
         )
-    local = [s for s in sources if s != BUILTIN_STDLIB and not s.startswith("hf:")]
+    local = [s for s in sources if is_local(s)]
     json_files = (path.suffix in JSON_SUFFIXES for source in local for path in _local_files(source))
     if text_field_flag and not any(s.startswith("hf:") for s in sources) and not any(json_files):
         raise InvalidParameterError(

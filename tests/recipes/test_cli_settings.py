@@ -98,17 +98,22 @@ def test_train_config_file_is_read_and_flags_given_win(model_dir, tmp_path, suff
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def _train_dry_run_of_yaml(model_dir: Path, tmp_path: Path, capsys, settings: str) -> dict:
+    """The resolved settings `train --dry-run` prints for a YAML file of the test model, an output
+    folder and ``settings`` (YAML lines)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {model_dir / 'model'}\noutput_dir: {tmp_path / 'out'}\n{settings}")
+    assert main(["train", "--config", str(config), "--dry-run"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_a_list_setting_given_one_value_in_a_file_is_a_list_of_it(model_dir, tmp_path, capsys):
     """`data: corpus.txt` in a YAML file (one source, no brackets) is the list of that source; it was
     iterated as a string, each character a data source ("data source 't' is not a file ..."), and
     a study's `encodings: alibi` each character an encoding."""
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"model: {model_dir / 'model'}\noutput_dir: {tmp_path / 'out'}\ndata: {model_dir / 'data.txt'}\n"
-        "report_to: tensorboard\n"
+    resolved = _train_dry_run_of_yaml(
+        model_dir, tmp_path, capsys, f"data: {model_dir / 'data.txt'}\nreport_to: tensorboard\n"
     )
-    assert main(["train", "--config", str(config), "--dry-run"]) == 0
-    resolved = json.loads(capsys.readouterr().out)
     assert resolved["data"] == [str(model_dir / "data.txt")] and resolved["report_to"] == ["tensorboard"]
     study = tmp_path / "study.yaml"
     study.write_text(
@@ -122,13 +127,9 @@ def test_a_list_setting_given_one_value_in_a_file_is_a_list_of_it(model_dir, tmp
 def test_yaml_scientific_notation_is_a_number(model_dir, tmp_path, capsys):
     """`lr: 1e-3` in YAML: PyYAML's YAML 1.1 reads floats only with a dot (`1.0e-3`), so this was the
     string '1e-3', refused as "not a number"; JSON and YAML 1.2 read a float, and so do we now."""
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"model: {model_dir / 'model'}\noutput_dir: {tmp_path / 'out'}\ndata: [{model_dir / 'data.txt'}]\n"
-        "lr: 1e-3\nweight_decay: 2E-2\n"
+    resolved = _train_dry_run_of_yaml(
+        model_dir, tmp_path, capsys, f"data: [{model_dir / 'data.txt'}]\nlr: 1e-3\nweight_decay: 2E-2\n"
     )
-    assert main(["train", "--config", str(config), "--dry-run"]) == 0
-    resolved = json.loads(capsys.readouterr().out)
     assert resolved["lr"] == 1e-3 and resolved["weight_decay"] == 2e-2
     study = tmp_path / "study.yaml"
     study.write_text("lr: 5e-4\n")

@@ -6,7 +6,7 @@ import argparse
 
 from ...errors import InvalidParameterError
 from ...models import canonical_family, family_names
-from .common import checked_device, given_on_command_line, refuse_ignored_flags, subcommand_argv
+from .common import checked_device, given_flags, refuse_ignored_flags
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -103,23 +103,21 @@ def check_bench_args(args: argparse.Namespace) -> None:
             f"--backend {args.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}"
         )
     checked_device(args.device)
-    if hasattr(args, "_parser"):  # (the command line's: flags the chosen modes would ignore)
-        modes = args.modes
-        rules = [
-            (
-                ("train_lengths", "freeze_encoding"),
-                "train" in modes,
-                "without the train mode",
-                "add train to --modes",
-            ),
-            (
-                ("decode_prompt", "decode_tokens"),
-                "decode" in modes,
-                "without the decode mode",
-                "add decode to --modes",
-            ),
-        ]
-        refuse_ignored_flags("", given_on_command_line(args._parser, subcommand_argv(args)), rules)
+    rules = [  # flags the chosen modes would ignore
+        (
+            ("train_lengths", "freeze_encoding"),
+            "train" in args.modes,
+            "without the train mode",
+            "add train to --modes",
+        ),
+        (
+            ("decode_prompt", "decode_tokens"),
+            "decode" in args.modes,
+            "without the decode mode",
+            "add decode to --modes",
+        ),
+    ]
+    refuse_ignored_flags("", given_flags(args), rules)
 
 
 def command_bench(args: argparse.Namespace) -> int:

@@ -83,6 +83,13 @@ def given_on_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> s
     return set(vars(namespace))
 
 
+def given_flags(args: argparse.Namespace) -> set[str]:
+    """:func:`given_on_command_line` of a subcommand's parsed ``args`` (its parser is
+    ``args._parser``; none there: nothing counts as given)."""
+    parser = getattr(args, "_parser", None)
+    return set() if parser is None else given_on_command_line(parser, subcommand_argv(args))
+
+
 def subcommand_argv(args: argparse.Namespace) -> list[str]:
     """The arguments after the subcommand's name (``main`` records the whole argv in ``args._argv``)."""
     argv = list(getattr(args, "_argv", []))
@@ -220,3 +227,27 @@ def refuse_ignored_flags(command: str, given: set[str], rules: Sequence[Dependen
                 f"{command + ': ' if command else ''}{used} {condition} would be ignored; allowed: {remedy}, "
                 f"or drop {used}"
             )
+
+
+def refuse_unread_source_options(
+    given: set[str],
+    data: Sequence[str] | None,
+    eval_data: Sequence[str] | None = None,
+    *,
+    split: str = "split",
+) -> None:
+    """The data options given on the command line (``given``) that no source of theirs reads, one
+    line (:func:`~hf_posenc.recipes.data.check_source_options`): the split ``split`` (a
+    destination: ``split``, ``train_split``) and ``text_field`` of ``data``, ``eval_split`` of
+    ``eval_data`` (default: ``data``)."""
+    from ..data import check_source_options
+
+    if not data:
+        return
+    check_source_options(
+        data,
+        split_flag="--" + split.replace("_", "-") if split in given else None,
+        text_field_flag="--text-field" if "text_field" in given else None,
+    )
+    if "eval_split" in given:
+        check_source_options(eval_data or data, split_flag="--eval-split")

@@ -25,10 +25,9 @@ from .common import (
     add_model_overrides,
     add_threads_argument,
     checked_device,
-    given_on_command_line,
+    given_flags,
     parse_encoding_params,
     refuse_ignored_flags,
-    subcommand_argv,
 )
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
@@ -65,17 +64,16 @@ def check_inputs(args: argparse.Namespace) -> dict[str, Any]:
     tasks = check_tasks(args.tasks)
     lengths = check_lengths(args.lengths)
     depths = check_depths(args.depths)
-    if hasattr(args, "_parser"):  # --depths given for tasks that all place nothing at a depth
-        depthless = not any(task.uses_depth for task in tasks)
-        rules = [
-            (
-                ("depths",),
-                not depthless,
-                "with only tasks that have no depth",
-                "add a task placed at a depth (passkey, niah_*)",
-            )
-        ]
-        refuse_ignored_flags("", given_on_command_line(args._parser, subcommand_argv(args)), rules)
+    placed = any(task.uses_depth for task in tasks)  # --depths for tasks that place nothing at a depth
+    rules = [
+        (
+            ("depths",),
+            placed,
+            "with only tasks that have no depth",
+            "add a task placed at a depth (passkey, niah_*)",
+        )
+    ]
+    refuse_ignored_flags("", given_flags(args), rules)
     check_samples(args.samples)
     if args.batch_size < 1:
         raise EvaluationError(f"--batch-size {args.batch_size} is not allowed; allowed: >= 1")

@@ -37,9 +37,9 @@ from .common import (
     add_model_overrides,
     add_threads_argument,
     checked_device,
-    given_on_command_line,
+    given_flags,
     parse_encoding_params,
-    subcommand_argv,
+    refuse_unread_source_options,
 )
 from .model_plan import DTYPES, Plan, check_model_dir, model_labels, plan_model, tokenizer_key
 
@@ -92,20 +92,14 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     """Every flag, the output folder, the model folders, the data sources, the encoding request and
     each model's position limit, before any model or data is loaded; paths and values before torch
     and transformers are imported (a missing model folder is answered at once)."""
-    from ..data import check_source_options, check_sources
+    from ..data import check_sources
     from ..evaluation.report import FILE_NAMES, check_fresh_output
     from ..threads import check_threads
 
     output = check_fresh_output(args.output, FILE_NAMES["json"], overwrite=args.overwrite)
     directories = [check_model_dir(d) for d in args.model]
     check_sources(args.data)
-    if hasattr(args, "_parser"):  # a --split / --text-field given that no source reads
-        given = given_on_command_line(args._parser, subcommand_argv(args))
-        check_source_options(
-            args.data,
-            split_flag="--split" if "split" in given else None,
-            text_field_flag="--text-field" if "text_field" in given else None,
-        )
+    refuse_unread_source_options(given_flags(args), args.data)  # a --split / --text-field no source reads
     from ...core.request import check_request
     from ..evaluation.perplexity import check_multiples
 

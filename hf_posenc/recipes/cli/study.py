@@ -10,10 +10,10 @@ from .common import (
     TRACKERS,
     add_run_option,
     add_threads_argument,
-    given_on_command_line,
+    given_flags,
     merge_settings,
     refuse_ignored_flags,
-    subcommand_argv,
+    refuse_unread_source_options,
 )
 
 
@@ -204,18 +204,9 @@ def command_study(args: argparse.Namespace) -> int:
             "give --retrieval-documents N > 0",
         ),
     ]
-    given = given_on_command_line(args._parser, subcommand_argv(args))
+    given = given_flags(args)
     refuse_ignored_flags("study", given, rules)
-    if values.get("data"):  # a --train-split, --eval-split or --text-field given that no source reads
-        from ..data import check_source_options
-
-        check_source_options(
-            values["data"],
-            split_flag="--train-split" if "train_split" in given else None,
-            text_field_flag="--text-field" if "text_field" in given else None,
-        )
-        if "eval_split" in given:
-            check_source_options(values.get("eval_data") or values["data"], split_flag="--eval-split")
+    refuse_unread_source_options(given, values.get("data"), values.get("eval_data"), split="train_split")
     if args.retrieval:  # the preset of before is the default now: said, not silently swallowed
         print(
             f"[study] --retrieval changes nothing: its setting ({_tuned(_defaults())}) is the default now; "

@@ -21,11 +21,11 @@ from .common import (
     add_encoding_arguments,
     add_run_option,
     add_threads_argument,
-    given_on_command_line,
+    given_flags,
     merge_settings,
     parse_encoding_params,
     refuse_ignored_flags,
-    subcommand_argv,
+    refuse_unread_source_options,
 )
 from .long_context import add_long_context_arguments
 
@@ -343,25 +343,10 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "add --eval-every N",
         ),
     ]
-    given = given_on_command_line(args._parser, subcommand_argv(args))
+    given = given_flags(args)
     refuse_ignored_flags("train", given, rules)
-    _check_source_options(values, given)
+    refuse_unread_source_options(given, values.get("data"), values.get("eval_data"))
     return values
-
-
-def _check_source_options(values: dict[str, Any], given: set[str]) -> None:
-    """A --split, --text-field or --eval-split given that no source of its data reads: one line."""
-    from ..data import check_source_options
-
-    if values.get("data"):
-        check_source_options(
-            values["data"],
-            split_flag="--split" if "split" in given else None,
-            text_field_flag="--text-field" if "text_field" in given else None,
-        )
-    held_out = values.get("eval_data") or values.get("data")
-    if "eval_split" in given and held_out:
-        check_source_options(held_out, split_flag="--eval-split")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -58,7 +58,7 @@ def _duration(seconds: float) -> str:
 
 def check_study(config: StudyConfig) -> Path:
     """Every check that needs no model: output folder, base model, encodings, parameters, data."""
-    from ..data import check_sources
+    from ..data import check_sources, is_local
     from ..evaluation.report import check_output_dir
     from ..preflight import check_encoding, check_model_path
 
@@ -89,7 +89,7 @@ def check_study(config: StudyConfig) -> Path:
     check_eval_only(eval_only_rows(config.eval_only, config.encodings), list(config.encodings))
     check_sources(config.data)
     check_sources(config.eval_data or config.data)
-    if config.eval_data is None and not all(s.startswith(("builtin:", "hf:")) for s in config.data):
+    if config.eval_data is None and any(is_local(s) for s in config.data):
         # (a local file has no validation split: its "validation" is the whole file, the training text)
         raise InvalidParameterError(
             f"study: --data {list(config.data)} holds local files, which have no held-out split: the losses "

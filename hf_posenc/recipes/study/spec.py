@@ -66,21 +66,15 @@ class StudyConfig:
             "num_layers",
             "retrieval_samples",
             "retrieval_max_key",
+            "max_documents",  # (None: every document)
         ):
             value = getattr(self, name)
+            if value is None and name == "max_documents":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(
                     f"study: {name}={value!r} is not allowed; allowed: an integer >= 1"
                 )
-        if self.max_documents is not None and (
-            isinstance(self.max_documents, bool)
-            or not isinstance(self.max_documents, int)
-            or self.max_documents < 1
-        ):
-            raise InvalidParameterError(
-                f"study: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 "
-                "(left out: every document)"
-            )
         from ..threads import check_threads
 
         check_threads(self.threads, flag="study: threads")

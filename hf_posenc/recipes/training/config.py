@@ -78,22 +78,16 @@ class TrainConfig:
             "log_every",
             "lora_r",
             "ddp_timeout",
+            "max_documents",  # (None: every document; 0 read none, and the error then blamed the data)
         )
         for name in positive:
             value = getattr(self, name)
+            if value is None and name == "max_documents":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(
                     f"train: {name}={value!r} is not allowed; allowed: an integer >= 1"
                 )
-        if self.max_documents is not None and (
-            isinstance(self.max_documents, bool)
-            or not isinstance(self.max_documents, int)
-            or self.max_documents < 1
-        ):  # (0 read no document, and the error then blamed the data)
-            raise InvalidParameterError(
-                f"train: max_documents={self.max_documents!r} is not allowed; allowed: an integer >= 1 "
-                "(left out: every document)"
-            )
         if self.lora and (
             isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1
         ):

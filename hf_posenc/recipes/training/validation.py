@@ -19,15 +19,15 @@ from ...errors import InvalidParameterError
 if TYPE_CHECKING:  # config.py asks this module for its check: a type only, no import circle
     from .config import TrainConfig
 
-#: sources whose readers know splits (a local file is one text: it has no validation split)
-SPLIT_SOURCES = ("builtin:", "hf:")
-
 
 def check_validation(config: TrainConfig) -> None:
     """``--eval-every`` needs held-out text: ``--eval-data``, or sources that have a validation split."""
     if not config.eval_every:
         return
-    if config.eval_data is None and not all(s.startswith(SPLIT_SOURCES) for s in config.data):
+    from ..data import is_local
+
+    # (a local file is one text: it has no validation split)
+    if config.eval_data is None and any(is_local(s) for s in config.data):
         raise InvalidParameterError(
             f"train: --eval-every {config.eval_every} needs held-out text; allowed: --eval-data SRC, or --data "
             "sources with a validation split (builtin:stdlib, hf:NAME); local files have none"
