@@ -95,17 +95,19 @@ def check_patch_fits(
     model_config: Any,
     encoding: Any = None,
     params: Mapping[str, Any] | None = None,
-) -> None:
+) -> int | None:
     """Everything :func:`build_patch` would refuse that the model's config alone decides, without
     the model's weights: a pattern longer than the depth, a parameter its layers cannot resolve, a
     scaling whose positions leave the dtype. ``encoding`` None: the checkpoint's own saved
     ``config.posenc`` with ``params`` as overrides (what ``from_pretrained`` / ``load_model``
     would rebuild). The recipes run it before they read data or load a model, so a bad request
     costs one line, not a tokenisation pass. The parts are built on the meta device (no memory,
-    no initialisation). A config no family serves is refused as :func:`patch_model` would."""
+    no initialisation). A config no family serves is refused as :func:`patch_model` would.
+    Returns how many parameter elements the encoding's parts would have (0: it learns nothing),
+    or None where there is nothing to patch (no ``encoding`` and nothing saved)."""
     saved: Mapping[str, Any] = getattr(model_config, "posenc", None) or {}
     if encoding is None and not saved:
-        return
+        return None
     adapter = adapter_for_config(model_config)
     if adapter is None:
         raise UnsupportedModelError(
@@ -117,7 +119,7 @@ def check_patch_fits(
         plan = plan_request(encoding, geometry.num_layers, params)
     else:
         plan = plan_saved(saved, params, geometry.num_layers)
-    check_planned_parts(plan, geometry, initial_values=encoding is not None)
+    return check_planned_parts(plan, geometry, initial_values=encoding is not None)
 
 
 #: parts with at most this many tensor elements in all are built a second time on the CPU, so
@@ -126,12 +128,13 @@ def check_patch_fits(
 VALUE_CHECK_ELEMENTS = 1 << 22
 
 
-def check_planned_parts(plan: PatchPlan, geometry: Any, *, initial_values: bool = False) -> None:
+def check_planned_parts(plan: PatchPlan, geometry: Any, *, initial_values: bool = False) -> int:
     """:func:`build_patch`'s checks of each part of ``plan`` on a model of ``geometry``, with the
     parts built on the meta device (no memory, no initialisation). ``initial_values``: the parts
     will start from their initial values (a fresh patch), so where they are small
     (:data:`VALUE_CHECK_ELEMENTS`) they are built again on the CPU and the checks that read
-    those values run as well (comrope's and liere's bound on the scaled generators)."""
+    those values run as well (comrope's and liere's bound on the scaled generators). Returns the
+    elements of the parts' parameters (0 for an encoding that learns nothing)."""
     # built apart from the caller's random stream: a check must not change what a seed gives
     with torch.random.fork_rng(devices=[]):
         with torch.device("meta"):
@@ -143,3 +146,4 @@ def check_planned_parts(plan: PatchPlan, geometry: Any, *, initial_values: bool 
             with torch.device("cpu"):
                 parts, _ = _built_parts(plan, geometry)
         _check_ranges(parts)
+    return sum(p.numel() for part in parts for p in part.parameters())

@@ -166,21 +166,32 @@ def _check_request(
     return canonical_request(encoding)
 
 
-def _check_fits(saved_config: dict, encoding: str | None, params: dict[str, Any] | None, where: str) -> None:
+def encoding_learns(saved_config: dict, encoding: str | None, params: dict[str, Any] | None) -> bool | None:
+    """Whether patching the checkpoint of ``saved_config`` with ``encoding`` (or the encoding it
+    was saved with) gives the encoding parameters of its own, from its parts built on the meta
+    device before any weight loads; None where its config does not say (an unknown model type)."""
+    elements = _check_fits(saved_config, encoding, params, "")
+    return None if elements is None else elements > 0
+
+
+def _check_fits(
+    saved_config: dict, encoding: str | None, params: dict[str, Any] | None, where: str
+) -> int | None:
     """What patching the checkpoint of ``saved_config`` (its config.json) with ``encoding`` (or,
     for a checkpoint saved patched, its own encoding with ``params`` overriding) would refuse that
     its config decides: a pattern longer than its depth, a scaling past the dtype, a model type no
-    family serves."""
+    family serves. Returns the elements of the encoding's parameters (None: not known from the
+    config, or nothing to patch)."""
     from transformers import CONFIG_MAPPING
 
     from ..core.plan import check_patch_fits
 
     model_type = saved_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        return  # transformers names an unknown model type when it loads the checkpoint
+        return None  # transformers names an unknown model type when it loads the checkpoint
     try:
         fresh = None if saved_config.get("posenc") else encoding
-        check_patch_fits(CONFIG_MAPPING[model_type].from_dict(saved_config), fresh, params)
+        return check_patch_fits(CONFIG_MAPPING[model_type].from_dict(saved_config), fresh, params)
     except PosencError as error:
         if not where:
             raise

@@ -87,6 +87,33 @@ def test_settings_that_would_train_on_nothing_are_refused_before_anything(
     assert not (tmp_path / "run").exists()
 
 
+def test_an_encoding_rate_for_an_encoding_that_learns_nothing_is_refused_before_loading(
+    workspace, tmp_path, capsys
+):
+    """``--encoding-lr`` with ALiBi (no parameters) is one line before the weights load (the
+    encoding's parts built on the meta device say it learns nothing), for a fresh patch and for a
+    checkpoint saved patched; with T5 (a learned table) the same flags pass the dry run."""
+    data = str(workspace / "data.txt")
+    assert run(workspace, tmp_path, "--data", data, "--encoding", "alibi", "--encoding-lr", "0.01") == 2
+    line = one_error(capsys)
+    assert "encoding_lr=0.01 would be ignored" in line and "drop --encoding-lr" in line, line
+    assert not (tmp_path / "run").exists()
+
+    import hf_posenc
+    from hf_posenc.core.loading import load_model
+
+    patched = hf_posenc.patch_model(load_model(str(workspace / "base")), "alibi")
+    patched.save_pretrained(tmp_path / "alibi")
+    argv = ["train", "--model", str(tmp_path / "alibi"), "--tokenizer", str(workspace / "base")]
+    argv += ["--output-dir", str(tmp_path / "run"), "--data", data, "--encoding-lr", "0.01"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "encoding_lr=0.01 would be ignored" in one_error(capsys)
+
+    dry = ["--data", data, "--encoding", "t5", "--encoding-lr", "0.01", "--dry-run"]
+    assert run(workspace, tmp_path, *dry) == 0
+
+
 def test_unknown_lora_targets_are_named_with_the_models_modules_before_loading(workspace, tmp_path, capsys):
     data = str(workspace / "data.txt")
     assert run(workspace, tmp_path, "--data", data, "--lora", "--lora-targets", "q_proj", "bogus_proj") == 2

@@ -58,6 +58,15 @@ def full_shape(parameter: nn.Parameter) -> torch.Size:
     return getattr(parameter, "ds_shape", None) or parameter.shape
 
 
+def refuse_encoding_lr(encoding_lr: float) -> None:
+    """``encoding_lr`` for a patched model whose encoding has no trainable parameters: one line."""
+    raise InvalidParameterError(
+        f"train: encoding_lr={encoding_lr!r} would be ignored: the patched model's encoding has no "
+        "trainable parameters of its own; allowed: an encoding that learns some (a bias table or network, "
+        "learned frequencies), or drop --encoding-lr"
+    )
+
+
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only; the encoding's parameters at ``encoding_lr``, no decay."""
     decay, no_decay, own = [], [], []
@@ -71,11 +80,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         else:
             no_decay.append(parameter)
     if config.encoding_lr is not None and not own:  # (its own rate for parameters there are none of)
-        raise InvalidParameterError(
-            f"train: encoding_lr={config.encoding_lr!r} would be ignored: the patched model's encoding has no "
-            "trainable parameters of its own; allowed: an encoding that learns some (a bias table or network, "
-            "learned frequencies), or drop --encoding-lr"
-        )
+        refuse_encoding_lr(config.encoding_lr)
     # (encoding_lr 0 freezes them: not `encoding_lr or lr`, which took 0 for "not given")
     own_lr = config.lr if config.encoding_lr is None else config.encoding_lr
     groups = [
