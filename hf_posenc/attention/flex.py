@@ -53,7 +53,7 @@ from ..compat import raise_recompile_limit
 from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, ScoreGrid
 from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
-from .flex_kernels import attend_with_ladder
+from .flex_kernels import attend_with_ladder, kernel_class
 
 #: the fewest queries a compiled FlexAttention call serves (one mask block); fewer go to chunked
 FLEX_MIN_QUERIES = 128
@@ -271,6 +271,8 @@ def attend_flex(
         )
 
     if not compiled:
+        if kernels is not None:  # bench.json / patch_info say what ran: not a compiled kernel
+            kernels.setdefault(kernel_class(q, k, v, type(bias).__name__).label(), "flex (uncompiled)")
         with warnings.catch_warnings():
             # uncompiled FlexAttention warns that it is slow: off CUDA it is the tested reference path
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")

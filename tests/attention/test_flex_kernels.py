@@ -185,6 +185,20 @@ def test_the_ladder_serves_a_model_and_patch_info_names_the_rung(monkeypatch, co
     assert "kernels" not in hf_posenc.patch_info(models["eager"])
 
 
+def test_uncompiled_flex_on_cpu_is_named_in_patch_info():
+    """Off CUDA FlexAttention runs uncompiled (its exact reference path, not a kernel): patch_info
+    (and so bench.json) says so for that kind of call, not nothing; a call FlexAttention does not
+    take (training: no backward off CUDA) adds no entry, as chunked serves it."""
+    model = patch(make_model("llama"), "alibi", backend="flex")
+    with torch.no_grad():
+        model(token_ids(2, 20))
+    assert hf_posenc.patch_info(model)["kernels"] == {
+        "cpu/float32/d16/LinearDistanceBias/forward": "flex (uncompiled)"
+    }
+    model(token_ids(2, 20)).logits.sum().backward()
+    assert list(hf_posenc.patch_info(model)["kernels"]) == ["cpu/float32/d16/LinearDistanceBias/forward"]
+
+
 def test_decoding_steps_never_reach_flex(monkeypatch, compiled_on_cpu):
     """Prompt (>= FLEX_MIN_QUERIES queries) through FlexAttention; each decoding step (one query)
     through chunked: no per-token shape is ever handed to the compiler."""
