@@ -277,10 +277,15 @@ class NeighbourBackend(Backend):
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         encoding, score = call.encoding, call.score  # (score's q and k are the sources, kept anyway)
 
+        # with gradients, a memo of its own: in backward the forward's memo may hold another
+        # forward's tables (two forwards, then one backward), which have the same keys but other
+        # positions; without, the forward's (its cos/sin tables shared by the layers, as a
+        # decoding step's are: per token 4 tables a layer otherwise)
+        shared = None if torch.is_grad_enabled() else score.memo
+
         def split_of(q: torch.Tensor, k: torch.Tensor) -> NeighbourSplit:
-            # a memo of its own: in backward the forward's memo may hold another forward's tables
-            # (two forwards, then one backward), which have the same keys but other positions
-            return encoding.neighbour_split(dataclasses.replace(score, q=q, k=k, memo=ForwardMemo()))
+            memo = shared if shared is not None else ForwardMemo()
+            return encoding.neighbour_split(dataclasses.replace(score, q=q, k=k, memo=memo))
 
         out = attend_remade(
             split_of,

@@ -88,6 +88,32 @@ class WindowSplitConfig(RoPEConfig):
         return out
 
 
+#: a call rotates only the keys some query reads under a map when it has this many keys more than
+#: queries (a decoding step over a long cache: the neighbours are the last ``window`` keys)
+RANGE_MIN_SKIPPED = 256
+
+
+def key_ranges(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int) -> tuple[slice, slice]:
+    """(near, far): the keys that some query of the call may see as a neighbour (key position above
+    the query's minus ``window``, for some row) and as far (at or below it), each as one range of
+    key indices covering every such key; ``slice(None)`` (all keys) for calls with about as many
+    queries as keys (training, a prefill: both maps read nearly every key) and under
+    ``torch.compile`` (the ranges read the positions' values). q_positions (B, Tq), k_positions
+    (B, Tk). Exact whatever the order of the positions (packed documents): a key outside a range
+    is outside it for every query."""
+    q_len, k_len = q_positions.shape[-1], k_positions.shape[-1]
+    if k_len - q_len < RANGE_MIN_SKIPPED or torch.compiler.is_compiling():
+        return slice(None), slice(None)
+    near = (k_positions > q_positions.amin(-1, keepdim=True) - window).any(0)  # (Tk,)
+    far = (k_positions <= q_positions.amax(-1, keepdim=True) - window).any(0)  # (Tk,)
+    index = torch.arange(k_len, device=k_positions.device)
+    # the first neighbour key (k_len: none) and one past the last far key (0: none), in one sync
+    near_from, far_to = torch.stack(
+        (torch.where(near, index, k_len).amin(), torch.where(far, index + 1, 0).amax())
+    ).tolist()
+    return slice(near_from, k_len), slice(0, far_to)
+
+
 class WindowSplitRoPE(RoPE):
     """Base of the window-split encodings (not registered itself): subclasses give the far map."""
 
@@ -114,7 +140,16 @@ class WindowSplitRoPE(RoPE):
         theta, scaling = rotation
         inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=call.q.device)
 
-        def rotated(x: torch.Tensor, positions: torch.Tensor, role: str) -> torch.Tensor:
+        def rotated(
+            x: torch.Tensor, positions: torch.Tensor, role: str, keys: slice = slice(None)
+        ) -> torch.Tensor:
+            """x (B, H, T, D) rotated by ``positions`` (B, T); with ``keys``, only those keys, the
+            others left 0 (no query of the call reads them under this map)."""
+            if keys != slice(None):
+                part = rotated(x[:, :, keys], positions[:, keys], f"{role} {keys.start}:{keys.stop}")
+                before = x.new_zeros(*x.shape[:2], keys.start, x.shape[-1])
+                after = x.new_zeros(*x.shape[:2], x.shape[-2] - keys.stop, x.shape[-1])
+                return torch.cat((before, part, after), dim=-2)  # (B, H, T, D)
             # one cos/sin table per map, role, rotation and dtype in a forward, shared by the layers
             # (the rotation's backward keeps its tables: one copy per training step, not one per layer)
             key = ("window-split", role, repr(rotation), str(x.dtype), tuple(positions.shape))
@@ -124,12 +159,13 @@ class WindowSplitRoPE(RoPE):
             return apply_rotary(x, cos, sin)
 
         far_q_pos, far_k_pos = self.far_positions(q_pos, k_pos)
+        near_keys, far_keys = key_ranges(q_pos, k_pos, window)
         return NeighbourSplit(
             window,
             near_q=rotated(call.q, q_pos, "near q"),
-            near_k=rotated(call.k, k_pos, "near k"),
+            near_k=rotated(call.k, k_pos, "near k", near_keys),
             far_q=rotated(call.q, far_q_pos, "far q"),
-            far_k=rotated(call.k, far_k_pos, "far k"),
+            far_k=rotated(call.k, far_k_pos, "far k", far_keys),
             q_positions=q_pos,
             k_positions=k_pos,
         )

@@ -176,6 +176,79 @@ def test_no_tensor_spans_every_query_and_key(monkeypatch):
     assert rows and max(rows) <= 10
 
 
+RANGED = [
+    ("selfextend", {"window": 4, "group_size": 2}),
+    ("rerope", {"window": 3}),
+    ("leaky_rerope", {"window": 3, "leak": 2.0}),
+]
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+@pytest.mark.parametrize("case_", RANGED, ids=[name for name, _ in RANGED])
+def test_decoding_rotates_only_the_keys_each_map_reads(monkeypatch, case_, backend):
+    """Decoding steps over a cache (key ranges from 4 keys more than queries on, instead of 256): a
+    step rotates under the near map only the keys some query sees as neighbours (the last
+    ``window``, the rest left 0) and under the far map only the others, so it rotates each cached
+    key once, not twice; every step's logits still equal a full forward over the sequence so far
+    (a left-padded batch: the padded row's positions lag by 3), on the neighbour and eager paths."""
+    import hf_posenc.encodings.window_split as window_split
+    from hf_posenc.compat import cache_keyword, output_cache
+
+    monkeypatch.setattr(window_split, "RANGE_MIN_SKIPPED", 4)
+    rotated: list[tuple[int, int]] = []  # (rows of the rotated tensor, its keys) per rotation
+    original = window_split.apply_rotary
+
+    def counting(x, cos, sin):
+        rotated.append((x.shape[1], x.shape[-2]))
+        return original(x, cos, sin)
+
+    monkeypatch.setattr(window_split, "apply_rotary", counting)
+    name, params = case_
+    model = patch(make_model("llama"), name, params, backend=backend)
+    heads_kv = model.config.num_key_value_heads
+    window = params["window"]
+    ids = token_ids(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        out = model(ids[:, :12], attention_mask=mask[:, :12], use_cache=True)
+        for t in range(12, 30):
+            rotated.clear()
+            cache = {cache_keyword(model): output_cache(out)}
+            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], use_cache=True, **cache)
+            key_rotations = [keys for rows, keys in rotated if rows == heads_kv and keys > 1]
+            # per layer: the near map's `window` keys and the far map's t + 1 - window
+            assert key_rotations and sum(key_rotations) == model.config.num_hidden_layers * (t + 1), rotated
+            assert min(key_rotations) == window, rotated
+            full = model(ids[:, : t + 1], attention_mask=mask[:, : t + 1]).logits[:, -1]
+            torch.testing.assert_close(out.logits[:, -1], full, atol=1e-5, rtol=0)
+
+
+def test_without_gradients_the_layers_share_one_forwards_rotation_tables(monkeypatch):
+    """A forward without gradients builds each map's cos/sin tables once (near and far, queries
+    and keys: 4), not once per layer; with gradients each layer's call builds its own (a
+    backward may follow a second forward, whose tables have the same keys and other positions)."""
+    import hf_posenc.encodings.window_split as window_split
+
+    built = []
+    original = window_split.cos_sin
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(window_split, "cos_sin", counting)
+    model = patch(make_model("llama"), "selfextend", {"group_size": 2, "window": 4})
+    layers = model.config.num_hidden_layers
+    assert layers > 1
+    with torch.no_grad():
+        model(token_ids(1, 20))
+    assert len(built) == 4
+    built.clear()
+    model(token_ids(1, 20)).logits.sum().backward()
+    assert len(built) >= 4 * layers
+
+
 def test_a_rope_checkpoint_loads_as_selfextend_with_its_rope_settings(tmp_path):
     """load_model(rope run, "selfextend"): the run's RoPE settings (here a linear scaling) carried
     over; reference: the same weights patched with selfextend and that scaling from the start.
