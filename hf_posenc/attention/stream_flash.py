@@ -66,9 +66,45 @@ def attend_with_stream(call: AttentionCall, stream: torch.Tensor) -> torch.Tenso
     allowed = (
         None if causal else (causal_mask(q_len, k_len, call.q.device) if call.mask is None else call.mask)
     )
+    inputs = (call.q, call.k, call.v, stream.to(call.v.dtype))
+    if q_len <= FEW_QUERIES and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        with torch.no_grad():
+            return _few_queries(*inputs, allowed=allowed, scale=call.softmax_scale)
     forward = functools.partial(_forward, allowed=allowed, scale=call.softmax_scale)
     backward = functools.partial(_backward, allowed=allowed, scale=call.softmax_scale)
-    return kernel(forward, backward, call.q, call.k, call.v, stream.to(call.v.dtype))
+    return kernel(forward, backward, *inputs)
+
+
+#: calls of at most this many queries without gradients (decoding steps) attend explicitly: the
+#: fused kernel's widened copies (the cached keys padded to W, [v | s]) cost a pass over the whole
+#: cache per step, where the few queries' scores are small
+FEW_QUERIES = 16
+
+
+def _few_queries(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stream: torch.Tensor,
+    *,
+    allowed: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """The same (B, Tq, Hq*Dv + Hq*S) as :func:`_forward`, from explicit scores, the query heads of
+    a KV head as a group dimension (no expanded copy of the keys): softmax(q k^T * scale, masked)
+    times v and times the stream; a row with no allowed key gives 0, as the fused kernel does."""
+    b, heads, q_len, d = q.shape
+    kv_heads, groups = k.shape[1], heads // k.shape[1]
+    grouped = q.view(b, kv_heads, groups, q_len, d)  # (B, Hkv, G, Tq, D)
+    scores = torch.matmul(grouped, k[:, :, None].transpose(-1, -2)) * scale  # (B, Hkv, G, Tq, Tk)
+    if allowed is None:  # causal (the fused kernel's is_causal)
+        allowed = causal_mask(q_len, k.shape[-2], q.device)
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))  # (B|1, 1, 1, Tq, Tk) broadcast
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows: 0, not NaN
+    parts = [torch.matmul(weights, x[:, :, None]) for x in (v, stream)]  # (B, Hkv, G, Tq, Dv | S)
+    # (B, Hkv, G, Tq, X) -> (B, Tq, Hq * X): every head's values, then every head's stream
+    flat = [part.flatten(1, 2).transpose(1, 2).flatten(2) for part in parts]
+    return torch.cat(flat, dim=-1)
 
 
 def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

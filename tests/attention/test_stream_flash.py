@@ -109,9 +109,45 @@ def test_output_and_gradients_equal_the_definition(
         torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5, msg=name)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 3]),
+    stream_dim=st.sampled_from([2, 8]),
+    k_len=st.integers(1, 40),
+    q_len=st.integers(1, 16),
+    padding=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_without_gradients_a_few_queries_equal_the_definition(
+    batch, kv_heads, groups, stream_dim, k_len, q_len, padding, seed
+):
+    """Calls of at most FEW_QUERIES queries without gradients (decoding steps, explicit scores with
+    the query heads grouped per KV head): causal (no mask, Tq <= Tk) and left-padded (rows with no
+    allowed key give 0) outputs equal the fp64 definition (fp32, 1e-5)."""
+    q_len = min(q_len, k_len)
+    padding = min(padding, k_len - 1)
+    generator = torch.Generator().manual_seed(seed)
+    heads = kv_heads * groups
+    q = torch.randn(batch, heads, q_len, 8, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, k_len, 8, generator=generator) for _ in range(2))
+    stream = torch.randn(batch, kv_heads, k_len, stream_dim, generator=generator)
+    for mask in (None, torch.ones(k_len, k_len, dtype=torch.bool).tril()[-q_len:].repeat(batch, 1, 1, 1)):
+        if mask is not None:
+            mask[0, :, :, :padding] = False
+        with torch.no_grad():
+            got = stream_flash.attend_with_stream(_call(q, k, v, mask, 0.37), stream)
+        torch.testing.assert_close(
+            got.double(), _reference(q, k, v, stream, mask, 0.37), atol=1e-5, rtol=1e-5
+        )
+
+
 def test_dispatch_routes_cpu_calls_to_the_fused_kernel(monkeypatch):
     """On CPU in fp32, with gradients and without, the stream call is the fused kernel (its
-    forward runs once per call); in bf16 the previous path serves (one fused SDPA call)."""
+    forward runs once per call), but for a call of at most ``FEW_QUERIES`` queries without
+    gradients (a decoding step: explicit scores); in bf16 the previous path serves (one fused
+    SDPA call)."""
     runs = []
     original = stream_flash._forward
     monkeypatch.setattr(stream_flash, "_forward", lambda *a, **kw: runs.append(1) or original(*a, **kw))
@@ -119,6 +155,10 @@ def test_dispatch_routes_cpu_calls_to_the_fused_kernel(monkeypatch):
     stream = torch.randn(1, 4, 6, 16)
     out, _ = dispatch_with_stream(_call(q, k, v, None, 0.25), stream)
     assert runs == [1] and out.requires_grad
+    with torch.no_grad():
+        dispatch_with_stream(_call(q, k, v, None, 0.25), stream)  # 6 queries: explicit
+    assert runs == [1]
+    monkeypatch.setattr(stream_flash, "FEW_QUERIES", 5)
     with torch.no_grad():
         dispatch_with_stream(_call(q, k, v, None, 0.25), stream)
     assert runs == [1, 1]

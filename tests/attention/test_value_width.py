@@ -46,7 +46,8 @@ def test_sdpa_and_the_cache_see_the_models_head_width(case, monkeypatch):
         monkeypatch.setattr(stream_flash, "CPU_FLASH", recording(stream_flash.CPU_FLASH))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(token_ids(1, 12), **{cache_keyword(model): cache}, use_cache=True)
+        # more queries than stream_flash.FEW_QUERIES: a call the fused kernel serves without gradients
+        model(token_ids(1, stream_flash.FEW_QUERIES + 8), **{cache_keyword(model): cache}, use_cache=True)
     if get_encoding(case[0]).attends_stream:
         assert widths, "no fused-kernel call recorded for a stream-attending encoding"
     for q_width, k_width, v_width in widths:
