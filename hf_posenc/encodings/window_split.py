@@ -146,10 +146,11 @@ class WindowSplitRoPE(RoPE):
             """x (B, H, T, D) rotated by ``positions`` (B, T); with ``keys``, only those keys, the
             others left 0 (no query of the call reads them under this map)."""
             if keys != slice(None):
-                part = rotated(x[:, :, keys], positions[:, keys], f"{role} {keys.start}:{keys.stop}")
-                before = x.new_zeros(*x.shape[:2], keys.start, x.shape[-1])
-                after = x.new_zeros(*x.shape[:2], x.shape[-2] - keys.stop, x.shape[-1])
-                return torch.cat((before, part, after), dim=-2)  # (B, H, T, D)
+                out = x.new_zeros(x.shape)  # (B, H, T, D)
+                out[:, :, keys] = rotated(
+                    x[:, :, keys], positions[:, keys], f"{role} {keys.start}:{keys.stop}"
+                )
+                return out
             # one cos/sin table per map, role, rotation and dtype in a forward, shared by the layers
             # (the rotation's backward keeps its tables: one copy per training step, not one per layer)
             key = ("window-split", role, repr(rotation), str(x.dtype), tuple(positions.shape))
@@ -159,7 +160,11 @@ class WindowSplitRoPE(RoPE):
             return apply_rotary(x, cos, sin)
 
         far_q_pos, far_k_pos = self.far_positions(q_pos, k_pos)
-        near_keys, far_keys = key_ranges(q_pos, k_pos, window)
+        # the same for every layer of a forward (one host sync, not one per layer)
+        near_keys, far_keys = call.memo.get(
+            ("window-split key ranges", window, tuple(q_pos.shape), tuple(k_pos.shape)),
+            lambda: key_ranges(q_pos, k_pos, window),
+        )
         return NeighbourSplit(
             window,
             near_q=rotated(call.q, q_pos, "near q"),

@@ -126,10 +126,18 @@ def check_encoding(
     parameters), and, given its config.json (``saved_config``), what patching it would refuse that
     its config decides (a pattern longer than its depth, a scaling past the dtype). Returns the
     canonical name."""
+    return check_encoding_parts(encoding, params, saved_config, where=where)[0]
+
+
+def check_encoding_parts(
+    encoding: str | None, params: dict[str, Any] | None, saved_config: dict | None = None, *, where: str = ""
+) -> tuple[str | None, int | None]:
+    """:func:`check_encoding`, and the elements of the encoding's parameters on that checkpoint
+    (0: it learns nothing), from the same meta-device build of its parts; None where no
+    ``saved_config`` is given or its model type is unknown."""
     canonical = _check_request(encoding, params, saved_config, where)
-    if saved_config is not None:
-        _check_fits(saved_config, encoding, params, where)
-    return canonical
+    elements = None if saved_config is None else _check_fits(saved_config, encoding, params, where)
+    return canonical, elements
 
 
 def _check_request(
@@ -164,14 +172,6 @@ def _check_request(
         return None
     check_request(encoding, params)  # a name or a per-layer pattern text (rope*3+nope)
     return canonical_request(encoding)
-
-
-def encoding_learns(saved_config: dict, encoding: str | None, params: dict[str, Any] | None) -> bool | None:
-    """Whether patching the checkpoint of ``saved_config`` with ``encoding`` (or the encoding it
-    was saved with) gives the encoding parameters of its own, from its parts built on the meta
-    device before any weight loads; None where its config does not say (an unknown model type)."""
-    elements = _check_fits(saved_config, encoding, params, "")
-    return None if elements is None else elements > 0
 
 
 def _check_fits(

@@ -180,7 +180,7 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
     """Every check of a run that needs no model: paths, tokenizer, data sources, encoding and its
     parameters. Imports no model (``train --dry-run`` runs it and stops)."""
     from ..data import check_sources
-    from ..preflight import check_encoding, check_model_path, check_tokenizer_path, encoding_learns
+    from ..preflight import check_encoding_parts, check_model_path, check_tokenizer_path
 
     saved = None
     if model is None:
@@ -195,12 +195,11 @@ def preflight(config: TrainConfig, *, model: Any = None, tokenizer: Any = None) 
         if config.eval_data:
             check_sources(config.eval_data)
     if model is None or _patch_info(model) is None:
-        check_encoding(config.encoding, config.encoding_params, saved)
-    if config.encoding_lr is not None and saved is not None:
-        from .model_setup import refuse_encoding_lr
+        _, elements = check_encoding_parts(config.encoding, config.encoding_params, saved)
+        if config.encoding_lr is not None and elements == 0:  # before the weights load
+            from .model_setup import refuse_encoding_lr
 
-        if encoding_learns(saved, config.encoding, config.encoding_params) is False:
-            refuse_encoding_lr(config.encoding_lr)  # before the weights load (build_optimizer checks again)
+            refuse_encoding_lr(config.encoding_lr)  # (build_optimizer checks a given model too)
     from .parallelism import check_parallelism
 
     check_parallelism(
