@@ -107,6 +107,13 @@ def attend_chunked(
     groups = q.shape[1] // k.shape[1]
     k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)  # (B, Hq, Tk, D)
     q_len, k_len = q.shape[-2], k.shape[-2]
+    if q_len <= min(FEW_QUERIES, QUERY_BLOCK if block is None else block):
+        # a decoding step, one block of every query and key: its bias written out (B|1, Hq, Tq, Tk)
+        # with the mask folded in, and one SDPA call. Such a call's cost is its count of
+        # operations, not their values: the plan below for its one block (one query over 2048
+        # keys, 8 heads, CPU) took about as long as the SDPA call
+        folded = bias.folded(0, q_len, 0, k_len, mask, q.dtype)
+        return block_attention(q, k, v, folded, softmax_scale, dropout_p).transpose(1, 2)
     # the leading queries whose bias is a table over distances (all of them for a DistanceBias):
     # their blocks in one call over the queries in reverse order (attend_toeplitz)
     distance = bias.distance_table() if mask is None and q_len > FEW_QUERIES else None

@@ -173,6 +173,8 @@ class BlockBias:
         block of more than 32 MiB is a fresh mapping from the OS, paid in page faults)."""
         values = self.rows(start, stop, k_end) if k_start == 0 else self.span(start, stop, k_start, k_end)
         if allowed is None:
+            if stop - start == 1:  # one causal query: its keys end at its own, nothing to mask
+                return values.to(dtype)
             allowed = causal_mask(stop - start, k_end, values.device)[..., k_start:]
         return fold_mask(values.to(dtype), allowed)
 
@@ -182,14 +184,24 @@ class DistanceBias(BlockBias):
     table: torch.Tensor  # (Hq, Tk) fp32: the bias of distance d = i - j = 0 .. Tk-1
 
     def rows(self, start: int, stop: int, k_end: int) -> torch.Tensor:
-        queries, keys = query_key_indices(self.q_len, self.k_len, self.table.device, start, stop)
-        distance = (queries[:, None] - keys[None, :k_end]).clamp_(min=0)  # (rows, k_end)
-        return self.table[:, distance][None]  # (1, Hq, rows, k_end)
+        return self.span(start, stop, 0, k_end)
 
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
-        queries, keys = query_key_indices(self.q_len, self.k_len, self.table.device, start, stop)
+        """(1, Hq, rows, keys): ``table[h, max(i - j, 0)]``. One query over keys up to its own
+        (a decoding step) is the table's distances in reverse, a flip; other blocks one gather of
+        the flattened distances along the table's last dim (``index_select``: about half the time
+        of indexing with the (rows, keys) distances, whose backward is the same sum)."""
+        heads, device = self.table.shape[0], self.table.device
+        if self.one_causal_row(start, stop, k_end):  # distances k_end - 1 - k_start .. 0
+            return self.table[:, : k_end - k_start].flip(-1)[None, :, None]  # (1, Hq, 1, keys)
+        queries, keys = query_key_indices(self.q_len, self.k_len, device, start, stop)
         distance = (queries[:, None] - keys[None, k_start:k_end]).clamp_(min=0)  # (rows, keys)
-        return self.table[:, distance][None]  # (1, Hq, rows, k_end - k_start)
+        gathered = self.table.index_select(1, distance.view(-1))  # (Hq, rows * keys)
+        return gathered.view(heads, *distance.shape)[None]  # (1, Hq, rows, k_end - k_start)
+
+    def one_causal_row(self, start: int, stop: int, k_end: int) -> bool:
+        """Whether the block is one query over keys up to its own (a decoding step's)."""
+        return stop - start == 1 and k_end == self.k_len - self.q_len + stop
 
     def distance_table(self) -> tuple[int, torch.Tensor] | None:
         return self.q_len, self.table
@@ -271,6 +283,8 @@ class LinearDistanceBias(DistanceBias):
     def span(self, start: int, stop: int, k_start: int, k_end: int) -> torch.Tensor:
         """``-slope_h * (i - j)`` computed (the table's own fp32 product): a broadcast multiply, not a
         gather from the table (CAPE's explicit blocks spent about 6 % of their time gathering)."""
+        if self.one_causal_row(start, stop, k_end):  # a decoding step: a flip of the table (its
+            return super().span(start, stop, k_start, k_end)  # products are these)
         queries, keys = query_key_indices(self.q_len, self.k_len, self.slopes.device, start, stop)
         distance = (queries[:, None] - keys[None, k_start:k_end]).clamp_(min=0).float()  # (rows, keys)
         return (-self.slopes[:, None, None] * distance)[None]  # (1, Hq, rows, keys)

@@ -84,6 +84,20 @@ class FIREFunction(nn.Module):
         """L = |L_multiplier| * init_L, a 0-dim fp32 tensor."""
         return (self.L_multiplier.float()[0] * self.init_L).abs()
 
+    def scalars(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(|c|, L, L as the module holds it (fp32), psi(L) + eps), 0-dim, fp64 but the third;
+        without gradients kept while c and L keep their values (a decoding step's layer otherwise
+        spent a dozen operations on them: kept_values.py)."""
+        if torch.is_grad_enabled():
+            return self._scalars()
+        kept = module_cache(self).setdefault("scalars", KeptValues())  # not module state
+        return kept.get("scalars", (self.c, self.L_multiplier), lambda *_: self._scalars())
+
+    def _scalars(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.c.double().abs()[0]  # ()
+        threshold = (self.L_multiplier.double()[0] * self.init_L).abs()
+        return c, threshold, self.threshold(), torch.log1p(c * threshold) + EPS
+
     def normalized_distance(self, distance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """distance i - j (Tq, Tk), positions i (B, Tq), int or (interpolated) float -> psi(i-j) / psi(max(L, i)),
         (B, Tq, Tk) fp32."""
@@ -141,18 +155,13 @@ class FIREFunction(nn.Module):
         # (and of L) sums the scores' dx times dx/dc, whose two terms (through psi(d) and through
         # the normaliser) nearly cancel for small c L; from fp32 sums of each it lost ~1e-4 of its
         # value (c = 0.05), from fp64 it is as accurate as dx
-        c = self.c.double().abs()[0]  # ()
+        c, threshold, held_threshold, floor = self.scalars()  # (), (), () fp32, () psi(L) + eps
         device = positions.device
         distances = interpolate(torch.arange(k_len, device=device), factor).double()  # (Tk,) d / factor
         feature = torch.log1p(c * distances)  # (Tk,) psi(d / factor)
-        threshold = (self.L_multiplier.double()[0] * self.init_L).abs()
-        floor = torch.log1p(c * threshold) + EPS  # () psi(L) + eps
         queries = positions.double()  # (B|1, Tq)
-        below = positions.float() <= self.threshold()  # which side of L as the module holds it (fp32)
+        below = positions.float() <= held_threshold  # which side of L as the module holds it (fp32)
         normalizer = torch.where(below, floor, torch.log1p(c * torch.maximum(queries, threshold)) + EPS)
-        table_rows = 0
-        if not torch.compiler.is_compiling():  # the leading queries below L in every row (one host sync)
-            table_rows = int(below.all(dim=0).int().cumprod(dim=0).sum())
         points, slopes, intercepts = self.linear_pieces()  # (K,), (Hq, K+1), (Hq, K+1)
         return PiecewiseDistanceBias(
             q_len,
@@ -164,7 +173,6 @@ class FIREFunction(nn.Module):
             intercepts,
             below,
             floor,
-            table_rows,
             unit_weight=self.hidden.weight.float()[:, 0],
             unit_bias=self.hidden.bias.float(),
             out_weight=self.out.weight.float(),

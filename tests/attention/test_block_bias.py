@@ -204,7 +204,8 @@ def test_flex_serves_by_distance_and_separable_but_not_rows():
 
 def test_fire_linear_pieces_equal_the_mlp_and_follow_in_place_updates():
     """FIRE's piecewise-linear evaluation equals its MLP on every attendable (i, j), also after
-    an in-place update of the MLP (an optimizer step) between two no-grad calls (cached pieces)."""
+    an in-place update of every parameter (an optimizer step) between two no-grad calls (the
+    kept pieces, and the kept c and L)."""
     from hf_posenc.encodings.fire import FIREFunction
 
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.attention.chunked import attend_chunked
-from hf_posenc.encodings import network_bands, network_bands_backward, network_block
+from hf_posenc.encodings import network_bands, network_bands_backward, network_block, piecewise_bias
 from hf_posenc.encodings.fire import FIREFunction
 
 HEADS, WIDTH_D = 2, 4
@@ -179,6 +179,9 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
         mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", 100 if network else 0),
         mock.patch.object(network_block, "NETWORK_CHUNK", chunk),  # scores per slab, both directions
         mock.patch.object(network_bands, "BANDS", bands),
+        mock.patch.object(
+            piecewise_bias, "FEW_ROWS", 0
+        ),  # every block as a long call's (not a few rows' view)
         mock.patch.object(network_block.NetworkBlock, "apply", counting),
         mock.patch.object(network_bands_backward.BandedBlock, "apply", counting_banded),
     ):

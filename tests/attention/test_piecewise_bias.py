@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.core.interpolation import interpolate
-from hf_posenc.encodings import network_bands, network_block
+from hf_posenc.encodings import network_bands, network_block, piecewise_bias
 from hf_posenc.encodings.fire import FIREFunction
 from hf_posenc.encodings.piecewise_block import monotone_segments
 
@@ -143,16 +143,24 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
     # a reused buffer (the chunked backend's scratch) holding another block's values: overwritten
     size = positions.shape[0] * 3 * (q_len - start) * (k_end - k_start) + 7
     # without gradients a block comes from the linear pieces or (CPU, few switching units) from
-    # the network's matrix products, in slabs of rows: both ways, whatever the count of units
-    ways = itertools.product((allowed, None), (None, torch.full((size,), math.nan)), (0, 100), (5, 32768))
-    for given_mask, scratch, columns, chunk in ways:
+    # the network's matrix products, in slabs of rows: both ways, whatever the count of units; a
+    # block of few rows (a decoding step's) from the formula's view, the mask folded in after
+    ways = itertools.product(
+        (allowed, None),
+        (None, torch.full((size,), math.nan)),
+        (0, 100),
+        (5, 32768),
+        (0, piecewise_bias.FEW_ROWS),
+    )
+    for given_mask, scratch, columns, chunk, few_rows in ways:
         with (
             torch.no_grad(),
             mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
             mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
+            mock.patch.object(piecewise_bias, "FEW_ROWS", few_rows),
         ):  # None: the causal keys
             block = bias.folded(start, q_len, k_start, k_end, given_mask, torch.float32, scratch)
-        if scratch is not None:
+        if scratch is not None and q_len - start > few_rows:  # (a few rows' small block: its own)
             assert block.data_ptr() == scratch.data_ptr()
         compared = (allowed if given_mask is not None else real).expand_as(block)
         masked = (~allowed if given_mask is not None else ~causal[None, None]).expand_as(block)
@@ -189,7 +197,7 @@ def test_folded_blocks_and_table_rows_are_the_formula_with_the_mask_folded_in(
         reference = expected[:, :, start:, :k_end]
         torch.testing.assert_close(block[compared].double(), reference[compared], atol=1e-5, rtol=1e-5)
         assert bool((block[(~whole[None, None]).expand_as(block)] == torch.finfo(torch.float32).min).all())
-    rows = bias.table_rows
+    rows = bias.table_rows()
     # L as the module holds it (fp32): at L itself either side gives the same normaliser
     stored = torch.tensor(abs(float(function.L_multiplier.detach())) * function.init_L, dtype=torch.float32)
     threshold_positions = interpolate(positions, factor).float() <= stored
@@ -239,14 +247,17 @@ def test_folded_block_gradients_equal_the_formula_views(
         attendable = allowed
     results = []
     # folded from the linear pieces (columns 0), from the network's products (CPU, columns 100, in
-    # slabs of one row and of all, in both directions), and the formula's view
-    for columns, chunk in ((0, 1), (100, 1), (100, 32768), (None, None)):
+    # slabs of one row and of all, in both directions), as a few rows' block (the formula's view,
+    # the mask folded in after), and the formula's view
+    few = piecewise_bias.FEW_ROWS
+    for columns, chunk, few_rows in ((0, 1, 0), (100, 1, 0), (100, 32768, 0), (0, 1, few), (None, None, 0)):
         function.zero_grad()
         bias = function.bias(positions, q_len, k_len)
         if columns is not None:  # the loss reads every entry, masked ones included
             with (
                 mock.patch.object(network_block, "NETWORK_COLUMNS_PER_HEAD", columns),
                 mock.patch.object(network_block, "NETWORK_CHUNK", chunk),
+                mock.patch.object(piecewise_bias, "FEW_ROWS", few_rows),
             ):
                 block = bias.folded(start, q_len, k_start, k_len, allowed, torch.float32)
             (block * weights).sum().backward()
