@@ -90,6 +90,48 @@ def test_every_view_of_a_score_bias_is_its_full_matrix_on_attendable_entries(cas
         torch.testing.assert_close(own[..., causal], full[..., causal], atol=1e-6, rtol=0)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    q_len=st.integers(1, 9),
+    extra_keys=st.integers(0, 6),
+    start=st.integers(0, 8),
+    rows=st.integers(1, 9),
+    k_start=st.integers(0, 12),
+    k_end=st.integers(1, 15),
+    linear=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_distance_blocks_read_the_table_at_each_clamped_distance(
+    q_len, extra_keys, start, rows, k_start, k_end, linear, seed
+):
+    """Any block of a distance table (a decoding step's one causal row, whose row is the table
+    flipped, and every other block, gathered) is table[h, max(i - j, 0)] entry by entry, with
+    query a at key index Tk - Tq + a; ALiBi's form gives the same values."""
+    k_len = q_len + extra_keys
+    start = min(start, q_len - 1)
+    stop = min(q_len, start + rows)
+    k_end = min(k_end, k_len)
+    k_start = min(k_start, k_end - 1)
+    generator = torch.Generator().manual_seed(seed)
+    slopes = torch.rand(3, generator=generator)
+    form = (
+        LinearDistanceBias(q_len, k_len, slopes)
+        if linear
+        else DistanceBias(q_len, k_len, torch.randn(3, k_len))
+    )
+    table = form.table
+    block = form.span(start, stop, k_start, k_end)  # (1, H, rows, keys)
+    assert block.shape == (1, 3, stop - start, k_end - k_start)
+    for a in range(start, stop):
+        i = k_len - q_len + a
+        for j in range(k_start, k_end):
+            expected = table[:, max(i - j, 0)]
+            assert torch.equal(block[0, :, a - start, j - k_start], expected), (a, j)
+    torch.testing.assert_close(
+        form.rows(start, stop, k_end), form.span(start, stop, 0, k_end), atol=0, rtol=0
+    )
+
+
 def test_the_structured_forms_are_the_biases_they_name():
     """A LinearDistanceBias is -slope_h * (i - j); a CumulativeBias is sum_{l=j+1}^{i} g_l (fp64 loop)."""
     slopes = torch.tensor([0.5, 0.125])
