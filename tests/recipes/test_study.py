@@ -309,6 +309,7 @@ def test_encoding_specs_parse_names_aliases_and_json():
         (["--base-model", "./my-llama"], "'./my-llama' does not exist"),
         (["--encodings", 't5{"num_buckets": -1}'], "num_buckets"),
         (["--steps", "0"], "steps=0"),
+        (["--max-documents", "0"], "study: max_documents=0 is not allowed; allowed: an integer >= 1"),
         (
             ["--encodings", "alibi", "--eval-only", "t5@interpolate"],
             "TRAINED is one of the study's encodings: alibi",

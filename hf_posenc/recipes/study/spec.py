@@ -12,6 +12,7 @@ from typing import Any
 
 from ...errors import InvalidParameterError
 from ..data import BUILTIN_STDLIB
+from ..settings_checks import check_positive_integers
 
 DEFAULT_ENCODINGS = ("rope", "alibi", "t5", "nope", "sinusoidal", "expe", "exqpe")
 
@@ -56,25 +57,13 @@ class StudyConfig:
     report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers of every run
 
     def __post_init__(self) -> None:
-        for name in (
-            "train_length",
-            "steps",
-            "pretrain_steps",
-            "batch_size",
-            "eval_tokens",
-            "hidden_size",
-            "num_layers",
-            "retrieval_samples",
-            "retrieval_max_key",
-            "max_documents",  # (None: every document)
-        ):
-            value = getattr(self, name)
-            if value is None and name == "max_documents":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(
-                    f"study: {name}={value!r} is not allowed; allowed: an integer >= 1"
-                )
+        positive = ("train_length", "steps", "pretrain_steps", "batch_size", "eval_tokens", "hidden_size")
+        check_positive_integers(
+            "study",
+            self,
+            (*positive, "num_layers", "retrieval_samples", "retrieval_max_key", "max_documents"),
+            optional=("max_documents",),  # (None: every document)
+        )
         from ..threads import check_threads
 
         check_threads(self.threads, flag="study: threads")

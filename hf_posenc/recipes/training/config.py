@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidParameterError
+from ..settings_checks import check_positive_integers
 
 
 @dataclasses.dataclass
@@ -69,25 +70,11 @@ class TrainConfig:
     sequence_parallel: int = 1  # DeepSpeed Ulysses degree through accelerate; see parallelism.py
 
     def __post_init__(self) -> None:
-        positive = (
-            "seq_len",
-            "batch_size",
-            "grad_accum",
-            "max_steps",
-            "keep_checkpoints",
-            "log_every",
-            "lora_r",
-            "ddp_timeout",
-            "max_documents",  # (None: every document; 0 read none, and the error then blamed the data)
+        positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "keep_checkpoints", "log_every")
+        # max_documents None: every document (0 read none, and the error then blamed the data)
+        check_positive_integers(
+            "train", self, (*positive, "lora_r", "ddp_timeout", "max_documents"), optional=("max_documents",)
         )
-        for name in positive:
-            value = getattr(self, name)
-            if value is None and name == "max_documents":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(
-                    f"train: {name}={value!r} is not allowed; allowed: an integer >= 1"
-                )
         if self.lora and (
             isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1
         ):
