@@ -32,6 +32,9 @@ from torch.autograd.function import once_differentiable
 #: eigenvalues of one block closer than this (relative to the block's largest, at least 1) mean
 #: "not separable": eigh's gradient grows like 1 / gap, and a null eigenvalue has no pair
 SEPARATION = 1e-7
+#: calls of at most this many tokens without gradients (decoding steps) turn q and k together
+#: (:func:`_rotate_few`): one query, 8 heads of 32 (CPU), 0.44 ms a layer one after the other
+FEW_TOKENS = 16
 _EXACT = torch.float64
 
 
@@ -232,6 +235,22 @@ class _RotateQK(torch.autograd.Function):
         return grads[0], grads[1], grad_dense, grad_angles.to(angles.dtype)
 
 
+def _rotate_few(
+    q: torch.Tensor, k: torch.Tensor, dense: torch.Tensor, angles: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`_RotateQK`'s forward for a call of few tokens without gradients (a decoding step):
+    q and k side by side, so each product and the turn is one operation for both (a step's cost is
+    its count of operations; the autograd function turns q, then k, to keep one tensor fewer at a
+    long forward's peak)."""
+    kv_heads = dense.shape[0]
+    groups = _grouped(q, kv_heads).shape[2]
+    cos, sin = _trig(angles)  # (B|1, Hkv|1, 1, T, d/2) fp32
+    both = torch.cat((_grouped(q, kv_heads), _grouped(k, kv_heads)), dim=2).float()  # (B, Hkv|1, G + g, T, d)
+    turned = _half_turn(both @ dense[:, None], cos, sin)  # rot(theta) z
+    out = turned @ dense[:, None].transpose(-1, -2)  # (B, Hkv|1, G + g, T, d)
+    return out[:, :, :groups].flatten(1, 2).to(q.dtype), out[:, :, groups:].flatten(1, 2).to(k.dtype)
+
+
 def rotate_qk(
     q: torch.Tensor, k: torch.Tensor, dim: int, dense: torch.Tensor, angles: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +260,8 @@ def rotate_qk(
     theta_k); the query heads of a group share their KV head's. Computed in fp32, returned in
     q's and k's dtype; equals :func:`rotate_pairs` with cos/sin of the angles duplicated over
     the two halves, at the memory cost of RoPE (see :class:`_RotateQK`)."""
+    turn = _rotate_few if q.shape[-2] <= FEW_TOKENS and not torch.is_grad_enabled() else _RotateQK.apply
     if dim == q.shape[-1]:
-        return _RotateQK.apply(q, k, dense, angles)
-    q_rot, k_rot = _RotateQK.apply(q[..., :dim], k[..., :dim], dense, angles)
+        return turn(q, k, dense, angles)
+    q_rot, k_rot = turn(q[..., :dim], k[..., :dim], dense, angles)
     return torch.cat((q_rot, q[..., dim:]), dim=-1), torch.cat((k_rot, k[..., dim:]), dim=-1)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_posenc.core.memo import ForwardMemo
+from hf_posenc.encodings import skew_rotation
 from hf_posenc.encodings.base import probe_layer_call
 from hf_posenc.encodings.skew_rotation import eigenbasis, rotate_blocks
 
@@ -124,6 +125,32 @@ ENCODINGS = [
     ("comrope", {"variant": "ld", "block_size": 2}),
     ("comrope", {"partial_rotary_factor": 0.5, "matrix_exp_dtype": "float64"}),
 ]
+
+
+@pytest.mark.parametrize(("name", "params"), ENCODINGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("positions", [[40], [0, 1, 2, 5, 9, 17, 40]], ids=["one token", "seven tokens"])
+def test_decoding_step_rotation_equals_matrix_exp_reference(name, params, positions):
+    """Without gradients a call of at most FEW_TOKENS tokens (a decoding step, q and k turned
+    side by side) gives per-position matrix_exp's rotation (fp64) too, in q's and k's layout."""
+    model = patch(make_model("llama"), name, params, randomize=False)
+    posenc = model.posenc
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in posenc.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    d = model.config.hidden_size // heads
+    where = torch.tensor([positions])
+    assert where.shape[1] <= skew_rotation.FEW_TOKENS
+    q = torch.randn(1, heads, where.shape[1], d, generator=generator)
+    k = torch.randn(1, kv_heads, where.shape[1], d, generator=generator)
+    with torch.no_grad():
+        q_rot, k_rot = posenc.rotate(probe_layer_call(where, 1), q, k)
+    params64 = {n: p.detach().double() for n, p in posenc.named_parameters()}
+    want_q, want_k = rotated(name, posenc, 1, where, q.double(), k.double(), params64)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
+    torch.testing.assert_close(q_rot.double(), want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_rot.double(), want_k, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("name", "params"), ENCODINGS, ids=lambda v: str(v))
