@@ -25,6 +25,10 @@ from its form's tensors (:class:`~.bias_block.RebuiltBiasAttention`) or, for for
 the block is recomputed (activation checkpointing), so training keeps no more than one block
 either.
 
+A call of at most :data:`FEW_QUERIES` queries within one block (a decoding step) is its bias
+written out with the mask folded in (``BlockBias.folded``) and one SDPA call, without the plan
+above: such a call costs its count of operations, not its values.
+
 Registered as backend ``chunked``: calls with a score bias and no explicit-score stage, under
 ``backend="chunked"``, ``"flex"`` (where FlexAttention declines) and ``"auto"``.
 """

@@ -24,7 +24,8 @@ The views, each exact (the same fp32 operations on the same x):
   (2K+2,) vectors and one multiply-add. The mask is folded into the piece index (pieces past K
   have slope 0 and the dtype's minimum as intercept), so no other pass over the block is
   needed (a causal mask costs one more scattered value per row); its backward sums the
-  gradient per piece (:class:`.piecewise_block.PiecewiseBlock`). On CPU, when f's network is known and few of
+  gradient per piece (:class:`.piecewise_block.PiecewiseBlock`). A block of at most
+  :data:`FEW_ROWS` rows (a decoding step's) is ``span`` with the mask folded in. On CPU, when f's network is known and few of
   its units switch inside the block, the block (with gradients too) comes from the network's
   matrix products instead (:mod:`.network_block`); a causal block of at least twice as many
   keys as queries over the keys in reverse order (``folded_reversed``, and

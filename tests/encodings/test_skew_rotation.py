@@ -117,6 +117,17 @@ def rotated(name: str, posenc, layer: int, positions: torch.Tensor, q, k, params
     return outs
 
 
+def _perturbed(name: str, params: dict, seed: int):
+    """A patched tiny Llama whose encoding parameters are moved off their initial values (random
+    steps of 0.3), with the generator that drew them (for the test's own inputs)."""
+    model = patch(make_model("llama"), name, params, randomize=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.posenc.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model, generator
+
+
 ENCODINGS = [
     ("liere", {}),
     ("liere", {"shared_across_heads": True, "block_size": 4}),
@@ -132,12 +143,8 @@ ENCODINGS = [
 def test_decoding_step_rotation_equals_matrix_exp_reference(name, params, positions):
     """Without gradients a call of at most FEW_TOKENS tokens (a decoding step, q and k turned
     side by side) gives per-position matrix_exp's rotation (fp64) too, in q's and k's layout."""
-    model = patch(make_model("llama"), name, params, randomize=False)
+    model, generator = _perturbed(name, params, 1)
     posenc = model.posenc
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in posenc.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     d = model.config.hidden_size // heads
     where = torch.tensor([positions])
@@ -158,12 +165,8 @@ def test_rotation_and_gradients_equal_matrix_exp_reference(name, params):
     """Rotated q and k, and the gradients of a random linear function of them with respect to
     every parameter of the encoding, equal autograd through per-position matrix_exp (fp64) of
     the generators assembled from the raw parameters; the decomposed path is the one taken."""
-    model = patch(make_model("llama"), name, params, randomize=False)
+    model, generator = _perturbed(name, params, 0)
     posenc = model.posenc
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in posenc.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
     layer = 1
     assert posenc.decomposed(layer, ForwardMemo()) is not None
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
@@ -235,12 +238,8 @@ def test_bfloat16_rotation_and_gradients_stay_within_bfloat16_rounding(name):
     """In bf16 (the input kept for backward instead of the rounded output) the rotated q, k and
     every gradient stay within bf16 rounding (2e-2 relative to the largest value) of the fp64
     matrix_exp reference, for a batch of two rows with different positions (left padding)."""
-    model = patch(make_model("llama"), name, {}, randomize=False)
+    model, generator = _perturbed(name, {}, 2)
     posenc = model.posenc
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in posenc.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     d = model.config.hidden_size // heads
     positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]])
