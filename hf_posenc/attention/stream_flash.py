@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.layout import causal_mask, expand_kv_heads
+from ..core.layout import causal_mask, causal_mask_or_none, expand_kv_heads
 from ..core.recompute import kernel
 from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 
@@ -62,14 +62,14 @@ def attend_with_stream(call: AttentionCall, stream: torch.Tensor) -> torch.Tenso
     """``(a v, a stream)`` of ``call`` -> (B, Tq, Hq*Dv + Hq*S): per token every head's attended
     values, then every head's attended stream. ``stream`` (B, Hkv, Tk, S)."""
     q_len, k_len = call.q.shape[-2], call.k.shape[-2]
-    causal = call.mask is None and q_len == k_len
-    allowed = (
-        None if causal else (causal_mask(q_len, k_len, call.q.device) if call.mask is None else call.mask)
-    )
     inputs = (call.q, call.k, call.v, stream.to(call.v.dtype))
     if q_len <= FEW_QUERIES and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         with torch.no_grad():
-            return _few_queries(*inputs, allowed=allowed, scale=call.softmax_scale)
+            return _few_queries(*inputs, allowed=call.mask, scale=call.softmax_scale)
+    causal = call.mask is None and q_len == k_len  # (the kernel's is_causal is top-left aligned)
+    allowed = (
+        None if causal else (causal_mask(q_len, k_len, call.q.device) if call.mask is None else call.mask)
+    )
     forward = functools.partial(_forward, allowed=allowed, scale=call.softmax_scale)
     backward = functools.partial(_backward, allowed=allowed, scale=call.softmax_scale)
     return kernel(forward, backward, *inputs)
@@ -93,16 +93,19 @@ def _few_queries(
     """The same (B, Tq, Hq*Dv + Hq*S) as :func:`_forward`, from explicit scores, the query heads of
     a KV head as a group dimension (no expanded copy of the keys): softmax(q k^T * scale, masked)
     times v and times the stream; a row with no allowed key gives 0, as the fused kernel does.
-    Not the eager core (``core.attend``): it takes one value tensor, so v and the stream would be
+    ``allowed`` (B|1, 1, Tq, Tk) bool, or None: causal, bottom-right aligned. Not the eager core (``core.attend``): it takes one value tensor, so v and the stream would be
     concatenated over the whole cache, the copy this path is for avoiding."""
     b, heads, q_len, d = q.shape
     kv_heads, groups = k.shape[1], heads // k.shape[1]
     grouped = q.view(b, kv_heads, groups, q_len, d)  # (B, Hkv, G, Tq, D)
     scores = torch.matmul(grouped, k[:, :, None].transpose(-1, -2)) * scale  # (B, Hkv, G, Tq, Tk)
-    if allowed is None:  # causal (the fused kernel's is_causal)
-        allowed = causal_mask(q_len, k.shape[-2], q.device)
-    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))  # (B|1, 1, 1, Tq, Tk) broadcast
-    weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows: 0, not NaN
+    if allowed is None:  # causal, bottom-right aligned: nothing to mask for one query
+        allowed = causal_mask_or_none(q_len, k.shape[-2], q.device)
+    if allowed is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))  # (B|1, 1, 1, Tq, Tk) broadcast
+        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows: 0, not NaN
     parts = [torch.matmul(weights, x[:, :, None]) for x in (v, stream)]  # (B, Hkv, G, Tq, Dv | S)
     # (B, Hkv, G, Tq, X) -> (B, Tq, Hq * X): every head's values, then every head's stream
     flat = [part.flatten(1, 2).transpose(1, 2).flatten(2) for part in parts]

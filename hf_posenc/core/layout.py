@@ -45,6 +45,12 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None) -> torch.Te
     return (query_key_distance(q_len, k_len, device) >= 0)[None, None]
 
 
+def causal_mask_or_none(q_len: int, k_len: int, device: torch.device | None) -> torch.Tensor | None:
+    """:func:`causal_mask`, or None where it masks nothing: one query, whose keys (bottom-right
+    aligned) end at its own (a decoding step: no mask to build or fold)."""
+    return None if q_len == 1 else causal_mask(q_len, k_len, device)
+
+
 def own_key(q_len: int, k_len: int, device: torch.device | None) -> torch.Tensor:
     """(Tq, Tk) bool, True at each query's own key (``j == i``)."""
     return query_key_distance(q_len, k_len, device) == 0

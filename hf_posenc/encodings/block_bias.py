@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..core.layout import causal_mask, fold_mask, query_key_indices
+from ..core.layout import causal_mask_or_none, fold_mask, query_key_indices
 
 RowsFunction = Callable[[int, int, int], torch.Tensor]
 #: the bias of scores at index tensors (b, h, q_idx, kv_idx) -> bias (FlexAttention's score_mod layout)
@@ -172,10 +172,9 @@ class BlockBias:
         overwritten by the next block (the chunked backend reuses one per forward: on CPU a new
         block of more than 32 MiB is a fresh mapping from the OS, paid in page faults)."""
         values = self.rows(start, stop, k_end) if k_start == 0 else self.span(start, stop, k_start, k_end)
-        if allowed is None:
-            if stop - start == 1:  # one causal query: its keys end at its own, nothing to mask
-                return values.to(dtype)
-            allowed = causal_mask(stop - start, k_end, values.device)[..., k_start:]
+        if allowed is None:  # the causal keys (none to mask for one query)
+            causal = causal_mask_or_none(stop - start, k_end, values.device)
+            allowed = None if causal is None else causal[..., k_start:]
         return fold_mask(values.to(dtype), allowed)
 
 

@@ -84,14 +84,17 @@ class FIREFunction(nn.Module):
         """L = |L_multiplier| * init_L, a 0-dim fp32 tensor."""
         return (self.L_multiplier.float()[0] * self.init_L).abs()
 
+    def _kept(self) -> KeptValues:
+        """What this function derives from its parameters without gradients (kept_values.py)."""
+        return module_cache(self).setdefault("kept", KeptValues())  # not module state
+
     def scalars(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(|c|, L, L as the module holds it (fp32), psi(L) + eps), 0-dim, fp64 but the third;
         without gradients kept while c and L keep their values (a decoding step's layer otherwise
         spent a dozen operations on them: kept_values.py)."""
         if torch.is_grad_enabled():
             return self._scalars()
-        kept = module_cache(self).setdefault("scalars", KeptValues())  # not module state
-        return kept.get("scalars", (self.c, self.L_multiplier), lambda *_: self._scalars())
+        return self._kept().get("scalars", (self.c, self.L_multiplier), lambda *_: self._scalars())
 
     def _scalars(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.c.double().abs()[0]  # ()
@@ -123,9 +126,8 @@ class FIREFunction(nn.Module):
         """
         if not torch.is_grad_enabled():
             # decoding: the pieces kept while the MLP keeps its values (kept_values.py)
-            kept = module_cache(self).setdefault("pieces", KeptValues())  # not module state
             params = (*self.hidden.parameters(), *self.out.parameters())
-            return kept.get("pieces", params, lambda *_: self._linear_pieces())
+            return self._kept().get("pieces", params, lambda *_: self._linear_pieces())
         return self._linear_pieces()
 
     def _linear_pieces(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -49,7 +49,7 @@ from .piecewise_block import PiecewiseBlock, monotone_segments
 
 #: blocks of at most this many queries (decoding steps) are the formula's view (:meth:`span`)
 #: with the mask folded in: one query over 2048 keys, 8 heads (CPU, no gradients) took ~0.5 ms
-#: from the network's products (their plan's few dozen operations) and ~0.1 ms so
+#: from the network's products (their plan's few dozen operations) and ~0.14 ms so
 FEW_ROWS = 16
 
 

@@ -57,13 +57,19 @@ class StudyConfig:
     report_to: list[str] = dataclasses.field(default_factory=list)  # accelerate trackers of every run
 
     def __post_init__(self) -> None:
-        positive = ("train_length", "steps", "pretrain_steps", "batch_size", "eval_tokens", "hidden_size")
-        check_positive_integers(
-            "study",
-            self,
-            (*positive, "num_layers", "retrieval_samples", "retrieval_max_key", "max_documents"),
-            optional=("max_documents",),  # (None: every document)
+        positive = (
+            "train_length",
+            "steps",
+            "pretrain_steps",
+            "batch_size",
+            "eval_tokens",
+            "hidden_size",
+            "num_layers",
+            "retrieval_samples",
+            "retrieval_max_key",
+            "max_documents",  # (None: every document)
         )
+        check_positive_integers("study", self, positive, optional=("max_documents",))
         from ..threads import check_threads
 
         check_threads(self.threads, flag="study: threads")

@@ -70,11 +70,18 @@ class TrainConfig:
     sequence_parallel: int = 1  # DeepSpeed Ulysses degree through accelerate; see parallelism.py
 
     def __post_init__(self) -> None:
-        positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "keep_checkpoints", "log_every")
-        # max_documents None: every document (0 read none, and the error then blamed the data)
-        check_positive_integers(
-            "train", self, (*positive, "lora_r", "ddp_timeout", "max_documents"), optional=("max_documents",)
+        positive = (
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_steps",
+            "keep_checkpoints",
+            "log_every",
+            "lora_r",
+            "ddp_timeout",
+            "max_documents",  # (None: every document; 0 read none, and the error then blamed the data)
         )
+        check_positive_integers("train", self, positive, optional=("max_documents",))
         if self.lora and (
             isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1
         ):
