@@ -146,7 +146,15 @@ class WindowSplitRoPE(RoPE):
             """x (B, H, T, D) rotated by ``positions`` (B, T); with ``keys``, only those keys, the
             others left 0 (no query of the call reads them under this map)."""
             if keys != slice(None):
-                out = x.new_zeros(x.shape)  # (B, H, T, D)
+                # without gradients one zeros tensor per map and forward, shared by the layers: each
+                # writes the same range (the ranges are the forward's), read before the next layer's
+                out = (
+                    x.new_zeros(x.shape)
+                    if torch.is_grad_enabled()
+                    else call.memo.get(
+                        ("window-split zeros", role, x.shape, x.dtype), lambda: x.new_zeros(x.shape)
+                    )
+                )  # (B, H, T, D)
                 out[:, :, keys] = rotated(
                     x[:, :, keys], positions[:, keys], f"{role} {keys.start}:{keys.stop}"
                 )
