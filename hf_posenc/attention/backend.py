@@ -105,6 +105,13 @@ class Backend:
         """-> (output (B, Tq, Hq, D), weights (B, Hq, Tq, Tk) or None), or None to let the next one serve."""
         raise NotImplementedError
 
+    def keeps_chained_inputs(self, call: AttentionCall) -> bool:
+        """Whether :meth:`attend` runs ``call`` through a :func:`~hf_posenc.core.recompute.kernel`
+        with its own backward, which keeps a q, k or v made by an encoding's recomputed step as
+        that step's inputs (rebuilt before the kernel's backward): then the call needs no
+        recomputation of its own (:func:`dispatch_chained`)."""
+        return False
+
 
 def output_only(out: torch.Tensor | None) -> tuple[torch.Tensor, None] | None:
     """A kernel's output (B, Tq, Hq, D) without weights, or None when the kernel declined."""
@@ -208,11 +215,17 @@ def dispatch_chained(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | 
     backward is that step's input (the raw q, k, v) and the bias's tensors, not the step's
     output beside it, nor the kernel's output and statistics. The price is one more forward of
     the attention per training step. None (dispatch as usual) without gradients, with dropout,
-    explicit scores or weights asked for, or when no input chains.
+    explicit scores or weights asked for, when no input chains, or when the backend that serves
+    the call keeps chained inputs itself (:meth:`Backend.keeps_chained_inputs`: FoX Pro's
+    separable bias in training on CPU, whose fused kernel pair then runs once forward and once
+    backward).
     """
     if not torch.is_grad_enabled() or call.dropout_p != 0.0 or call.want_weights or call.explicit:
         return None
     if not any(chains(t) for t in (call.q, call.k, call.v)):
+        return None
+    first = next(iter(candidates(call)), None)
+    if first is not None and first.keeps_chained_inputs(call):  # its kernel rebuilds them itself
         return None
     bias = call.bias
     # the bias's tensor fields are inputs, so their gradients flow; rebuilt on a copy of the form

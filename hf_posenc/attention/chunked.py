@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
 from ..encodings.block_bias import BlockBias, SeparableBias
-from . import rebuilt_flash
+from . import rebuilt_flash, separable
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .bias_block import RebuiltBiasAttention, block_attention
 from .rebuilt_flash import RebuiltBiasFlashAttention
@@ -109,6 +109,7 @@ def attend_chunked(
     before a block's first allowed key are skipped (:func:`block_first_keys`).
     """
     groups = q.shape[1] // k.shape[1]
+    kv_heads = k, v  # (B, Hkv, Tk, D): the separable path's kernel keeps these, not expanded views
     k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)  # (B, Hq, Tk, D)
     q_len, k_len = q.shape[-2], k.shape[-2]
     if q_len <= min(FEW_QUERIES, QUERY_BLOCK if block is None else block):
@@ -138,7 +139,7 @@ def attend_chunked(
     if mask is not None and not torch.compiler.is_compiling():
         firsts = block_first_keys(mask, spans, memo)
     if isinstance(bias, SeparableBias) and q.dtype in FEATURE_DTYPES and q_len > FEW_QUERIES:
-        return attend_separable(q, k, v, bias, mask, softmax_scale, dropout_p, spans, firsts)
+        return attend_separable(q, *kv_heads, bias, mask, softmax_scale, dropout_p, spans, firsts)
 
     # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block needs them
     # (FIRE past its threshold, below; with gradients the flip is in the graph, one per layer)
@@ -323,6 +324,16 @@ class ChunkedBackend(Backend):
 
     def serves(self, call: AttentionCall) -> bool:
         return call.bias is not None and not call.explicit and not call.want_weights
+
+    def keeps_chained_inputs(self, call: AttentionCall) -> bool:
+        """A separable bias past a few queries in fp32/fp64 training on CPU: the fused kernel pair of
+        :mod:`.separable`, a :func:`~hf_posenc.core.recompute.kernel` (see :func:`attend_chunked`)."""
+        return (
+            isinstance(call.bias, SeparableBias)
+            and call.q.dtype in FEATURE_DTYPES
+            and call.q.shape[-2] > FEW_QUERIES
+            and separable.kernel_serves(call.q, call.dropout_p)
+        )
 
     def attend(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         return attend_chunked(**call.bias_arguments(), dropout_p=call.dropout_p, memo=call.score.memo), None

@@ -13,11 +13,16 @@ in reverse order (reversed key b holds key Tk-1-b), so the causal mask is a stri
 one line (the dtype's minimum, then zeros). All blocks share one (B, Hq, Tk, D+1) copy of the
 keys, each writing its own feature column before its call.
 
-Training on CPU (:class:`SeparableAttention`): forward keeps each block's log-sum-exp from
-SDPA's fused CPU kernel, and backward calls that kernel's backward per block with the block's
-feature column written again: nothing (B, Hq, rows, keys) is kept, q', k', v' and the output
-are O(T) (what native SDPA keeps: q, k, v, output, log-sum-exp), and no block's forward runs
-twice (activation checkpointing ran each twice, 1.3x the CPU training time). The gradient
+Training on CPU (:func:`_forward`, :func:`_backward`): forward keeps each block's log-sum-exp
+from SDPA's fused CPU kernel, and backward calls that kernel's backward per block with the
+block's feature column written again: nothing (B, Hq, rows, keys) is kept, q, k, v, the terms
+and the output are O(T) (what native SDPA keeps: q, k, v, output, log-sum-exp), and no block's
+forward runs twice (activation checkpointing ran each twice, 1.3x the CPU training time). The
+pair runs as one :func:`~hf_posenc.core.recompute.kernel`: a q, k or v made by an encoding's
+recomputed step (FoX Pro's token shift and QK-norm) is kept as that step's inputs and rebuilt
+before the kernel's backward, not the whole attention run again in backward
+(:func:`~.backend.dispatch_chained`, which cost FoX Pro one more forward of every attention
+per training step). The gradient
 of the feature column gives the bias terms' gradients: d w_j = -d k'_j[D] / scale, and
 d r = sum_j d k'_j[D] / scale. Elsewhere (other devices, dropout, torch.compile) each block is
 recomputed in backward (activation checkpointing). fp32/fp64 only (in bf16/fp16 the key term
@@ -26,12 +31,14 @@ would be rounded to 8/11 bits).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from ..core.layout import causal_keys
+from ..core.layout import causal_keys, expand_kv_heads
+from ..core.recompute import kernel
 from ..encodings.block_bias import SeparableBias
 from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
 
@@ -105,83 +112,109 @@ def _with_feature(x: torch.Tensor, blocks: _Blocks, value: float = 0.0) -> torch
     return out
 
 
-class SeparableAttention(torch.autograd.Function):
-    """Blocks of SDPA's fused CPU kernel with the separable bias as a feature; backward through
-    that kernel's own backward, per block, from the saved output and log-sum-exp (see the module
-    docstring). q (B, Hq, Tq, D), k/v (B, Hq, Tk, D), query_term (B, Hq, Tq), key_term
-    (B, Hq, Tk) -> (B, Hq, Tq, D) laid out as (B, Tq, Hq, D) (o_proj reads it without a copy)."""
+def kernel_serves(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether a call takes the fused CPU kernel forward and backward (:func:`_forward`,
+    :func:`_backward` through :func:`~hf_posenc.core.recompute.kernel`): with gradients, on CPU,
+    without dropout, where this torch has the fused kernel and its backward, not under
+    torch.compile."""
+    return (
+        torch.is_grad_enabled()
+        and q.device.type == "cpu"
+        and dropout_p == 0.0
+        and _CPU_FORWARD is not None
+        and _CPU_BACKWARD is not None
+        and not torch.compiler.is_compiling()
+    )
 
-    @staticmethod
-    def forward(ctx, q, k, v, query_term, key_term, blocks: _Blocks, scale: float):
-        keys = _with_feature(k, blocks)  # (B, Hq, Tk, D+1), stored order
-        values = _with_feature(v, blocks)
-        ordered_key_term = _ordered(key_term, blocks, -1)
-        batch, heads, q_len, dim = q.shape
-        out = q.new_empty(batch, q_len, heads, dim).transpose(1, 2)  # (B, Hq, Tq, D)
-        lse = []
-        for index, (start, stop) in enumerate(blocks.spans):
-            span = blocks.keys(index)
-            blocks.write_column(index, keys, query_term, ordered_key_term, scale)
-            q_block = F.pad(q[:, :, start:stop], (0, 1), value=1.0)  # (B, Hq, rows, D+1)
-            out_block, lse_block = _CPU_FORWARD(  # type: ignore[misc]
-                q_block,
-                keys[:, :, span],
-                values[:, :, span],
-                0.0,
-                False,
-                attn_mask=blocks.additive(index),
-                scale=scale,
-            )
-            out[:, :, start:stop] = out_block[..., :-1]
-            lse.append(lse_block)  # (B, Hq, rows) fp32
-        ctx.blocks, ctx.scale = blocks, scale
-        # the inputs and the output (what native SDPA keeps), not the (D+1)-wide copies: backward
-        # builds those again (two O(T) copies) and writes each block's column into them
-        ctx.save_for_backward(q, k, v, query_term, key_term, out, *lse)
-        return out
 
-    @staticmethod
-    @once_differentiable  # the fused kernel's backward has no derivative
-    def backward(ctx, grad_out):
-        q, k, v, query_term, key_term, out, *lse = ctx.saved_tensors
-        blocks, scale = ctx.blocks, ctx.scale
-        keys, values = _with_feature(k, blocks), _with_feature(v, blocks)  # (B, Hq, Tk, D+1), stored order
-        ordered_key_term = _ordered(key_term, blocks, -1)
-        grad_q = torch.zeros_like(q)
-        grad_keys = torch.zeros_like(keys)
-        grad_values = torch.zeros_like(values)
-        grad_query_term = torch.zeros_like(query_term)
-        pad = (0, 1)
-        for index, (start, stop) in enumerate(blocks.spans):
-            span = blocks.keys(index)
-            blocks.write_column(index, keys, query_term, ordered_key_term, scale)
-            dq, dk, dv = _CPU_BACKWARD(
-                F.pad(grad_out[:, :, start:stop], pad),
-                F.pad(q[:, :, start:stop], pad, value=1.0),
-                keys[:, :, span],
-                values[:, :, span],
-                F.pad(out[:, :, start:stop], pad),
-                lse[index],
-                0.0,
-                False,
-                attn_mask=blocks.additive(index),
-                scale=scale,
-            )
-            grad_q[:, :, start:stop] = dq[..., :-1]
-            grad_keys[:, :, span] += dk
-            grad_values[:, :, span] += dv
-            # the column is (r - w_j) / scale, r the query term of the block's last query
-            grad_query_term[..., stop - 1] += dk[..., -1].sum(-1).to(query_term.dtype) / scale
-        grad_key_term = -grad_keys[..., -1].to(key_term.dtype) / scale  # (B, Hq, Tk), stored order
-        return (
-            grad_q,
-            _ordered(grad_keys[..., :-1], blocks, 2),
-            _ordered(grad_values[..., :-1], blocks, 2),
-            grad_query_term,
-            _ordered(grad_key_term, blocks, -1),
-            None,
-            None,
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_term: torch.Tensor,
+    key_term: torch.Tensor,
+    *,
+    blocks: _Blocks,
+    scale: float,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Blocks of SDPA's fused CPU kernel with the separable bias as a feature: q (B, Hq, Tq, D),
+    k/v (B, Hkv, Tk, D), query_term (B, Hq, Tq), key_term (B, Hq, Tk) -> ((B, Hq, Tq, D) laid out
+    as (B, Tq, Hq, D), which o_proj reads without a copy; kept for backward: that output and each
+    block's log-sum-exp, (B, Hq, rows) fp32)."""
+    assert _CPU_FORWARD is not None
+    groups = q.shape[1] // k.shape[1]
+    keys = _with_feature(expand_kv_heads(k, groups), blocks)  # (B, Hq, Tk, D+1), stored order
+    values = _with_feature(expand_kv_heads(v, groups), blocks)
+    ordered_key_term = _ordered(key_term, blocks, -1)
+    batch, heads, q_len, dim = q.shape
+    out = q.new_empty(batch, q_len, heads, dim).transpose(1, 2)  # (B, Hq, Tq, D)
+    lse = []
+    for index, (start, stop) in enumerate(blocks.spans):
+        span = blocks.keys(index)
+        blocks.write_column(index, keys, query_term, ordered_key_term, scale)
+        q_block = F.pad(q[:, :, start:stop], (0, 1), value=1.0)  # (B, Hq, rows, D+1)
+        out_block, lse_block = _CPU_FORWARD(
+            q_block,
+            keys[:, :, span],
+            values[:, :, span],
+            0.0,
+            False,
+            attn_mask=blocks.additive(index),
+            scale=scale,
         )
+        out[:, :, start:stop] = out_block[..., :-1]
+        lse.append(lse_block)  # (B, Hq, rows) fp32
+    return out, (out, *lse)
+
+
+def _backward(
+    inputs: list[torch.Tensor],
+    saved: tuple[torch.Tensor, ...],
+    grad_out: torch.Tensor,
+    *,
+    blocks: _Blocks,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of q, k, v and the two terms: per block the fused kernel's backward from the
+    kept output and log-sum-exp, the block's feature column written again into the (D+1)-wide
+    copies built here once more (two O(T) copies)."""
+    assert _CPU_BACKWARD is not None
+    q, k, v, query_term, key_term = inputs
+    out, *lse = saved
+    groups = q.shape[1] // k.shape[1]
+    keys = _with_feature(expand_kv_heads(k, groups), blocks)  # (B, Hq, Tk, D+1), stored order
+    values = _with_feature(expand_kv_heads(v, groups), blocks)
+    ordered_key_term = _ordered(key_term, blocks, -1)
+    grad_q = torch.zeros_like(q)
+    grad_keys = torch.zeros_like(keys)
+    grad_values = torch.zeros_like(values)
+    grad_query_term = torch.zeros_like(query_term)
+    pad = (0, 1)
+    for index, (start, stop) in enumerate(blocks.spans):
+        span = blocks.keys(index)
+        blocks.write_column(index, keys, query_term, ordered_key_term, scale)
+        dq, dk, dv = _CPU_BACKWARD(
+            F.pad(grad_out[:, :, start:stop], pad),
+            F.pad(q[:, :, start:stop], pad, value=1.0),
+            keys[:, :, span],
+            values[:, :, span],
+            F.pad(out[:, :, start:stop], pad),
+            lse[index],
+            0.0,
+            False,
+            attn_mask=blocks.additive(index),
+            scale=scale,
+        )
+        grad_q[:, :, start:stop] = dq[..., :-1]
+        grad_keys[:, :, span] += dk
+        grad_values[:, :, span] += dv
+        # the column is (r - w_j) / scale, r the query term of the block's last query
+        grad_query_term[..., stop - 1] += dk[..., -1].sum(-1).to(query_term.dtype) / scale
+    grad_key_term = -grad_keys[..., -1].to(key_term.dtype) / scale  # (B, Hq, Tk), stored order
+    grad_k, grad_v = (_ordered(g[..., :-1], blocks, 2) for g in (grad_keys, grad_values))  # (B, Hq, Tk, D)
+    if groups > 1:  # a KV head's query heads summed
+        grad_k, grad_v = (g.unflatten(1, (-1, groups)).sum(2) for g in (grad_k, grad_v))
+    return grad_q, grad_k, grad_v, grad_query_term, _ordered(grad_key_term, blocks, -1)
 
 
 def attend_separable(
@@ -196,21 +229,17 @@ def attend_separable(
     firsts: list[int],
 ) -> torch.Tensor:
     """Attention with a separable bias ``u_i - w_j`` as one more feature of q and k (see the
-    module docstring). q, k, v (B, Hq, T, D), a causal/padding ``mask`` (B|1, 1, Tq, Tk) bool
-    or None, query blocks ``spans`` with their first keys ``firsts`` -> (B, Tq, Hq, D)."""
+    module docstring). q (B, Hq, T, D), k, v (B, Hkv, T, D), a causal/padding ``mask`` (B|1, 1,
+    Tq, Tk) bool or None, query blocks ``spans`` with their first keys ``firsts`` -> (B, Tq, Hq, D)."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     blocks = _Blocks(q_len, k_len, mask, spans, firsts, q.dtype, q.device)
+    if kernel_serves(q, dropout_p):
+        forward = functools.partial(_forward, blocks=blocks, scale=softmax_scale)
+        backward = functools.partial(_backward, blocks=blocks, scale=softmax_scale)
+        return kernel(forward, backward, q, k, v, bias.query_term, bias.key_term).transpose(1, 2)
     grad = torch.is_grad_enabled()
-    if (
-        grad
-        and q.device.type == "cpu"
-        and dropout_p == 0.0
-        and _CPU_FORWARD is not None
-        and _CPU_BACKWARD is not None
-        and not torch.compiler.is_compiling()
-    ):
-        out = SeparableAttention.apply(q, k, v, bias.query_term, bias.key_term, blocks, softmax_scale)
-        return out.transpose(1, 2)
+    groups = q.shape[1] // k.shape[1]
+    k, v = expand_kv_heads(k, groups), expand_kv_heads(v, groups)  # (B, Hq, Tk, D)
 
     key_term = _ordered(bias.key_term, blocks, -1)
     # without gradients every block writes its feature into one (B, Hq, Tk, D+1) copy of the keys

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -205,6 +206,7 @@ class _Kernel(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernel's backward has no derivative: a double backward says so
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         stored = ctx.saved_tensors
         flat, saved = stored[: ctx.flat_count], stored[ctx.flat_count :]

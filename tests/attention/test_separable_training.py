@@ -79,29 +79,42 @@ def test_separable_training_gradients_equal_autograd_of_the_formula(
 
 
 def test_cpu_training_takes_the_fused_backward_and_no_checkpoint(monkeypatch):
-    """A training call on CPU goes through SeparableAttention (forward once per block) and never
-    through activation checkpointing (which ran every block's forward twice)."""
-    calls = {"fused": 0, "checkpoint": 0}
-    fused, recompute = separable.SeparableAttention.apply, separable.checkpoint
+    """A training call on CPU runs the fused kernel's forward once and its backward once (through
+    the kernel pair, ``separable._forward`` / ``_backward``) and never activation checkpointing
+    (which ran every block's forward twice)."""
+    calls = {"forward": 0, "backward": 0, "checkpoint": 0}
+    forward, backward, recompute = separable._forward, separable._backward, separable.checkpoint
 
-    def counting_fused(*args):
-        calls["fused"] += 1
-        return fused(*args)
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
 
-    def counting_checkpoint(*args, **kwargs):
-        calls["checkpoint"] += 1
-        return recompute(*args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(separable.SeparableAttention, "apply", counting_fused)
-    monkeypatch.setattr(separable, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(separable, "_forward", counting("forward", forward))
+    monkeypatch.setattr(separable, "_backward", counting("backward", backward))
+    monkeypatch.setattr(separable, "checkpoint", counting("checkpoint", recompute))
     q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
     terms = torch.randn(1, 2, 64).cumsum(-1).requires_grad_()
     out = attend_chunked(
         q, k, v, bias=SeparableBias(64, 64, terms, terms), mask=None, softmax_scale=0.3, block=16
     )
     out.sum().backward()
-    assert calls == {"fused": 1, "checkpoint": 0}
+    assert calls == {"forward": 1, "backward": 1, "checkpoint": 0}
     assert terms.grad is not None and torch.isfinite(terms.grad).all()
+
+
+def test_a_second_derivative_through_the_fused_path_is_refused():
+    """The fused kernel's backward has no derivative of its own: differentiating its gradients
+    again raises (``once_differentiable``) instead of giving a second derivative that silently
+    misses the kernel's part."""
+    q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
+    terms = torch.randn(1, 2, 32).cumsum(-1).requires_grad_()
+    out = attend_chunked(q, k, v, bias=SeparableBias(32, 32, terms, terms), mask=None, softmax_scale=0.3)
+    (grad_q,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice|double|differentiable"):
+        grad_q.sum().backward()
 
 
 @pytest.mark.parametrize("mask", [False, True], ids=["causal", "padding-mask"])

@@ -83,9 +83,10 @@ def test_fox_pro_keeps_what_its_formula_needs(kv_heads):
     """FoX (Pro) per token and layer beyond RoPE: the output gate's logits and the gated output
     (the output projection's input, Hq*D each), the shift weights a_t (Hkv each for k and v) and
     FoX's forget-gate pieces (a few Hq). Its raw q, k and v (the QK-norm's and the token shift's
-    gradients need them) stand where RoPE keeps its rotated ones: the attention is recomputed
-    in backward from them. Not the shifted, normalised, sigmoid and gated copies, nor the
-    attention's q, k, v beside the raw ones."""
+    gradients need them) stand where RoPE keeps its rotated ones: the shifted and normalised
+    q, k, v are rebuilt from them in backward (on CPU before the fused kernels' backward,
+    elsewhere for the attention recomputed). Not the shifted, normalised, sigmoid and gated
+    copies, nor the attention's q, k, v beside the raw ones."""
     model = make_model(
         "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=3
     )
@@ -180,9 +181,10 @@ def test_gradient_checkpointing_runs_each_attention_at_most_twice(name, monkeypa
     """Under gradient checkpointing (non-reentrant: the decoder layer runs again in backward)
     the encoding's recomputed steps are plain calls, so a training step runs each layer's
     attention forward twice (forward, then the checkpoint's recomputation), not three times;
-    without checkpointing FoX (Pro) runs it twice (forward, then its recomputation in backward)
-    and TAPE on CPU once (its fused kernel's backward takes the forward's statistics:
-    ``attention/stream_flash.py``). Gradients equal the step without checkpointing (fp32, 1e-5)."""
+    without checkpointing once on CPU: the fused kernels' backward takes the forward's
+    statistics and rebuilds only the recomputed steps' q, k, v (TAPE: ``attention/stream_flash.py``,
+    FoX (Pro): ``attention/separable.py``; before, FoX (Pro)'s attention ran again in backward).
+    Gradients equal the step without checkpointing (fp32, 1e-5)."""
     model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2).train()
     ids = token_ids(2, 24)
     plain = patch(copy.deepcopy(model), name)
@@ -203,7 +205,7 @@ def test_gradient_checkpointing_runs_each_attention_at_most_twice(name, monkeypa
         monkeypatch.setattr(module, "dispatch", counted)
     monkeypatch.setattr(stream_flash, "_forward", counted_stream)
     layers = model.config.num_hidden_layers
-    expected = {"tape": (layers, 2 * layers), "fox_pro": (2 * layers, 2 * layers)}[name]
+    expected = (layers, 2 * layers)
     grads = []
     for patched, count in zip((plain, checkpointed), expected, strict=True):
         calls.clear()
