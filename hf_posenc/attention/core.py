@@ -66,7 +66,9 @@ def attend(
 
     if explicit:
         if logits is None:  # a product of its own: scaled in place (its backward reads q and k, not it)
-            scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(softmax_scale)  # (B, Hq, Tq, Tk)
+            # in fp32 (fp64 for fp64 inputs): a bf16 product rounded to fp32, an fp64 one kept
+            scores = torch.matmul(q, k.transpose(-1, -2))  # (B, Hq, Tq, Tk)
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(softmax_scale)
         else:
             scores = logits * softmax_scale
         if bias is not None:

@@ -77,7 +77,8 @@ NEGATIVE_SLOPE = 0.01  # LeakyReLU's (PyTorch's default, the reference's)
 
 
 class HeadMixer(nn.Module):
-    """f: R^2H -> R^H, two Linear layers with a LeakyReLU, evaluated in fp32 (:meth:`mix`)."""
+    """f: R^2H -> R^H, two Linear layers with a LeakyReLU, evaluated in fp32 (fp64 for an fp64
+    model: :meth:`mix`)."""
 
     def __init__(self, heads: int, hidden: int) -> None:
         super().__init__()
@@ -87,8 +88,8 @@ class HeadMixer(nn.Module):
         nn.init.zeros_(self.outer.bias)
 
     def mix(self, scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """scores (B, H, R, K) fp32, bias (B|1, H, R, K) -> scores + bias + f([scores; bias]) over
-        the heads, (B, H, R, K) fp32.
+        """scores (B, H, R, K) fp32 or fp64, bias (B|1, H, R, K) in that dtype -> scores + bias +
+        f([scores; bias]) over the heads, (B, H, R, K) in that dtype.
 
         Head-major, as the tensors are laid out: per batch row, scores S and bias B are (H, N)
         matrices of the N = R*K scores, so the result is S + B + b2 + W2 LeakyReLU(W1[:, :H] S +
@@ -100,17 +101,18 @@ class HeadMixer(nn.Module):
         batch, heads, rows, keys = scores.shape
         n = rows * keys
         bias = bias.expand(batch, -1, -1, -1)
-        b2 = self.outer.bias.float()[:, None]  # (H, 1)
+        dtype = scores.dtype  # fp32, or fp64 for an fp64 model
+        b2 = self.outer.bias.to(dtype)[:, None]  # (H, 1)
         if torch.is_grad_enabled():
             parts = []
             for b in range(batch):
                 s, base = scores[b].reshape(heads, n), bias[b].reshape(heads, n)  # (H, N)
-                parts.append((s + base).add_(b2).addmm_(self.outer.weight.float(), self._hidden(s, base)))
+                parts.append((s + base).add_(b2).addmm_(self.outer.weight.to(dtype), self._hidden(s, base)))
             return (parts[0][None] if batch == 1 else torch.stack(parts)).view(batch, heads, rows, keys)
-        out = torch.empty(batch, heads, rows, keys, dtype=torch.float32, device=scores.device)
+        out = torch.empty(batch, heads, rows, keys, dtype=dtype, device=scores.device)
         slab = max(1, min(n, MIX_SLAB))  # (a block of no keys: no slab)
-        buffer = torch.empty(self.inner.out_features, slab, dtype=torch.float32, device=scores.device)
-        w2 = self.outer.weight.float()  # (H, F)
+        buffer = torch.empty(self.inner.out_features, slab, dtype=dtype, device=scores.device)
+        w2 = self.outer.weight.to(dtype)  # (H, F)
         for b in range(batch):
             s, base, flat = scores[b].reshape(heads, n), bias[b].reshape(heads, n), out[b].view(heads, n)
             torch.add(s, base, out=flat).add_(b2)
@@ -126,7 +128,7 @@ class HeadMixer(nn.Module):
         """scores, bias (H, n) -> LeakyReLU(W1[:, :H] S + W1[:, H:] B + b1) (F, n), into ``out`` when
         given (without gradients)."""
         heads = scores.shape[0]
-        w1, b1 = self.inner.weight.float(), self.inner.bias.float()  # (F, 2H), (F,)
+        w1, b1 = self.inner.weight.to(scores.dtype), self.inner.bias.to(scores.dtype)  # (F, 2H), (F,)
         hidden = torch.mm(w1[:, :heads], scores, out=out)  # (F, n)
         hidden.addmm_(w1[:, heads:], bias).add_(b1[:, None])
         return F.leaky_relu_(hidden, NEGATIVE_SLOPE)
@@ -165,6 +167,7 @@ class CAPE(Encoding[CAPEConfig]):
         return not self.base.stateful  # a stateful base (FoX) accumulates over all queries
 
     def transform_scores(self, call: ScoreCall, scores: torch.Tensor) -> torch.Tensor:
-        bias = self.base.score_bias(call).full().float()  # (B|1, Hq, Tq, Tk)
+        dtype = torch.promote_types(scores.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
+        bias = self.base.score_bias(call).full().to(dtype)  # (B|1, Hq, Tq, Tk)
         mixer = cast(HeadMixer, self.mixers[call.layer_idx])  # __init__ fills mixers with HeadMixers
-        return mixer.mix(scores.float(), bias)  # (B, Hq, Tq, Tk)
+        return mixer.mix(scores.to(dtype), bias)  # (B, Hq, Tq, Tk)

@@ -40,6 +40,14 @@ ATOL = 1e-5
 #: sequence twice in one batch already differs from it alone by 2.3e-6. A padding leak would be
 #: of the order of the logits.
 PADDED_BATCH_ATOL = {"fox_pro": 5e-5}
+#: CAPE mixes each score's heads through its MLP in fp32 from fp32 scores, so the few-query
+#: path of a decoding step and the full forward's blocks round differently, and the MLP carries
+#: the difference: on the test models (2026-11-27) decoding against the full forward read
+#: 3.3e-6 to 1.07e-5 for CAPE's cases (logits up to 7.9; kerple's power base the most), 2.4e-6
+#: to 6.0e-6 for alibi, kerple and FIRE alone. Rounding only: with the scores and the mixer in
+#: fp64 the two agree to 1.8e-15 on mistral, llama and smollm3 for every CAPE case. A wrong
+#: cached key or bias would differ by the order of the logits.
+DECODE_ATOL = {"cape": 3e-5}
 #: the two full-attention backends compared by test_eager_backend_equals_sdpa_backend (the block
 #: backends chunked, flex and auto are compared with eager in test_backends.py)
 FULL_BACKENDS = ("sdpa", "eager")
@@ -93,7 +101,7 @@ def test_cached_decoding_equals_full_forward(family, case):
             steps.append(out.logits[:, -1])
         for i, t in enumerate(range(4, 14)):
             full = model(ids[:, : t + 1]).logits[:, -1]
-            torch.testing.assert_close(steps[i], full, atol=ATOL, rtol=0)
+            torch.testing.assert_close(steps[i], full, atol=DECODE_ATOL.get(name, ATOL), rtol=0)
 
 
 @EVERY_FAMILY_AND_CASE
