@@ -136,31 +136,33 @@ class FoPE(Encoding[FoPEConfig]):
             largest,
         )
 
-    def cos_sin(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo):
-        """positions (B,T) -> cos, sin (B, heads, T, d_rot) fp32."""
+    def cos_sin(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo, dtype: torch.dtype):
+        """positions (B,T) -> cos, sin (B, heads, T, d_rot) in ``dtype`` (fp32, or fp64 for an fp64
+        model: :func:`compute_dtype`)."""
 
         def features():
             scaled = interpolate(positions, self.config.factor)  # p / f
-            angles = scaled[..., None].float() * self.frequencies  # (B, T, n_in)
-            live = (self.frequencies != 0).float()  # clipped grid frequencies leave the series
+            angles = scaled[..., None].to(dtype) * self.frequencies.to(dtype)  # (B, T, n_in)
+            live = (self.frequencies != 0).to(dtype)  # clipped grid frequencies leave the series
             return angles.cos() * live, angles.sin() * live
 
-        cos_f, sin_f = memo.get(("fope-features",), features)  # (B, T, n_in) each
+        cos_f, sin_f = memo.get(("fope-features", dtype), features)  # (B, T, n_in) each
         index = 0 if self.config.shared_across_layers else layer_idx
-        cos = torch.einsum("btj,hjm->bhtm", cos_f, self.cos_coef[index].float())  # (B, H, T, pairs)
-        sin = torch.einsum("btj,hjm->bhtm", sin_f, self.sin_coef[index].float())
+        cos = torch.einsum("btj,hjm->bhtm", cos_f, self.cos_coef[index].to(dtype))  # (B, H, T, pairs)
+        sin = torch.einsum("btj,hjm->bhtm", sin_f, self.sin_coef[index].to(dtype))
         cos = torch.where(self.pair_clipped, 1.0, cos)  # clipped pairs: zero frequency, identity
         sin = torch.where(self.pair_clipped, 0.0, sin)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (B, H, T, d_rot)
 
     def apply_rotation(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (B,H,T,D): first d_rot dims -> x*cos + rotate_half(x)*sin in fp32; the rest passes."""
-        rotated, passed = x[..., : self.dim].float(), x[..., self.dim :]
+        """x (B,H,T,D): first d_rot dims -> x*cos + rotate_half(x)*sin in cos's dtype; the rest passes."""
+        rotated, passed = x[..., : self.dim].to(cos.dtype), x[..., self.dim :]
         out = (rotated * cos + rotate_half(rotated) * sin).to(x.dtype)
         return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
 
     def rotate(self, call: LayerCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(call.layer_idx, call.positions, call.memo)  # (B, Hkv|1, T, d_rot)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
+        cos, sin = self.cos_sin(call.layer_idx, call.positions, call.memo, dtype)  # (B, Hkv|1, T, d_rot)
         k_out = self.apply_rotation(k, cos, sin)
         if cos.shape[1] > 1:  # query head h uses the coefficients of its KV head
             group = q.shape[1] // cos.shape[1]
