@@ -69,7 +69,7 @@ class PatchedAttentionForward:
             coordinates=context.coordinates,
             layer_idx=self.encoding_layer_idx,
             hidden=hidden,
-            state=runtime.layer_state(cache, self.encoding_layer_idx) if runtime.stateful else None,
+            state=runtime.layer_state(cache, self.encoding_layer_idx),
         )
 
         x_qk = x_v = hidden

@@ -105,3 +105,29 @@ def layer_state(
     states.sequence_dims.setdefault(token, sequence_dims)
     states.owners.setdefault(token, owner)
     return states.layers.setdefault(token, {}).setdefault(layer_idx, {})
+
+
+def appended(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``torch.cat((kept, new), dim=-2)`` for a state entry that grows by each step's tokens, in
+    amortised O(new) time: the result is a leading view of a buffer with room to spare (doubled
+    when full), and ``kept``, when it is such a view with room after it, gets ``new`` written
+    into that room (past its own end: ``kept`` itself reads the same values as before). A kept
+    entry that is not such a view (reordered, selected or sliced from its start by the cache's
+    operations) is copied into a new buffer once. kept (..., T, D), new (..., n, D)."""
+    length, count = kept.shape[-2], new.shape[-2]
+    base = kept._base
+    if (
+        base is not None
+        and base.shape[:-2] == kept.shape[:-2]
+        and base.shape[-1] == kept.shape[-1]
+        and base.shape[-2] >= length + count
+        and base.data_ptr() == kept.data_ptr()
+        and base.stride() == kept.stride()
+        and base.dtype == new.dtype
+    ):
+        base[..., length : length + count, :] = new
+        return base[..., : length + count, :]
+    buffer = kept.new_empty(*kept.shape[:-2], max(2 * (length + count), 64), kept.shape[-1])
+    buffer[..., :length, :] = kept
+    buffer[..., length : length + count, :] = new
+    return buffer[..., : length + count, :]

@@ -53,6 +53,8 @@ class PartRuntime:
         self.stages = self._stages()
         #: encodings that carry state between decoding steps say so with ``stateful = True``
         self.stateful = bool(getattr(encoding, "stateful", False))
+        #: encodings whose decoding state is optional work to reuse (``Encoding.reuses_decoding_work``)
+        self.reuses_decoding_work = bool(getattr(encoding, "reuses_decoding_work", False))
         #: LongLoRA's shifted sparse attention in training forwards (``enable_s2_attn``), or None
         self.s2: ShiftedSparse | None = None
         self._transient()
@@ -120,8 +122,12 @@ class PartRuntime:
 
     def layer_state(self, cache: Any, layer_idx: int) -> dict[str, Any] | None:
         """This layer's decoding state for ``cache`` (stored on the cache, following its
-        reorder/crop/batch operations; see :mod:`hf_posenc.core.decoding_state`), or None."""
-        if cache is None:
+        reorder/crop/batch operations; see :mod:`hf_posenc.core.decoding_state`), or None: without
+        a cache, and for an encoding that only reuses work (``reuses_decoding_work``) under
+        torch.compile or over a static (pre-allocated, compileable) cache."""
+        if cache is None or not (self.stateful or self.reuses_decoding_work):
+            return None
+        if not self.stateful and (torch.compiler.is_compiling() or getattr(cache, "is_compileable", False)):
             return None
         return layer_state(
             cache, self.token, layer_idx, self.encoding.state_sequence_dims, owner=self.encoding.name

@@ -125,6 +125,12 @@ class Encoding(nn.Module, Generic[ConfigT]):
     reads_positions: ClassVar[bool] = True
     #: True when the encoding keeps state between decoding steps (see ``LayerCall.state``)
     stateful: ClassVar[bool] = False
+    #: True when the encoding keeps work it may reuse in its decoding state (``LayerCall.state``,
+    #: entries aligned with the cached keys by ``state_sequence_dims``) without needing it: given
+    #: in uncompiled decoding over a dynamic KV cache only, and a step that finds it missing or
+    #: stale recomputes it (SelfExtend's far-rotated keys). Compiled and static-cache decoding
+    #: stay as for a stateless encoding.
+    reuses_decoding_work: ClassVar[bool] = False
     #: True when ``rotate`` reads ``call.coordinates``: the (B|1,T,axes) N-D positions a caller
     #: passed to the model as ``position_coordinates`` (None when not passed); see rope2d
     takes_coordinates: ClassVar[bool] = False

@@ -98,6 +98,9 @@ class ReRoPE(RectifiedRoPE):
         window = self.config.window  # type: ignore[attr-defined]
         return torch.full_like(q_positions, window), torch.zeros_like(k_positions)
 
+    def far_keys_unrotated(self) -> bool:
+        return True  # b(j) = 0 (far_positions)
+
 
 @dataclasses.dataclass
 class LeakyReRoPEConfig(RectifiedConfig):

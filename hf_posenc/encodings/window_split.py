@@ -31,6 +31,7 @@ import dataclasses
 import torch
 
 from ..core.config import check_number, fail
+from ..core.decoding_state import appended
 from ..core.layout import expand_kv_heads
 from ..errors import InvalidParameterError
 from .call import NeighbourSplit, ScoreCall
@@ -114,8 +115,19 @@ def key_ranges(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int
     return slice(near_from, k_len), slice(0, far_to)
 
 
+#: decoding-state entries: the cache's keys rotated under the far map (B, Hkv, Tk, D), and per key
+#: its far position and the map's frequency fingerprint (B, Tk, 2), which a step compares with its
+#: own to find a stale entry (a reconfigured map, another cache's keys)
+FAR_KEYS, FAR_CHECK = "window_split_far_keys", "window_split_far_check"
+
+
 class WindowSplitRoPE(RoPE):
     """Base of the window-split encodings (not registered itself): subclasses give the far map."""
+
+    # decoding over a dynamic cache keeps the cached keys rotated under the far map: their far
+    # positions b(j) are the keys' own, so a step rotates only its new keys (see _far_keys)
+    reuses_decoding_work = True
+    state_sequence_dims = {FAR_KEYS: -2, FAR_CHECK: -2}
 
     def active_stages(self) -> list[str]:
         return ["logits"]  # keys cached un-rotated: each step rotates them under both maps
@@ -128,6 +140,12 @@ class WindowSplitRoPE(RoPE):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(a(i) (B, Tq), b(j) (B, Tk)): the positions queries and keys rotate by for far pairs."""
         raise NotImplementedError
+
+    def far_keys_unrotated(self) -> bool:
+        """Whether the far map leaves every key where it is (b(j) = 0 for every key: ReRoPE, whose
+        far pairs all sit at distance ``window`` through the query alone); then the far keys are
+        the keys themselves, not rotated by zero angles (cos 1, sin 0: the same values)."""
+        return False
 
     def neighbour_split(self, call: ScoreCall) -> NeighbourSplit:
         if call.key_positions is None:
@@ -173,15 +191,52 @@ class WindowSplitRoPE(RoPE):
             ("window-split key ranges", window, tuple(q_pos.shape), tuple(k_pos.shape)),
             lambda: key_ranges(q_pos, k_pos, window),
         )
+        if self.far_keys_unrotated():
+            far_k = call.k
+        else:
+            kept = self._far_keys(call, far_k_pos, inv_freq, factor, rotated)
+            far_k = rotated(call.k, far_k_pos, "far k", far_keys) if kept is None else kept
         return NeighbourSplit(
             window,
             near_q=rotated(call.q, q_pos, "near q"),
             near_k=rotated(call.k, k_pos, "near k", near_keys),
             far_q=rotated(call.q, far_q_pos, "far q"),
-            far_k=rotated(call.k, far_k_pos, "far k", far_keys),
+            far_k=far_k,
             q_positions=q_pos,
             k_positions=k_pos,
         )
+
+    def _far_keys(self, call: ScoreCall, far_positions: torch.Tensor, inv_freq, factor, rotated):
+        """The keys rotated under the far map, (B, Hkv, Tk, D), from this layer's decoding state:
+        the kept ones and this call's new keys (the last Tq) rotated now; None (rotate them as
+        without a cache) under gradients or without a state. A state that does not line up with
+        the cache (another model filled it, a static cache, a reconfigured map) is rebuilt from
+        all the keys. Sliding-window caches drop their oldest keys: so does the state."""
+        state = call.state
+        if state is None or torch.is_grad_enabled():
+            return None
+        k, q_len, k_len = call.k, call.q.shape[-2], call.k.shape[-2]
+        fingerprint = float((inv_freq.double() / factor).sum())  # a changed rotation changes it
+        check = torch.stack(
+            (far_positions.double(), torch.full_like(far_positions, fingerprint, dtype=torch.float64)), -1
+        )  # (B, Tk, 2)
+        kept, seen = state.get(FAR_KEYS), state.get(FAR_CHECK)
+        if (
+            kept is not None
+            and seen is not None
+            and kept.dtype == k.dtype
+            and kept.shape[0] == k.shape[0]
+            and kept.shape[-2] + q_len >= k_len >= q_len
+        ):
+            new = rotated(k[:, :, -q_len:], far_positions[:, -q_len:], "far k new")  # (B, Hkv, Tq, D)
+            keys = appended(kept, new)[:, :, -k_len:]  # (B, Hkv, Tk, D)
+            seen = torch.cat((seen, check[:, -q_len:]), dim=-2)[:, -k_len:]
+            if torch.equal(seen, check):  # the kept keys' far positions and rotation are this call's
+                state[FAR_KEYS], state[FAR_CHECK] = keys, seen
+                return keys
+        keys = rotated(k, far_positions, "far k")  # every key: the state starts here
+        state[FAR_KEYS], state[FAR_CHECK] = keys, check
+        return keys
 
     def logits(self, call: ScoreCall) -> torch.Tensor:
         """Both maps' (B, Hq, Tq, Tk) fp32 logits, the neighbours' where i - j < window."""

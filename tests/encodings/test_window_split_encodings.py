@@ -188,9 +188,11 @@ RANGED = [
 def test_decoding_rotates_only_the_keys_each_map_reads(monkeypatch, case_, backend):
     """Decoding steps over a cache (key ranges from 4 keys more than queries on, instead of 256): a
     step rotates under the near map only the keys some query sees as neighbours (the last
-    ``window``, the rest left 0) and under the far map only the others, so it rotates each cached
-    key once, not twice; every step's logits still equal a full forward over the sequence so far
-    (a left-padded batch: the padded row's positions lag by 3), on the neighbour and eager paths."""
+    ``window``) and under the far map only its own new key, the cached keys' far rotations being
+    kept in the layer's decoding state (their far positions are their own); ReRoPE's far map
+    leaves keys unrotated (b(j) = 0), so none. Every step's logits still equal a full forward over
+    the sequence so far (a left-padded batch: the padded row's positions lag by 3), on the
+    neighbour and eager paths."""
     import hf_posenc.encodings.window_split as window_split
     from hf_posenc.compat import cache_keyword, output_cache
 
@@ -205,8 +207,11 @@ def test_decoding_rotates_only_the_keys_each_map_reads(monkeypatch, case_, backe
     monkeypatch.setattr(window_split, "apply_rotary", counting)
     name, params = case_
     model = patch(make_model("llama"), name, params, backend=backend)
-    heads_kv = model.config.num_key_value_heads
+    heads, heads_kv = model.config.num_attention_heads, model.config.num_key_value_heads
     window = params["window"]
+    # per layer and step, rows of the KV heads rotated: the near map's window, the far map's new
+    # key (none for ReRoPE), and the queries under both maps where they have the KV heads' count
+    per_layer = window + (0 if name == "rerope" else 1) + (2 if heads == heads_kv else 0)
     ids = token_ids(2, 30)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -216,11 +221,103 @@ def test_decoding_rotates_only_the_keys_each_map_reads(monkeypatch, case_, backe
             rotated.clear()
             cache = {cache_keyword(model): output_cache(out)}
             out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], use_cache=True, **cache)
-            key_rotations = [keys for rows, keys in rotated if rows == heads_kv and keys > 1]
-            # per layer: the near map's `window` keys and the far map's t + 1 - window
-            assert key_rotations and sum(key_rotations) == model.config.num_hidden_layers * (t + 1), rotated
-            assert min(key_rotations) == window, rotated
+            key_rows = sum(keys for rows, keys in rotated if rows == heads_kv)
+            assert key_rows == model.config.num_hidden_layers * per_layer, rotated
             full = model(ids[:, : t + 1], attention_mask=mask[:, : t + 1]).logits[:, -1]
+            torch.testing.assert_close(out.logits[:, -1], full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["selfextend", "leaky_rerope"])
+def test_kept_far_keys_are_the_cached_keys_rotated_by_their_far_positions(name):
+    """After a prompt and decoding steps, each layer's decoding state holds the cache's raw keys
+    rotated by RoPE at the far map's key positions (SelfExtend: floor(j / G); Leaky ReRoPE: j /
+    leak), computed here from the cache's keys with the checkpoint's RoPE."""
+    from hf_posenc.core.decoding_state import STATES_ATTRIBUTE
+    from hf_posenc.encodings.window_split import FAR_KEYS
+
+    params = {"selfextend": {"window": 4, "group_size": 3}, "leaky_rerope": {"window": 3, "leak": 2.0}}[name]
+    model = patch(make_model("llama"), name, params)
+    ids = token_ids(1, 16)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids[:, :10], past_key_values=cache, use_cache=True)
+        for t in range(10, 16):
+            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+    states = next(iter(cache.__dict__[STATES_ATTRIBUTE].layers.values()))
+    config = model.config
+    dim = config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).double() / dim))
+    positions = torch.arange(16).double()
+    far = (
+        torch.div(positions, params["group_size"], rounding_mode="floor")
+        if name == "selfextend"
+        else positions / 2.0
+    )
+    angles = far[:, None] * inv_freq[None]  # (T, D/2)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    for layer in range(config.num_hidden_layers):
+        raw = cache.layers[layer].keys.double()  # (1, Hkv, 16, D), cached un-rotated
+        half = dim // 2
+        rotated = raw * cos + torch.cat((-raw[..., half:], raw[..., :half]), -1) * sin
+        torch.testing.assert_close(states[layer][FAR_KEYS].double(), rotated, atol=1e-6, rtol=0)
+
+
+def test_a_reconfigured_map_rebuilds_the_kept_far_keys(monkeypatch):
+    """Decoding continued over the same cache after ``reconfigure`` changed the far map (group
+    size and window) gives what it gives with no far keys kept (every step rotating every cached
+    key under the map of the moment): the kept far keys of the old map are found stale (their far
+    positions differ) and rotated again. (Not the reconfigured model's full forward: the cache's
+    later layers hold keys and values computed under the old map.)"""
+    import hf_posenc.encodings.window_split as window_split
+
+    ids = token_ids(2, 20)
+
+    def decode() -> list[torch.Tensor]:
+        model = patch(make_model("llama"), "selfextend", {"window": 4, "group_size": 2})
+        steps = []
+        with torch.no_grad():
+            out = model(ids[:, :10], past_key_values=DynamicCache(config=model.config), use_cache=True)
+            for t in range(10, 20):
+                if t == 14:
+                    hf_posenc.reconfigure(model, window=3, group_size=4)
+                out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+                steps.append(out.logits[:, -1])
+        return steps
+
+    kept = decode()
+    monkeypatch.setattr(window_split.WindowSplitRoPE, "_far_keys", lambda *args: None)
+    fresh = decode()
+    for got, want in zip(kept, fresh, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["selfextend", "leaky_rerope"])
+def test_beam_search_and_a_cropped_cache_keep_the_far_keys_aligned(monkeypatch, name):
+    """The kept far keys follow the cache: beam search (its rows reordered every step) gives the
+    sequences and scores it gives with the state off (every step rotating every key), and a
+    cache cropped by two tokens (as assisted decoding rolls back) decodes on as a full forward."""
+    import hf_posenc.encodings.window_split as window_split
+
+    params = {"selfextend": {"window": 4, "group_size": 2}, "leaky_rerope": {"window": 3, "leak": 2.0}}[name]
+    model = patch(make_model("llama"), name, params)
+    prompt = token_ids(2, 9)
+    settings = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "output_scores": True}
+    settings |= {"return_dict_in_generate": True, "pad_token_id": 0}
+    with torch.no_grad():
+        kept = model.generate(prompt, **settings)
+        monkeypatch.setattr(window_split.WindowSplitRoPE, "_far_keys", lambda *args: None)
+        fresh = model.generate(prompt, **settings)
+    monkeypatch.undo()
+    torch.testing.assert_close(kept.sequences, fresh.sequences)
+    torch.testing.assert_close(kept.sequences_scores, fresh.sequences_scores, atol=1e-5, rtol=0)
+    ids = token_ids(2, 16)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids[:, :12], past_key_values=cache, use_cache=True)
+        cache.crop(-2)  # 10 tokens left
+        for t in range(10, 16):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            full = model(ids[:, : t + 1]).logits[:, -1]
             torch.testing.assert_close(out.logits[:, -1], full, atol=1e-5, rtol=0)
 
 
