@@ -107,13 +107,19 @@ def layer_state(
     return states.layers.setdefault(token, {}).setdefault(layer_idx, {})
 
 
+#: the least room a grown state entry leaves after its rows (:func:`appended`)
+SPARE_ROWS = 64
+
+
 def appended(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``torch.cat((kept, new), dim=-2)`` for a state entry that grows by each step's tokens, in
-    amortised O(new) time: the result is a leading view of a buffer with room to spare (doubled
-    when full), and ``kept``, when it is such a view with room after it, gets ``new`` written
-    into that room (past its own end: ``kept`` itself reads the same values as before). A kept
-    entry that is not such a view (reordered, selected or sliced from its start by the cache's
-    operations) is copied into a new buffer once. kept (..., T, D), new (..., n, D)."""
+    amortised O(new) time: the result is a leading view of a buffer with room to spare (a
+    quarter more than it holds, at least :data:`SPARE_ROWS`: a new buffer every ~L/4 steps, each
+    value copied about 4 times in all, and at most ~25 % of the entry unused), and ``kept``, when
+    it is such a view with room after it, gets ``new`` written into that room (past its own end:
+    ``kept`` itself reads the same values as before). A kept entry that is not such a view
+    (reordered, selected or sliced from its start by the cache's operations) is copied into a new
+    buffer once. kept (..., T, D), new (..., n, D)."""
     length, count = kept.shape[-2], new.shape[-2]
     base = kept._base
     if (
@@ -127,7 +133,8 @@ def appended(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     ):
         base[..., length : length + count, :] = new
         return base[..., : length + count, :]
-    buffer = kept.new_empty(*kept.shape[:-2], max(2 * (length + count), 64), kept.shape[-1])
+    rows = length + count
+    buffer = kept.new_empty(*kept.shape[:-2], rows + max(rows // 4, SPARE_ROWS), kept.shape[-1])
     buffer[..., :length, :] = kept
     buffer[..., length : length + count, :] = new
     return buffer[..., : length + count, :]
