@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import EncodingConfig, check_number, resolved
+from ..core.decoding_state import appended
 from ..core.interpolation import PositionInterpolation, ScaledRange, interpolate, positional_range
 from ..core.memo import ForwardMemo
 from ..core.recompute import recomputed
@@ -252,8 +253,8 @@ class TAPE(Encoding[TAPEConfig]):
         stream = call.memo.carry[("tape-in", call.layer_idx)]  # (B, Hkv, T, D)
         if call.state is not None:
             cached = call.state.get(STATE_KEY)  # (B, Hkv, Tcached, D)
-            if cached is not None:
-                stream = torch.cat((cached, stream.to(cached.dtype)), dim=-2)
+            if cached is not None:  # grown in place: no copy of the whole stream per step
+                stream = appended(cached, stream.to(cached.dtype))
             stream = stream[..., -k_len:, :]  # the keys the cache returned (sliding windows drop old ones)
             call.state[STATE_KEY] = stream
         if stream.shape[-2] != k_len:

@@ -156,7 +156,11 @@ class WindowSplitRoPE(RoPE):
         if rotation is None:  # a natively position-free layer: both maps are no rotation at all
             return NeighbourSplit(window, call.q, call.k, call.q, call.k, q_pos, k_pos)
         theta, scaling = rotation
-        inv_freq, factor = inverse_frequencies(self.dim, theta, scaling, device=call.q.device)
+        # the same for every layer with this rotation in a forward (a few small operations each)
+        inv_freq, factor = call.memo.get(
+            ("window-split inv_freq", repr(rotation), str(call.q.device)),
+            lambda: inverse_frequencies(self.dim, theta, scaling, device=call.q.device),
+        )
 
         def rotated(
             x: torch.Tensor, positions: torch.Tensor, role: str, keys: slice = slice(None)
