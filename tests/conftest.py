@@ -159,6 +159,22 @@ def no_grad_logits(model, ids, **kwargs) -> torch.Tensor:
         return model(ids, **kwargs).logits
 
 
+def decoded_and_full_logits(model, ids: torch.Tensor, prompt: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step of decoding ``ids`` (B, T) after a ``prompt``-token prefill into a DynamicCache, token
+    by token: (the step's last logits, a full forward's last logits over the same prefix), for
+    the prefixes of ``prompt`` .. T tokens; without gradients."""
+    from transformers import DynamicCache
+
+    pairs = []
+    with torch.no_grad():
+        out = model(ids[:, :prompt], past_key_values=DynamicCache(config=model.config), use_cache=True)
+        for t in range(prompt, ids.shape[1] + 1):
+            if t > prompt:
+                out = model(ids[:, t - 1 : t], past_key_values=out.past_key_values, use_cache=True)
+            pairs.append((out.logits[:, -1], model(ids[:, :t]).logits[:, -1]))
+    return pairs
+
+
 def token_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)

@@ -27,6 +27,7 @@ Two ways to compute it, equal up to rounding (tests compare both with an fp64 re
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -210,7 +211,14 @@ class WindowSplitRoPE(RoPE):
             k_positions=k_pos,
         )
 
-    def _far_keys(self, call: ScoreCall, far_positions: torch.Tensor, inv_freq, factor, rotated):
+    def _far_keys(
+        self,
+        call: ScoreCall,
+        far_positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        factor: float,
+        rotated: Callable[..., torch.Tensor],
+    ) -> torch.Tensor | None:
         """The keys rotated under the far map, (B, Hkv, Tk, D), from this layer's decoding state:
         the kept ones and this call's new keys (the last Tq) rotated now; None (rotate them as
         without a cache) under gradients or without a state. A state that does not line up with

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, patch, token_ids
+from conftest import decoded_and_full_logits, make_model, patch, token_ids
 from encoding_cases import CASES_BY_ENCODING
-from transformers import DynamicCache
 
 #: encodings that compute part of their formula in fp32 whatever the model's dtype, by design
 FP32_INSIDE = {
@@ -41,16 +40,8 @@ def test_an_fp64_model_decodes_as_its_full_forward(name):
     to fp64's rounding (to fp32's for :data:`FP32_INSIDE`)."""
     params = CASES_BY_ENCODING[name][0][1]
     model = patch(make_model("llama"), name, params).double()
-    ids = token_ids(2, 12)
-    with torch.no_grad():
-        out = model(ids[:, :6], past_key_values=DynamicCache(config=model.config), use_cache=True)
-        steps = [out.logits[:, -1]]
-        for t in range(6, 12):
-            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-            steps.append(out.logits[:, -1])
-        for step, t in zip(steps, range(5, 12), strict=True):
-            full = model(ids[:, : t + 1]).logits[:, -1]
-            assert full.dtype == step.dtype == torch.float64
-            assert torch.isfinite(full).all()
-            atol = FP32_INSIDE_ATOL if name in FP32_INSIDE else FP64_ATOL
-            torch.testing.assert_close(step, full, atol=atol, rtol=0, msg=f"{name}, {t + 1} tokens")
+    atol = FP32_INSIDE_ATOL if name in FP32_INSIDE else FP64_ATOL
+    for t, (step, full) in enumerate(decoded_and_full_logits(model, token_ids(2, 12), prompt=6), start=6):
+        assert full.dtype == step.dtype == torch.float64
+        assert torch.isfinite(full).all()
+        torch.testing.assert_close(step, full, atol=atol, rtol=0, msg=f"{name}, {t} tokens")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import no_grad_logits, token_ids
+from conftest import decoded_and_full_logits, no_grad_logits, token_ids
 from hybrid_cases import ATOL, LAYERS, MIXED, four_layer_model, hybrid, randomize
-from transformers import DynamicCache
 
 import hf_posenc
 from hf_posenc.core.hybrid import canonical_request, check_request, matches_saved, parse_pattern_text
@@ -24,15 +23,8 @@ from hf_posenc.errors import InvalidParameterError
 @pytest.mark.parametrize("name", list(MIXED))
 def test_cached_decoding_equals_full_forward(family, name):
     model = hybrid(name, family)
-    ids = token_ids(2, 12)
-    with torch.no_grad():
-        out = model(ids[:, :4], past_key_values=DynamicCache(config=model.config), use_cache=True)
-        steps = [out.logits[:, -1]]
-        for t in range(4, 12):
-            out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-            steps.append(out.logits[:, -1])
-        for i, t in enumerate(range(3, 12)):
-            torch.testing.assert_close(steps[i], model(ids[:, : t + 1]).logits[:, -1], atol=ATOL, rtol=0)
+    for step, full in decoded_and_full_logits(model, token_ids(2, 12), prompt=4):
+        torch.testing.assert_close(step, full, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(MIXED))
