@@ -228,7 +228,9 @@ def attend_chunked(
                 return bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
 
             def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable
-                return form(values).folded_reversed_with_gradients(start, stop, k_end, q.dtype)
+                # into the forward's bias buffer (the blocks' backward runs one block at a time)
+                kept = buffers[0] if buffers else None
+                return form(values).folded_reversed_with_gradients(start, stop, k_end, q.dtype, kept)
 
             k_reversed = v_reversed = None
             if reverse and bias.builds_reversed(q.device):  # (causal: k_start = 0) views, differentiable

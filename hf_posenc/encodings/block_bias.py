@@ -146,11 +146,12 @@ class BlockBias:
         return None if block is None else iter([(slice(0, block.shape[1]), block)])
 
     def folded_reversed_with_gradients(
-        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """:meth:`folded_reversed` differentiable in the form's tensors (a block rebuilt in
         backward over the reversed keys), for forms that build it cheaper so; None where the
-        form has no such way (then :meth:`folded`)."""
+        form has no such way (then :meth:`folded`). ``scratch``: a flat buffer the block may be
+        written into (the forward's, :meth:`folded`'s), the previous block's values overwritten."""
         return None
 
     def folded(

@@ -7,6 +7,8 @@ Transformers", arXiv:2310.04418)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -26,16 +28,23 @@ from .network_bands import (
 from .network_block import future_minimum
 
 
-def banded_rows(feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> torch.Tensor:
+def banded_rows(
+    feature: torch.Tensor, normalizer: torch.Tensor, network: Network, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """The causal block of every batch row, (B|1, Hq, rows, keys) fp32 over keys in reverse order,
     as :func:`.network_bands.banded_block` writes it from near = feature.float() and inverse =
     normalizer.reciprocal().float(); ``feature`` (keys,) = feature[d] for d = 0 .. keys-1 and
     ``normalizer`` (B|1, rows) in any float dtype (FIRE: fp64), differentiable in them and the
-    network (:class:`BandedBlock`)."""
+    network (:class:`BandedBlock`). One row's block goes into ``scratch`` (a flat fp32 buffer,
+    overwritten) where it is large enough: the training blocks' backward rebuilds each block
+    into the forward's bias buffer, alive until then anyway, instead of a new block-sized tensor
+    per block (each a fresh mapping, paid in page faults, beside that buffer at the step's peak)."""
     with torch.no_grad():
         near, inverse = line_and_inverse(feature, normalizer)
+    if normalizer.shape[0] != 1:
+        scratch = None  # the rows' blocks are concatenated: each its own tensor
     blocks = [
-        BandedBlock.apply(feature, row_normalizer, *network, plan_bands(near, row_inverse, network))
+        BandedBlock.apply(feature, row_normalizer, *network, plan_bands(near, row_inverse, network), scratch)
         for row_normalizer, row_inverse in zip(normalizer, inverse, strict=True)
     ]  # (1, Hq, rows, keys) each
     # one row's block is the function's own output, not a view of it: the chunked backend writes
@@ -62,9 +71,15 @@ class BandedBlock(torch.autograd.Function):
     products over features."""
 
     @staticmethod
-    def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan):
+    def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan, scratch=None):
         near, inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
-        block = near.new_empty(1, w2.shape[0], inverse.shape[0], near.shape[0])
+        shape = (1, w2.shape[0], inverse.shape[0], near.shape[0])
+        if scratch is not None and scratch.dtype == torch.float32 and scratch.numel() >= math.prod(shape):
+            # the block in the scratch's memory as a tensor of its own, not a view of the scratch
+            # (autograd refuses a custom function's view output that is then changed in place)
+            block = near.new_empty(0).set_(scratch.untyped_storage(), scratch.storage_offset(), shape)
+        else:
+            block = near.new_empty(shape)
         banded = Banded.of(near, inverse, (w1, b1, w2, b2), plan)
         banded.write(BlockViews.of(block[0], banded.spans), slice(0, w2.shape[0]))
         ctx.save_for_backward(feature, normalizer, w1, b1, w2, b2)
@@ -120,7 +135,7 @@ class BandedBlock(torch.autograd.Function):
         grad_b2 = _lines_gradient(grad_lines, plan, unit)
         # inverse = 1 / normaliser
         grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)
-        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> torch.Tensor:

@@ -256,7 +256,7 @@ class PiecewiseDistanceBias(BlockBias):
         return ((heads, block.to(dtype)) for heads, block in blocks)
 
     def folded_reversed_with_gradients(
-        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """:meth:`folded_reversed` differentiable in the form's tensors, from the bands of distances
         (:func:`.network_bands_backward.banded_rows`, whose backward works in the same bands); None where
@@ -271,7 +271,7 @@ class PiecewiseDistanceBias(BlockBias):
             return None
         # feature[d] for d = 0 .. k_end-1 and the rows' normalisers, as folded_reversed reads them
         block = network_bands_backward.banded_rows(
-            self.feature[:k_end], self.normalizer[:, start:stop], network
+            self.feature[:k_end], self.normalizer[:, start:stop], network, scratch
         )
         return block.to(dtype)
 

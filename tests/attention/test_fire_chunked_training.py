@@ -165,6 +165,7 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
     # or, causal blocks of at least twice as many keys as rows (bands), from bands of distances
     built = []  # whether each block built from the network's products had gradients
     banded = []  # the same for the blocks built in bands
+    scratched = []  # whether each banded block with gradients was given a buffer to be written into
     apply, apply_banded = network_block.NetworkBlock.apply, network_bands_backward.BandedBlock.apply
 
     def counting(*args):
@@ -173,6 +174,8 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
 
     def counting_banded(*args):
         banded.append(torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            scratched.append(args[-1] is not None)
         return apply_banded(*args)
 
     with (
@@ -201,6 +204,8 @@ def test_fire_training_through_chunked_blocks_equals_autograd_of_the_formula(
     bandable = any(stop >= 2 * (stop - start) for start, stop in spans if stop > toeplitz)
     takes_bands = bands and mask is None and len(spans) > 1 and bandable
     assert (True in banded) == takes_bands, "no block took the banded backward"
+    # rebuilt in backward into the forward's bias buffer (one batch row here: no padding)
+    assert all(scratched), "a banded block was rebuilt into a new tensor"
     if not takes_bands:
         assert (True in built) == (network and written), "no block took the network's backward"
     got = [t.grad for t in leaves] + [p.grad.clone() for p in function.parameters()]
