@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.config import check_number, fail
+from ..core.config import check_bool, check_number, fail
 from ..core.decoding_state import appended
 from ..core.layout import expand_kv_heads
 from ..errors import InvalidParameterError
@@ -50,11 +50,16 @@ class WindowSplitConfig(RoPEConfig):
     #: keys closer than this many positions keep their RoPE distance; default: a quarter of the
     #: model's trained length (max_position_embeddings); at most the trained length
     window: int | None = None
+    #: decoding over a dynamic cache keeps the cached keys rotated under the far map (one more copy
+    #: of the keys per layer) so a step rotates only its new keys; False: every step rotates them
+    #: again (less memory, slower decoding; ReRoPE keeps nothing either way)
+    keep_far_keys: bool = True
 
     def validate(self) -> None:
         super().validate()
         if self.window is not None:
             check_number(self.encoding, "window", self.window, low=1, integer=True)
+        check_bool(self.encoding, "keep_far_keys", self.keep_far_keys)
 
     def resolve(self, geometry) -> WindowSplitConfig:
         layers = model_layers(geometry)
@@ -225,7 +230,7 @@ class WindowSplitRoPE(RoPE):
         the cache (another model filled it, a static cache, a reconfigured map) is rebuilt from
         all the keys. Sliding-window caches drop their oldest keys: so does the state."""
         state = call.state
-        if state is None or torch.is_grad_enabled():
+        if state is None or torch.is_grad_enabled() or not self.config.keep_far_keys:  # type: ignore[attr-defined]
             return None
         k, q_len, k_len = call.k, call.q.shape[-2], call.k.shape[-2]
         fingerprint = float((inv_freq.double() / factor).sum())  # a changed rotation changes it

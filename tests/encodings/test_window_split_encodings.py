@@ -365,3 +365,28 @@ def test_a_rope_checkpoint_loads_as_selfextend_with_its_rope_settings(tmp_path):
     ) as error:
         hf_posenc.load_model(str(tmp_path / "alibi"), "selfextend")
     assert "\n" not in str(error.value)
+
+
+def test_keep_far_keys_off_keeps_no_state_and_decodes_the_same():
+    """``keep_far_keys=False`` (the memory of one more copy of the keys saved): decoding keeps no
+    far keys on the cache, every step rotates them again, and the logits are the kept path's."""
+    from hf_posenc.core.decoding_state import STATES_ATTRIBUTE
+
+    ids = token_ids(2, 14)
+    logits = {}
+    for keep in (True, False):
+        model = patch(
+            make_model("llama"), "selfextend", {"window": 4, "group_size": 2, "keep_far_keys": keep}
+        )
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(ids[:, :8], past_key_values=cache, use_cache=True)
+            steps = []
+            for t in range(8, 14):
+                out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                steps.append(out.logits[:, -1])
+        states = cache.__dict__.get(STATES_ATTRIBUTE)
+        kept = [] if states is None else [key for _, _, key in states.entries()]
+        assert bool(kept) == keep
+        logits[keep] = torch.stack(steps)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
