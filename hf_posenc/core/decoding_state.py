@@ -113,28 +113,29 @@ SPARE_ROWS = 64
 
 def appended(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``torch.cat((kept, new), dim=-2)`` for a state entry that grows by each step's tokens, in
-    amortised O(new) time: the result is a leading view of a buffer with room to spare (a
+    amortised O(new) time: the result is a view of a buffer with room to spare after it (a
     quarter more than it holds, at least :data:`SPARE_ROWS`: a new buffer every ~L/4 steps, each
     value copied about 4 times in all, and at most ~25 % of the entry unused), and ``kept``, when
-    it is such a view with room after it, gets ``new`` written into that room (past its own end:
-    ``kept`` itself reads the same values as before). A kept entry that is not such a view
-    (reordered, selected or sliced from its start by the cache's operations) is copied into a new
-    buffer once. kept (..., T, D), new (..., n, D)."""
+    it is such a view with room after it (also one that a sliding window or a crop cut down),
+    gets ``new`` written into that room (past its own end: ``kept`` itself reads the same values
+    as before). A kept entry that is not such a view (reordered or selected by the cache's
+    operations) is copied into a new buffer once. kept (..., T, D), new (..., n, D)."""
     length, count = kept.shape[-2], new.shape[-2]
     base = kept._base
     if (
         base is not None
         and base.shape[:-2] == kept.shape[:-2]
         and base.shape[-1] == kept.shape[-1]
-        and base.shape[-2] >= length + count
-        and base.data_ptr() == kept.data_ptr()
         and base.stride() == kept.stride()
         and base.dtype == new.dtype
     ):
-        base[..., length : length + count, :] = new
-        return base[..., : length + count, :]
+        # where kept starts in the buffer: a whole number of rows in (a view along the tokens only)
+        first, rest = divmod(kept.storage_offset() - base.storage_offset(), base.stride(-2))
+        if rest == 0 and first >= 0 and first + length + count <= base.shape[-2]:
+            base[..., first + length : first + length + count, :] = new
+            return base[..., first : first + length + count, :]
     rows = length + count
     buffer = kept.new_empty(*kept.shape[:-2], rows + max(rows // 4, SPARE_ROWS), kept.shape[-1])
     buffer[..., :length, :] = kept
-    buffer[..., length : length + count, :] = new
-    return buffer[..., : length + count, :]
+    buffer[..., length:rows, :] = new
+    return buffer[..., :rows, :]

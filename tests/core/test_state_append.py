@@ -62,3 +62,19 @@ def test_appending_one_token_at_a_time_copies_the_entry_a_logarithmic_number_of_
     assert entry.shape == (1, 2, 1064, 4) and bool((entry[..., 64:, :] == 1).all())
     assert len(buffers) <= 16
     assert entry._base.shape[-2] <= 1064 + max(1064 // 4, 64)
+
+
+def test_a_sliding_window_appends_in_place_until_its_room_is_used():
+    """A window that keeps its last 100 tokens (a sliding-window cache drops the oldest key each
+    step) grows in place too: 1000 steps allocate a buffer about 1000 / 64 times (the room left
+    after each copy), not 1000, and every step equals the concatenation."""
+    entry = torch.arange(100.0)[None, None, :, None].expand(1, 2, 100, 3).contiguous()
+    reference = entry.clone()
+    buffers = set()
+    for step in range(1000):
+        new = torch.full((1, 2, 1, 3), float(100 + step))
+        entry = appended(entry, new)[..., -100:, :]
+        reference = torch.cat((reference, new), dim=-2)[..., -100:, :]
+        buffers.add(entry.untyped_storage().data_ptr())
+    torch.testing.assert_close(entry, reference, atol=0, rtol=0)
+    assert len(buffers) <= 1000 // 64 + 2
