@@ -130,7 +130,7 @@ def appended(kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         and base.dtype == new.dtype
     ):
         # where kept starts in the buffer: a whole number of rows in (a view along the tokens only)
-        first, rest = divmod(kept.storage_offset() - base.storage_offset(), base.stride(-2))
+        first, rest = divmod(int(kept.storage_offset() - base.storage_offset()), int(base.stride(-2)))
         if rest == 0 and first >= 0 and first + length + count <= base.shape[-2]:
             base[..., first + length : first + length + count, :] = new
             return base[..., first : first + length + count, :]
