@@ -390,3 +390,36 @@ def test_keep_far_keys_off_keeps_no_state_and_decodes_the_same():
         assert bool(kept) == keep
         logits[keep] = torch.stack(steps)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+
+
+def test_repeated_rows_and_assisted_decoding_keep_the_far_keys_aligned():
+    """Sampling several sequences per prompt (the cache's rows repeated) and assisted decoding
+    (a draft model's rejected tokens cropped from the cache) give the tokens they give with no
+    far keys kept (``keep_far_keys=False``), and the sampled steps' finite scores agree."""
+    draft = make_model("llama", seed=3)
+    results = {}
+    for keep in (True, False):
+        model = patch(
+            make_model("llama"), "selfextend", {"window": 4, "group_size": 2, "keep_far_keys": keep}
+        )
+        torch.manual_seed(0)
+        with torch.no_grad():
+            sampled = model.generate(
+                token_ids(2, 9),
+                max_new_tokens=8,
+                do_sample=True,
+                num_return_sequences=3,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            assisted = model.generate(
+                token_ids(1, 9), max_new_tokens=10, do_sample=False, assistant_model=draft, pad_token_id=0
+            )
+        results[keep] = (sampled.sequences, torch.stack(sampled.scores), assisted)
+    (seq, scores, assisted), (seq0, scores0, assisted0) = results[True], results[False]
+    torch.testing.assert_close(seq, seq0)
+    torch.testing.assert_close(assisted, assisted0)
+    finite = torch.isfinite(scores0)
+    assert torch.equal(finite, torch.isfinite(scores))
+    torch.testing.assert_close(scores[finite], scores0[finite], atol=1e-5, rtol=0)
