@@ -177,6 +177,8 @@ def _forward(
         out, lse[:, qh] = CPU_FLASH(wide_q, wide_k, values, 0.0, allowed is None, attn_mask=mask, scale=scale)
         values_of[:, :, qh] = out[..., :dv].transpose(1, 2)  # (B, Tq, h, Dv)
         stream_of[:, :, qh] = out[..., dv : dv + s].transpose(1, 2)
+        # freed before the next chunk's widened copies are made, not held beside them
+        del wide_q, wide_k, values, out
     return flat, (flat, lse)
 
 

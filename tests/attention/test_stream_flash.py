@@ -215,3 +215,32 @@ def test_cached_decode_after_a_trained_prefill_equals_the_full_forward():
             steps.append(model(ids[:, t : t + 1], **{keyword: cache}, use_cache=True).logits)
         full = model(ids, use_cache=False).logits
     torch.testing.assert_close(torch.cat(steps, dim=1).detach(), full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_forward_holds_one_head_chunks_widened_copies_at_a_time():
+    """Without gradients the fused call's peak is its output (every head's values and stream) and
+    log-sum-exp, one chunk of heads' widened q, k and [v | s], and what the kernel itself holds for
+    that chunk (its output and work buffers, measured here alone): each chunk's copies are freed
+    before the next chunk's are made (before, two chunks' were alive at once: 729088 bytes against
+    608768 with these sizes and two threads, 2026-11-27)."""
+    from capture import peak_allocated_bytes
+
+    batch, heads, length, dim = 1, 8, 256, 16
+    q, k, v, stream = (torch.randn(batch, heads, length, dim) for _ in range(4))
+    chunk = -(-heads // stream_flash.HEAD_CHUNKS)  # heads per kernel call
+    width = 2 * dim  # values and stream side by side; q and k zero-padded to it
+    wide = [torch.randn(batch, chunk, length, width) for _ in range(3)]  # one chunk's q, k, [v | s]
+    output = batch * length * heads * width * 4 + batch * heads * length * 4  # flat output, lse
+    inputs = 3 * batch * chunk * length * width * 4
+
+    def one_call():
+        with torch.no_grad():
+            stream_flash.CPU_FLASH(*wide, 0.0, True, scale=dim**-0.5)
+
+    def run():
+        with torch.no_grad():
+            stream_flash._forward(q, k, v, stream, allowed=None, scale=dim**-0.5)
+
+    kernel = peak_allocated_bytes(one_call)  # its output, log-sum-exp and work buffers
+    peak = peak_allocated_bytes(run)
+    assert peak <= output + inputs + kernel + inputs // 12, (peak, output, inputs, kernel)
