@@ -225,7 +225,11 @@ class TAPE(Encoding[TAPEConfig]):
                 ("tape", dtype),
                 lambda: initial_stream(interpolate(positions, self.config.factor), theta, dim, heads, dtype),
             )
-        half = memo.carry.get(("tape", layer_idx - 1))
+        # E^{l-1/2}'s last use without gradients: not held by the memo until the forward ends (one
+        # (B, Hkv, T, D) per layer, the inference peak growing with depth); with gradients it stays
+        # for a recomputation of this layer (gradient checkpointing) and pe_layer keeps it anyway
+        carried = ("tape", layer_idx - 1)
+        half = memo.carry.get(carried) if torch.is_grad_enabled() else memo.carry.pop(carried, None)
         if half is None:
             raise RuntimeError(
                 f"tape: layer {layer_idx} ran without the positional stream of layer {layer_idx - 1}"

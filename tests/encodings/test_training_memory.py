@@ -229,3 +229,32 @@ def test_toeplitz_tables_keep_no_more_than_rope(name, kv_heads):
     )
     layers, heads, _, _ = _geometry(model)
     assert _growth_beyond_rope(model, name) <= layers * 4 * heads * FP32
+
+
+def test_tape_inference_peak_does_not_grow_with_depth():
+    """Without gradients each layer's E^{l+1/2} is dropped once the next layer has read it: the peak
+    of a forward per token beyond RoPE is the same with 3 and 7 layers (it held every layer's
+    stream until the forward ended: Hkv * D floats per token more for each layer). (Not 2: a
+    2-layer model's one stream layer reads the initial stream, whose peak is lower.)"""
+
+    def beyond_rope(layers: int) -> float:
+        model = make_model("llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=layers)
+
+        def growth(patched: torch.nn.Module) -> int:
+            def forward(ids: torch.Tensor):
+                def run():
+                    with torch.no_grad():
+                        patched(ids, use_cache=False)
+
+                return run
+
+            return peak_allocated_bytes(forward(token_ids(1, 256))) - peak_allocated_bytes(
+                forward(token_ids(1, 128))
+            )
+
+        tape = patch(copy.deepcopy(model), "tape")
+        rope = patch(copy.deepcopy(model), "rope", randomize=False)
+        return (growth(tape) - growth(rope)) / 128
+
+    shallow, deep = beyond_rope(3), beyond_rope(7)
+    assert deep - shallow <= 64, (shallow, deep)
