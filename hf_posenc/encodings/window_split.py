@@ -168,32 +168,38 @@ class WindowSplitRoPE(RoPE):
             lambda: inverse_frequencies(self.dim, theta, scaling, device=call.q.device),
         )
 
+        memo = call.memo  # (the helpers below close over the memo, not over the call and its q, k)
+
+        def rotated_all(x: torch.Tensor, positions: torch.Tensor, role: str) -> torch.Tensor:
+            """x (B, H, T, D) rotated by ``positions`` (B, T)."""
+            # one cos/sin table per map, role, rotation and dtype in a forward, shared by the layers
+            # (the rotation's backward keeps its tables: one copy per training step, not one per layer)
+            key = ("window-split", role, repr(rotation), str(x.dtype), tuple(positions.shape))
+            cos, sin = memo.get(
+                key, lambda: cos_sin(positions, inv_freq, factor, x.dtype)
+            )  # (B, 1, T, d_rot)
+            return apply_rotary(x, cos, sin)
+
         def rotated(
             x: torch.Tensor, positions: torch.Tensor, role: str, keys: slice = slice(None)
         ) -> torch.Tensor:
             """x (B, H, T, D) rotated by ``positions`` (B, T); with ``keys``, only those keys, the
-            others left 0 (no query of the call reads them under this map)."""
-            if keys != slice(None):
-                # without gradients one zeros tensor per map and forward, shared by the layers: each
-                # writes the same range (the ranges are the forward's), read before the next layer's
-                out = (
-                    x.new_zeros(x.shape)
-                    if torch.is_grad_enabled()
-                    else call.memo.get(
-                        ("window-split zeros", role, x.shape, x.dtype), lambda: x.new_zeros(x.shape)
-                    )
-                )  # (B, H, T, D)
-                out[:, :, keys] = rotated(
-                    x[:, :, keys], positions[:, keys], f"{role} {keys.start}:{keys.stop}"
-                )
-                return out
-            # one cos/sin table per map, role, rotation and dtype in a forward, shared by the layers
-            # (the rotation's backward keeps its tables: one copy per training step, not one per layer)
-            key = ("window-split", role, repr(rotation), str(x.dtype), tuple(positions.shape))
-            cos, sin = call.memo.get(
-                key, lambda: cos_sin(positions, inv_freq, factor, x.dtype)
-            )  # (B, 1, T, d_rot)
-            return apply_rotary(x, cos, sin)
+            others left 0 (no query of the call reads them under this map). Not recursive: a
+            nested function that calls itself is a reference cycle, which kept every layer's q
+            and k (its closure's) alive until Python's cyclic collector ran."""
+            if keys == slice(None):
+                return rotated_all(x, positions, role)
+            # without gradients one zeros tensor per map and forward, shared by the layers: each
+            # writes the same range (the ranges are the forward's), read before the next layer's
+            out = (
+                x.new_zeros(x.shape)
+                if torch.is_grad_enabled()
+                else memo.get(("window-split zeros", role, x.shape, x.dtype), lambda: x.new_zeros(x.shape))
+            )  # (B, H, T, D)
+            out[:, :, keys] = rotated_all(
+                x[:, :, keys], positions[:, keys], f"{role} {keys.start}:{keys.stop}"
+            )
+            return out
 
         far_q_pos, far_k_pos = self.far_positions(q_pos, k_pos)
         # the same for every layer of a forward (one host sync, not one per layer)
