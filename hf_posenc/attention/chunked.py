@@ -36,6 +36,7 @@ Registered as backend ``chunked``: calls with a score bias and no explicit-score
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeGuard
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -138,7 +139,7 @@ def attend_chunked(
     firsts = [0] * len(spans)
     if mask is not None and not torch.compiler.is_compiling():
         firsts = block_first_keys(mask, spans, memo)
-    if isinstance(bias, SeparableBias) and q.dtype in FEATURE_DTYPES and q_len > FEW_QUERIES:
+    if takes_separable(bias, q):
         return attend_separable(q, *kv_heads, bias, mask, softmax_scale, dropout_p, spans, firsts)
 
     # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block needs them
@@ -278,6 +279,12 @@ def attend_chunked(
     return out.transpose(1, 2)
 
 
+def takes_separable(bias: BlockBias, q: torch.Tensor) -> TypeGuard[SeparableBias]:
+    """Whether :func:`attend_chunked` sends a call to :func:`.separable.attend_separable`: a separable
+    bias (FoX's), fp32/fp64 queries, more than :data:`FEW_QUERIES` of them."""
+    return isinstance(bias, SeparableBias) and q.dtype in FEATURE_DTYPES and q.shape[-2] > FEW_QUERIES
+
+
 def bias_scratch(
     memo: ForwardMemo | None, size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
@@ -331,9 +338,8 @@ class ChunkedBackend(Backend):
         """A separable bias past a few queries in fp32/fp64 training on CPU: the fused kernel pair of
         :mod:`.separable`, a :func:`~hf_posenc.core.recompute.kernel` (see :func:`attend_chunked`)."""
         return (
-            isinstance(call.bias, SeparableBias)
-            and call.q.dtype in FEATURE_DTYPES
-            and call.q.shape[-2] > FEW_QUERIES
+            call.bias is not None
+            and takes_separable(call.bias, call.q)
             and separable.kernel_serves(call.q, call.dropout_p)
         )
 

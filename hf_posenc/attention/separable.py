@@ -101,6 +101,15 @@ class _Blocks:
         keys[:, :, span, -1] = ((reference - key_term[..., span]) / scale).to(keys.dtype)
 
 
+def _feature_keys_values(
+    k: torch.Tensor, v: torch.Tensor, blocks: _Blocks, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, Hkv, Tk, D) -> the kernel pair's keys and values (B, Hq, Tk, D+1), stored order."""
+    return _with_feature(expand_kv_heads(k, groups), blocks), _with_feature(
+        expand_kv_heads(v, groups), blocks
+    )
+
+
 def _ordered(x: torch.Tensor, blocks: _Blocks, dim: int) -> torch.Tensor:
     return x.flip(dim) if blocks.reversed else x
 
@@ -143,8 +152,7 @@ def _forward(
     block's log-sum-exp, (B, Hq, rows) fp32)."""
     assert _CPU_FORWARD is not None
     groups = q.shape[1] // k.shape[1]
-    keys = _with_feature(expand_kv_heads(k, groups), blocks)  # (B, Hq, Tk, D+1), stored order
-    values = _with_feature(expand_kv_heads(v, groups), blocks)
+    keys, values = _feature_keys_values(k, v, blocks, groups)  # (B, Hq, Tk, D+1), stored order
     ordered_key_term = _ordered(key_term, blocks, -1)
     batch, heads, q_len, dim = q.shape
     out = q.new_empty(batch, q_len, heads, dim).transpose(1, 2)  # (B, Hq, Tq, D)
@@ -182,8 +190,7 @@ def _backward(
     q, k, v, query_term, key_term = inputs
     out, *lse = saved
     groups = q.shape[1] // k.shape[1]
-    keys = _with_feature(expand_kv_heads(k, groups), blocks)  # (B, Hq, Tk, D+1), stored order
-    values = _with_feature(expand_kv_heads(v, groups), blocks)
+    keys, values = _feature_keys_values(k, v, blocks, groups)  # (B, Hq, Tk, D+1), stored order
     ordered_key_term = _ordered(key_term, blocks, -1)
     grad_q = torch.zeros_like(q)
     grad_keys = torch.zeros_like(keys)

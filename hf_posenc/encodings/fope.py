@@ -138,7 +138,7 @@ class FoPE(Encoding[FoPEConfig]):
 
     def cos_sin(self, layer_idx: int, positions: torch.Tensor, memo: ForwardMemo, dtype: torch.dtype):
         """positions (B,T) -> cos, sin (B, heads, T, d_rot) in ``dtype`` (fp32, or fp64 for an fp64
-        model: :func:`compute_dtype`)."""
+        model: see :meth:`rotate`)."""
 
         def features():
             scaled = interpolate(positions, self.config.factor)  # p / f

@@ -239,10 +239,14 @@ class WindowSplitRoPE(RoPE):
         if state is None or torch.is_grad_enabled() or not self.config.keep_far_keys:  # type: ignore[attr-defined]
             return None
         k, q_len, k_len = call.k, call.q.shape[-2], call.k.shape[-2]
-        fingerprint = float((inv_freq.double() / factor).sum())  # a changed rotation changes it
-        check = torch.stack(
-            (far_positions.double(), torch.full_like(far_positions, fingerprint, dtype=torch.float64)), -1
-        )  # (B, Tk, 2)
+
+        def far_check() -> torch.Tensor:  # (B, Tk, 2): each key's far position, the rotation's fingerprint
+            fingerprint = (inv_freq.double() / factor).sum()  # a changed rotation changes it
+            return torch.stack((far_positions.double(), fingerprint.expand(far_positions.shape)), -1)
+
+        # the same for every layer with this rotation in a forward (the positions are the forward's)
+        rotation = repr(self.layer_rotations[call.layer_idx])
+        check = call.memo.get(("window-split far check", rotation, tuple(far_positions.shape)), far_check)
         kept, seen = state.get(FAR_KEYS), state.get(FAR_CHECK)
         if (
             kept is not None
@@ -253,7 +257,7 @@ class WindowSplitRoPE(RoPE):
         ):
             new = rotated(k[:, :, -q_len:], far_positions[:, -q_len:], "far k new")  # (B, Hkv, Tq, D)
             keys = appended(kept, new)[:, :, -k_len:]  # (B, Hkv, Tk, D)
-            seen = torch.cat((seen, check[:, -q_len:]), dim=-2)[:, -k_len:]
+            seen = appended(seen, check[:, -q_len:])[:, -k_len:]  # (B, Tk, 2)
             if torch.equal(seen, check):  # the kept keys' far positions and rotation are this call's
                 state[FAR_KEYS], state[FAR_CHECK] = keys, seen
                 return keys

@@ -298,7 +298,7 @@ def test_beam_search_and_a_cropped_cache_keep_the_far_keys_aligned(monkeypatch, 
     cache cropped by two tokens (as assisted decoding rolls back) decodes on as a full forward."""
     import hf_posenc.encodings.window_split as window_split
 
-    params = {"selfextend": {"window": 4, "group_size": 2}, "leaky_rerope": {"window": 3, "leak": 2.0}}[name]
+    params = dict(RANGED)[name]
     model = patch(make_model("llama"), name, params)
     prompt = token_ids(2, 9)
     settings = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "output_scores": True}
