@@ -36,6 +36,7 @@ Registered as backend ``chunked``: calls with a score bias and no explicit-score
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import TypeGuard
 
 import torch
@@ -74,7 +75,11 @@ BUILT_BLOCK = 128
 #: by the profiler's count 72 -> 44 MiB, native 41), and the rows' budget above counts one group.
 #: Time per forward at T=4096 (scripts/cpu_constant_ab.py --encoding fire --mode forward --length
 #: 4096 --constant ...:BUILT_HEADS --values 8 1 2 4 --rounds 12, 2026-11-27, idle, a block's views
-#: shared by its groups): medians 1.137 / 1.132 / 1.217 / 1.195 s (the machine's noise is ~5 %)
+#: shared by its groups): medians 1.137 / 1.132 / 1.217 / 1.195 s (the machine's noise is ~5 %).
+#: Training blocks' forward (:class:`~.rebuilt_flash.RebuiltBiasFlashAttention`) builds and attends
+#: its blocks the same way (the kernel reads each head's block just written; backward rebuilds
+#: every head's into the same full-size buffer): a training step at T=2048 1.501x -> 1.482x native
+#: (8 alternating rounds, the same script, --mode train --length 2048, 2026-11-28, idle)
 BUILT_HEADS = 1
 #: up to this many queries (decoding steps) the bias block is written out: cheaper than reversing the keys
 FEW_QUERIES = 16
@@ -225,7 +230,13 @@ def attend_chunked(
         if flash_rebuilt:  # the fused kernel's forward, its log-sum-exp kept for backward
             shared: dict = {} if memo is None else memo.get(("rebuilt_flash_buffers",), dict)
 
-            def build_reversed() -> torch.Tensor | None:  # the causal block over keys k_end-1 .. 0
+            def build_reversed() -> torch.Tensor | Iterator[tuple[slice, torch.Tensor]] | None:
+                # the causal block over keys k_end-1 .. 0, BUILT_HEADS heads at a time where the form
+                # builds it so (each group's block read by the kernel before the next is written)
+                if q.shape[1] > BUILT_HEADS:
+                    groups = bias.folded_reversed_heads(start, stop, k_end, q.dtype, BUILT_HEADS, scratch())
+                    if groups is not None:
+                        return groups
                 return bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
 
             def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable

@@ -2,7 +2,8 @@
 its gradient, trained on torch's fused CPU flash-attention kernel with the block's log-sum-exp
 kept, on CPU in fp32/fp64 without a padding mask (:class:`RebuiltBiasFlashAttention`).
 
-Forward: the block's bias built without gradients (into the chunked backend's shared buffer;
+Forward: the block's bias built without gradients (into the chunked backend's shared buffer,
+a group of heads at a time where the form builds it so, each group attended before the next;
 over the keys in reverse order where the form builds it cheaper that way, FIRE on CPU, with k
 and v in that order: the chunked backend hands them so too, views of one reversed copy per
 layer), the fused kernel ``_scaled_dot_product_flash_attention_for_cpu`` with it as the mask,
@@ -18,12 +19,16 @@ from the kept statistics (Dao 2023, Algorithm 2):
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
     dQ = s dS K,  dK = s dS^T Q,  dbias = dS (summed over a batch the bias is shared by)
 
-computed in one (B, H, R, K) buffer: bias - lse written there, then ``baddbmm_`` adds the
-scores (the exponent in base 2: log2(e) times it), weights below 2^-100 flushed to 0 and
-``exp2_`` (torch's exp leaves its fast path for inputs below about -87 and for the masked
+computed in the rebuilt (B, H, R, K) block: bias - lse written there, then per head ``addmm_``
+adds the scores (the exponent in base 2: log2(e) times it), weights below 2^-100 flushed to 0
+and ``exp2_`` (torch's exp leaves its fast path for inputs below about -87 and for the masked
 keys, see :mod:`hf_posenc.core.underflow`), multiplied in place by dO V^T - rowsum(dO * O)
-(one product of dO widened by a column of -rowsum(dO * O) and V widened by ones), and dbias
-sent through the rebuilt bias's own backward. No softmax (the statistics are kept) and no
+(one product of dO widened by a column of -rowsum(dO * O) and V widened by ones, into one
+head's (R, K) work buffer), and dbias sent through the rebuilt bias's own backward. One head
+at a time, the head's block is the working set of the chain's passes instead of every head's
+(the work buffer 8x smaller: a training step's peak by the profiler's count, FIRE at T=2048 in
+the bench's model, 197 -> 182 MiB, ``python -m hf_posenc.recipes.benchmark.peak_memory
+--encodings fire --hidden-size 256 --num-heads 8 --vocab-size 256 --lengths 1024 2048``). No softmax (the statistics are kept) and no
 second forward; the block's (rows x keys) buffers exist only while it is computed.
 
 Before, the block's backward recomputed its weights by a softmax of explicitly recomputed
@@ -66,7 +71,8 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     where the bias comes so, and backward gives them their gradients, with no flip per block;
     the copies are not kept, k and v are), ``build(*tensors)`` -> its bias
     (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``build_reversed()``
-    -> the same over the keys in reverse order, without gradients, or None (then forward
+    -> the same over the keys in reverse order, without gradients, or an iterator of (heads,
+    their block (B|1, g, R, K)) each read before the next is asked for, or None (then forward
     takes ``build``; either may be given as None / return None), ``rebuild_reversed(*tensors)``
     -> the reversed block with gradients for backward, or None (then backward takes ``build``;
     may be None too), ``buffers`` (a dict
@@ -98,7 +104,23 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             if backwards is not None:
                 if k_reversed is None:
                     k_reversed, v_reversed = k.flip(2), v.flip(2)
-                out, lse = CPU_FLASH(q, k_reversed, v_reversed, 0.0, False, attn_mask=backwards, scale=scale)
+                if isinstance(backwards, torch.Tensor):
+                    out, lse = CPU_FLASH(
+                        q, k_reversed, v_reversed, 0.0, False, attn_mask=backwards, scale=scale
+                    )
+                else:  # (heads, their block) in turn, each used before the next is built
+                    out = q.new_empty(q.shape)
+                    lse = q.new_empty(q.shape[:-1])
+                    for heads, block in backwards:
+                        out[:, heads], lse[:, heads] = CPU_FLASH(
+                            q[:, heads],
+                            k_reversed[:, heads],
+                            v_reversed[:, heads],
+                            0.0,
+                            False,
+                            attn_mask=block,
+                            scale=scale,
+                        )
             else:
                 out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=build(*tensors), scale=scale)
         ctx.scale, ctx.build, ctx.rebuild_reversed, ctx.buffers = scale, build, rebuild_reversed, buffers
@@ -137,18 +159,26 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         else:
             scores = torch.sub(scores, lse[..., None])  # (B, H, R, K)
         s3 = scores.view(bh, rows, keys)
-        s3.baddbmm_(q3, k3.transpose(1, 2), beta=LOG2E, alpha=scale * LOG2E)
-        # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and BLAS)
-        torch.threshold_(s3, FLUSH, -math.inf).exp2_()  # P
-        grad_v = torch.bmm(s3.transpose(1, 2), grad3)  # (BH, K, D) P^T dO
-        # dO V^T - delta in a work buffer shared by the blocks (and layers) of one forward
-        grad_p = work_buffer(ctx.buffers, "grad_p", bh * rows * keys, q.dtype, q.device)
-        grad_p = torch.bmm(
-            grad_aug, v_aug.transpose(1, 2), out=grad_p[: bh * rows * keys].view(bh, rows, keys)
-        )
-        s3.mul_(grad_p)  # dS = P * (dO V^T - delta)
-        grad_q = torch.bmm(s3, k3).mul_(scale)
-        grad_k = torch.bmm(s3.transpose(1, 2), q3).mul_(scale)
+        grad_q = torch.empty(bh, rows, dim, dtype=q.dtype, device=q.device)
+        grad_k = torch.empty(bh, keys, dim, dtype=q.dtype, device=q.device)
+        grad_v = torch.empty(bh, keys, dim, dtype=q.dtype, device=q.device)
+        # dO V^T - delta, one head's (R, K), in a work buffer shared by the blocks (and layers) of a forward
+        grad_p = work_buffer(ctx.buffers, "grad_p", rows * keys, q.dtype, q.device)[: rows * keys]
+        grad_p = grad_p.view(rows, keys)
+        # one head at a time: its (R, K) block (2 MiB at 256 x 2048 in fp32) stays in the core's
+        # L2 cache through the chain's nine passes, where all heads' (16 MiB) went through L3
+        for head in range(bh):
+            weights = s3[head]  # (R, K)
+            weights.addmm_(q3[head], k3[head].T, beta=LOG2E, alpha=scale * LOG2E)
+            # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and BLAS)
+            torch.threshold_(weights, FLUSH, -math.inf).exp2_()  # P
+            torch.mm(weights.T, grad3[head], out=grad_v[head])  # P^T dO
+            torch.mm(grad_aug[head], v_aug[head].T, out=grad_p)
+            weights.mul_(grad_p)  # dS = P * (dO V^T - delta)
+            torch.mm(weights, k3[head], out=grad_q[head])
+            torch.mm(weights.T, q3[head], out=grad_k[head])
+        grad_q.mul_(scale)
+        grad_k.mul_(scale)
         tensor_grads = tensor_gradients(bias, inputs, scores)  # scores: (B, H, R, K) dS
         grad_k, grad_v = grad_k.view(k.shape), grad_v.view(v.shape)
         # to the k and v given in the bias's order; the others get None
