@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
-from ..encodings.block_bias import BlockBias, SeparableBias
+from ..encodings.block_bias import BlockBias, HeadwiseRebuild, SeparableBias
 from . import rebuilt_flash, separable
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .bias_block import RebuiltBiasAttention, block_attention
@@ -234,13 +234,19 @@ def attend_chunked(
                 # the causal block over keys k_end-1 .. 0, BUILT_HEADS heads at a time where the form
                 # builds it so (each group's block read by the kernel before the next is written)
                 if q.shape[1] > BUILT_HEADS:
-                    groups = bias.folded_reversed_heads(start, stop, k_end, q.dtype, BUILT_HEADS, scratch())
+                    groups = bias.folded_reversed_heads(
+                        start, stop, k_end, q.dtype, BUILT_HEADS, scratch(BUILT_HEADS)
+                    )
                     if groups is not None:
                         return groups
                 return bias.folded_reversed(start, stop, k_end, q.dtype, scratch())
 
-            def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | None:  # the same, differentiable
+            def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | HeadwiseRebuild | None:
+                # the same, a group of heads at a time where the form rebuilds it so, else differentiable
                 # into the forward's bias buffer (the blocks' backward runs one block at a time)
+                rebuilt = form(values).rebuilt_reversed_heads(start, stop, k_end, q.dtype)
+                if rebuilt is not None:
+                    return rebuilt
                 kept = buffers[0] if buffers else None
                 return form(values).folded_reversed_with_gradients(start, stop, k_end, q.dtype, kept)
 

@@ -19,17 +19,23 @@ from the kept statistics (Dao 2023, Algorithm 2):
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
     dQ = s dS K,  dK = s dS^T Q,  dbias = dS (summed over a batch the bias is shared by)
 
-computed in the rebuilt (B, H, R, K) block: bias - lse written there, then per head ``addmm_``
-adds the scores (the exponent in base 2: log2(e) times it), weights below 2^-100 flushed to 0
-and ``exp2_`` (torch's exp leaves its fast path for inputs below about -87 and for the masked
-keys, see :mod:`hf_posenc.core.underflow`), multiplied in place by dO V^T - rowsum(dO * O)
-(one product of dO widened by a column of -rowsum(dO * O) and V widened by ones, into one
-head's (R, K) work buffer), and dbias sent through the rebuilt bias's own backward. One head
-at a time, the head's block is the working set of the chain's passes instead of every head's
-(the work buffer 8x smaller: a training step's peak by the profiler's count, FIRE at T=2048 in
-the bench's model, 197 -> 182 MiB, ``python -m hf_posenc.recipes.benchmark.peak_memory
---encodings fire --hidden-size 256 --num-heads 8 --vocab-size 256 --lengths 1024 2048``). No softmax (the statistics are kept) and no
-second forward; the block's (rows x keys) buffers exist only while it is computed.
+computed one head at a time (:class:`_Chain`) in the rebuilt block: bias - lse written there,
+then ``addmm_`` adds the head's scores (the exponent in base 2: log2(e) times it), weights
+below 2^-100 flushed to 0 and ``exp2_`` (torch's exp leaves its fast path for inputs below
+about -87 and for the masked keys, see :mod:`hf_posenc.core.underflow`), multiplied in place
+by dO V^T - rowsum(dO * O) (one product of dO widened by a column of -rowsum(dO * O) and V
+widened by ones, into one head's (R, K) work buffer): dS. Where the form rebuilds its block a
+group of heads at a time (:class:`~hf_posenc.encodings.block_bias.HeadwiseRebuild`: FIRE's
+bands, fp32, one row of normalisers), each group's block is written into one small buffer, its
+chain run and its dS handed to the form, whose gradients it adds up by hand, before the next
+group is written (:data:`REBUILT_HEADS`); else the whole (B, H, R, K) block is rebuilt with
+gradients and dbias sent through its own backward. With one head at a time neither the block
+nor its dS exists for every head at once: a training step's peak by the profiler's count, FIRE
+at T=2048 in the bench's model, 197 -> 168 MiB (native 157; ``python -m
+hf_posenc.recipes.benchmark.peak_memory --encodings fire --hidden-size 256 --num-heads 8
+--vocab-size 256 --lengths 1024 2048``), time unchanged within this machine's noise. No softmax
+(the statistics are kept) and no second forward; the block's (rows x keys) buffers exist only
+while it is computed.
 
 Before, the block's backward recomputed its weights by a softmax of explicitly recomputed
 scores (:func:`~.bias_block.block_gradients`) and built its bias twice (once without gradients
@@ -39,6 +45,7 @@ in forward, once with them in backward, which stays).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,8 +53,14 @@ from .bias_block import differentiable_copies, tensor_gradients
 from .softmax_parts import CPU_FLASH
 from .toeplitz_layout import FLUSH, LOG2E, work_buffer
 
+if TYPE_CHECKING:
+    from ..encodings.block_bias import HeadwiseRebuild
+
 #: dtypes the block's forward and backward run in (the fused kernel computes in them)
 FLASH_DTYPES = (torch.float32, torch.float64)
+#: heads of a block rebuilt in backward at a time (:class:`~hf_posenc.encodings.block_bias.HeadwiseRebuild`):
+#: the rebuilt block, its dS and the chain's work buffers are one group's
+REBUILT_HEADS = 1
 
 
 def serves(q: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool:
@@ -74,8 +87,9 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     -> the same over the keys in reverse order, without gradients, or an iterator of (heads,
     their block (B|1, g, R, K)) each read before the next is asked for, or None (then forward
     takes ``build``; either may be given as None / return None), ``rebuild_reversed(*tensors)``
-    -> the reversed block with gradients for backward, or None (then backward takes ``build``;
-    may be None too), ``buffers`` (a dict
+    -> the reversed block with gradients for backward, or a
+    :class:`~hf_posenc.encodings.block_bias.HeadwiseRebuild` of it, or None (then backward takes
+    ``build``; may be None too), ``buffers`` (a dict
     where backward keeps its work buffer for the next block, or None), the form's tensors ->
     softmax(q k^T scale + bias) v, (B, H, R, D); gradients of q, k, v and the tensors. See the
     module's docstring."""
@@ -133,56 +147,108 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         scale = ctx.scale
         inputs = differentiable_copies(tensors, ctx.needs_input_grad[10:])
         with torch.enable_grad():
-            # (B|1, H, R, K), with gradients to the form's tensors: over the keys in reverse order
-            # where the form rebuilds it so (then k and v flipped here, dk and dv to the reversed copies)
+            # (B|1, H, R, K), with gradients to the form's tensors, or a HeadwiseRebuild: over the keys in
+            # reverse order where the form rebuilds it so (then k and v flipped here, dk and dv to the
+            # reversed copies)
             bias = None if ctx.rebuild_reversed is None else ctx.rebuild_reversed(*inputs)
             reverse = bias is not None
             if bias is None:
                 bias = ctx.build(*inputs)
         if reverse:
             k, v = k.flip(2), v.flip(2)
-        (batch, heads, rows, dim), keys = q.shape, k.shape[2]
-        bh = batch * heads
-        q3, k3 = q.reshape(bh, rows, dim), k.reshape(bh, keys, dim)
-        # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column, V with ones
-        grad_aug = torch.empty(bh, rows, dim + 1, dtype=q.dtype, device=q.device)
-        grad_aug[..., :dim].copy_(grad_out.reshape(bh, rows, dim))
-        torch.neg((grad_out * out).sum(-1).reshape(bh, rows), out=grad_aug[..., dim])
-        grad3 = grad_aug[..., :dim]
-        v_aug = torch.ones(bh, keys, dim + 1, dtype=q.dtype, device=q.device)
-        v_aug[..., :dim].copy_(v.reshape(bh, keys, dim))
-        # log2(e) (bias - lse + s q k^T): bias - lse first (a masked key's minimum stays finite),
-        # in place when the bias has the batch's rows (its backward reads none of its values)
-        scores = bias.detach()
-        if scores.shape[0] == batch and scores.is_contiguous():
-            scores.sub_(lse[..., None])
+        chain = _Chain(q, k, v, out, lse, grad_out, scale, ctx.buffers)
+        if isinstance(bias, torch.Tensor):
+            # log2(e) (bias - lse + s q k^T): bias - lse first (a masked key's minimum stays finite),
+            # in place when the bias has the batch's rows (its backward reads none of its values)
+            scores = bias.detach()
+            if scores.shape[0] == chain.batch and scores.is_contiguous():
+                scores.sub_(lse[..., None])
+            else:
+                scores = torch.sub(scores, lse[..., None])  # (B, H, R, K)
+            chain.run(scores, slice(0, chain.heads))
+            tensor_grads = tensor_gradients(bias, inputs, scores)  # scores: (B, H, R, K) dS
         else:
-            scores = torch.sub(scores, lse[..., None])  # (B, H, R, K)
-        s3 = scores.view(bh, rows, keys)
-        grad_q = torch.empty(bh, rows, dim, dtype=q.dtype, device=q.device)
-        grad_k = torch.empty(bh, keys, dim, dtype=q.dtype, device=q.device)
-        grad_v = torch.empty(bh, keys, dim, dtype=q.dtype, device=q.device)
-        # dO V^T - delta, one head's (R, K), in a work buffer shared by the blocks (and layers) of a forward
-        grad_p = work_buffer(ctx.buffers, "grad_p", rows * keys, q.dtype, q.device)[: rows * keys]
-        grad_p = grad_p.view(rows, keys)
-        # one head at a time: its (R, K) block (2 MiB at 256 x 2048 in fp32) stays in the core's
-        # L2 cache through the chain's nine passes, where all heads' (16 MiB) went through L3
-        for head in range(bh):
-            weights = s3[head]  # (R, K)
-            weights.addmm_(q3[head], k3[head].T, beta=LOG2E, alpha=scale * LOG2E)
-            # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and BLAS)
-            torch.threshold_(weights, FLUSH, -math.inf).exp2_()  # P
-            torch.mm(weights.T, grad3[head], out=grad_v[head])  # P^T dO
-            torch.mm(grad_aug[head], v_aug[head].T, out=grad_p)
-            weights.mul_(grad_p)  # dS = P * (dO V^T - delta)
-            torch.mm(weights, k3[head], out=grad_q[head])
-            torch.mm(weights.T, q3[head], out=grad_k[head])
-        grad_q.mul_(scale)
-        grad_k.mul_(scale)
-        tensor_grads = tensor_gradients(bias, inputs, scores)  # scores: (B, H, R, K) dS
+            tensor_grads = _headwise(bias, chain, lse, inputs)
+        grad_q, grad_k, grad_v = chain.gradients()
         grad_k, grad_v = grad_k.view(k.shape), grad_v.view(v.shape)
         # to the k and v given in the bias's order; the others get None
         keys_grads = (None, None, grad_k, grad_v) if reverse else (grad_k, grad_v, None, None)
         if reverse and not ctx.given_reversed:  # (flipped in forward)
             keys_grads = (grad_k.flip(2), grad_v.flip(2), None, None)
-        return (grad_q.view(q.shape), *keys_grads, None, None, None, None, None, *tensor_grads)
+        return (grad_q, *keys_grads, None, None, None, None, None, *tensor_grads)
+
+
+def _headwise(
+    rebuilt: HeadwiseRebuild, chain: _Chain, lse: torch.Tensor, inputs: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The chain over a block rebuilt :data:`REBUILT_HEADS` heads at a time: each group's block (1,
+    g, R, K) minus the log-sum-exp (B, g, R, K; in place for a batch of one), its dS given to the
+    form (summed over the batch) before the next group is written; -> the form's tensors' gradients."""
+    batch, rows, keys = chain.batch, chain.rows, chain.keys
+    group = min(REBUILT_HEADS, chain.heads)
+    dtype, device = lse.dtype, lse.device
+    buffer = work_buffer(chain.buffers, "rebuilt_heads", group * rows * keys, torch.float32, device)
+    shifted_rows = (
+        None
+        if batch == 1
+        else work_buffer(chain.buffers, "rebuilt_rows", batch * group * rows * keys, dtype, device)
+    )
+    for heads, block in rebuilt.blocks(group, buffer):  # (1, g, R, K)
+        count = heads.stop - heads.start
+        if shifted_rows is None:
+            scores = block.sub_(lse[:, heads, :, None])
+        else:  # every batch row's (B, g, R, K), their dS summed for the shared bias
+            scores = shifted_rows[: batch * count * rows * keys].view(batch, count, rows, keys)
+            torch.sub(block, lse[:, heads, :, None], out=scores)
+        chain.run(scores, heads)
+        rebuilt.add_gradient(heads, scores if batch == 1 else scores.sum(0, keepdim=True))
+    found = rebuilt.gradients()
+    return [g if t.requires_grad else None for g, t in zip(found, inputs, strict=True)]
+
+
+class _Chain:
+    """FlashAttention-2's backward for one causal block from its kept statistics (see the module's
+    docstring), a group of heads at a time over their log2(e) (bias - lse) (B, g, R, K), turned
+    into dS in place; dq, dk, dv collected for :meth:`gradients`."""
+
+    def __init__(self, q, k, v, out, lse, grad_out, scale: float, buffers: dict | None) -> None:
+        (batch, heads, rows, dim), keys = q.shape, k.shape[2]
+        self.batch, self.heads, self.rows, self.keys, self.dim = batch, heads, rows, keys, dim
+        self.shapes = q.shape, k.shape, v.shape
+        self.scale, self.buffers = scale, buffers
+        self.q, self.k = q, k  # (B, H, R | K, D)
+        # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column, V with ones
+        self.grad_aug = torch.empty(batch, heads, rows, dim + 1, dtype=q.dtype, device=q.device)
+        self.grad_aug[..., :dim].copy_(grad_out)
+        torch.neg((grad_out * out).sum(-1), out=self.grad_aug[..., dim])
+        self.v_aug = torch.ones(batch, heads, keys, dim + 1, dtype=q.dtype, device=q.device)
+        self.v_aug[..., :dim].copy_(v)
+        self.grad_q = torch.empty(batch, heads, rows, dim, dtype=q.dtype, device=q.device)
+        self.grad_k = torch.empty(batch, heads, keys, dim, dtype=q.dtype, device=q.device)
+        self.grad_v = torch.empty(batch, heads, keys, dim, dtype=q.dtype, device=q.device)
+        # dO V^T - delta, one head's (R, K), in a work buffer shared by the blocks (and layers) of a forward
+        self.grad_p = work_buffer(buffers, "grad_p", rows * keys, q.dtype, q.device)[: rows * keys].view(
+            rows, keys
+        )
+
+    def run(self, scores: torch.Tensor, heads: slice) -> None:
+        """``scores`` (B, g, R, K) = bias - lse of the block's ``heads`` -> dS, in place. One head at a
+        time: its (R, K) block stays in cache through the chain's nine passes."""
+        scale, grad_p = self.scale, self.grad_p
+        for b in range(self.batch):
+            for i, head in enumerate(range(heads.start, heads.stop)):
+                weights = scores[b, i]  # (R, K)
+                q, k = self.q[b, head], self.k[b, head]
+                weights.addmm_(q, k.T, beta=LOG2E, alpha=scale * LOG2E)
+                # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and BLAS)
+                torch.threshold_(weights, FLUSH, -math.inf).exp2_()  # P
+                grad_aug = self.grad_aug[b, head]
+                torch.mm(weights.T, grad_aug[:, : self.dim], out=self.grad_v[b, head])  # P^T dO
+                torch.mm(grad_aug, self.v_aug[b, head].T, out=grad_p)
+                weights.mul_(grad_p)  # dS = P * (dO V^T - delta)
+                torch.mm(weights, k, out=self.grad_q[b, head])
+                torch.mm(weights.T, q, out=self.grad_k[b, head])
+
+    def gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of every head run."""
+        return self.grad_q.mul_(self.scale), self.grad_k.mul_(self.scale), self.grad_v

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,26 @@ def pad_last(values: torch.Tensor, size: int, value: float = 0.0) -> torch.Tenso
     the padding's gradient is dropped); ``values`` itself when ``size == n``."""
     extra = size - values.shape[-1]
     return values if extra == 0 else F.pad(values, (0, extra), value=value)
+
+
+class HeadwiseRebuild(Protocol):
+    """A causal block over reversed keys rebuilt in backward a group of heads at a time
+    (:meth:`BlockBias.rebuilt_reversed_heads`): the attention's backward asks for each group's
+    block, gives that group's dS before asking for the next, and then the gradients of the form's
+    tensors (aligned with :meth:`BlockBias.tensors`; None for those the block does not read)."""
+
+    def blocks(self, group: int, buffer: torch.Tensor | None) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(heads, their block (1, g, rows, keys) fp32) for groups of at most ``group`` heads, each
+        written into ``buffer`` (flat, fp32) where it is large enough, when the iterator reaches it."""
+        ...
+
+    def add_gradient(self, heads: slice, grad: torch.Tensor) -> None:
+        """dS (1, g, rows, keys) of the block's ``heads`` (it may be overwritten)."""
+        ...
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        """The form's tensors' gradients, every head's dS added."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +165,15 @@ class BlockBias:
         every head at once give them as one slice."""
         block = self.folded_reversed(start, stop, k_end, dtype)
         return None if block is None else iter([(slice(0, block.shape[1]), block)])
+
+    def rebuilt_reversed_heads(
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+    ) -> HeadwiseRebuild | None:
+        """The block of :meth:`folded_reversed` to be rebuilt in backward a group of heads at a time,
+        its gradient to the form's tensors added by hand per group (:class:`HeadwiseRebuild`), for
+        forms that can; None where the form has no such way (then
+        :meth:`folded_reversed_with_gradients`)."""
+        return None
 
     def folded_reversed_with_gradients(
         self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None

@@ -122,16 +122,28 @@ def banded_head_blocks(
     for consecutive slices of at most ``group`` heads, each block written into one buffer
     (``scratch`` when large enough) as the iterator reaches it, so the previous one must be used
     before the next is asked for. The plans and the zones' ReLUs are made once, for all heads."""
-    (batch, rows), keys, heads = normalizer.shape, feature.shape[0], network[2].shape[0]
+    heads = network[2].shape[0]
     with torch.no_grad():  # (not around the yield: the caller would run without gradients)
         near, inverse = line_and_inverse(feature, normalizer)
         rows_of_batch = [Banded.of(near, row_inverse, network) for row_inverse in inverse]
+    yield from written_groups(rows_of_batch, heads, group, scratch)
+
+
+def written_groups(
+    rows_of_batch: list[Banded], heads: int, group: int, scratch: torch.Tensor | None
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The blocks of every batch row's :class:`Banded` ``group`` heads at a time: (heads, their
+    block (B, g, rows, keys) fp32), each written into one buffer (``scratch`` when large enough)
+    as the iterator reaches it."""
+    batch = len(rows_of_batch)
+    rows, keys = rows_of_batch[0].inverse.shape[0], rows_of_batch[0].constants[0].shape[0] + 1
     # one buffer for every group (the scratch where large enough): the groups share their views,
     # taken once per head count (a group's other cost: ~35 indexing operations per head at 256 rows)
     size = batch * min(group, heads) * rows * keys
-    buffer = feature.new_empty(size, dtype=torch.float32) if scratch is None else scratch
+    device = rows_of_batch[0].inverse.device
+    buffer = torch.empty(size, dtype=torch.float32, device=device) if scratch is None else scratch
     if buffer.dtype != torch.float32 or buffer.numel() < size:
-        buffer = feature.new_empty(size, dtype=torch.float32)
+        buffer = torch.empty(size, dtype=torch.float32, device=device)
     views: dict[int, tuple[torch.Tensor, list[BlockViews]]] = {}  # by heads in the group
     for first in range(0, heads, group):
         chosen = slice(first, min(heads, first + group))

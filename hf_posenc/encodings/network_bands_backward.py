@@ -1,13 +1,16 @@
 """FIRE's banded blocks with gradients (:mod:`.network_bands` builds them without): the block of
 each batch row through :class:`BandedBlock`, whose backward works in the same bands of distances
 and gives the network's gradients by hand (no autograd graph through the bands' coefficients),
-and the gradients of near = psi(d) and of the rows' normalisers, which pass on to FIRE's c and L
-(Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context
+and the gradients of near = psi(d) and of the rows' normalisers, which pass on to FIRE's c and L;
+or a group of heads at a time without a graph (:class:`RebuiltHeads`), the same gradients
+added by hand (:class:`BandGradients`) (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context
 Transformers", arXiv:2310.04418)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,7 @@ from .network_bands import (
     line_and_inverse,
     plan_bands,
     shifted,
+    written_groups,
     zone_columns,
 )
 from .network_block import future_minimum
@@ -55,20 +59,8 @@ def banded_rows(
 
 class BandedBlock(torch.autograd.Function):
     """(near (keys,), inverse (rows,), w1, b1, w2, b2, the :class:`BandPlan`) -> one batch row's
-    block (1, Hq, rows, keys) as :func:`.network_bands.banded_block` writes it. Backward, from the block's gradient G
-    (its future entries, which a softmax's dS holds as exact zeros, are set to 0 in place: V
-    reads them), in the same bands:
-
-    - V's lines: dC[h, d] = S0[h, d] = sum_a G[h, a, d], dslope[h, d] = near[d] S1[h, d] with
-      S1 = sum_a G inv[a] (one product over V's rows), d near[d] += sum_h slope S1, d inv[a] +=
-      sum_h (G[h] @ E[h])[a] (E = slope * near); the same for the last row's farthest key;
-    - each zone: with r = relu(w1 x + b1), d w2[:, k] += sum G r, g = sum_h w2[h, k] G where r > 0,
-      d b1_k += sum g, d w1_k += sum g x, and dx = w1_k g to near and inv;
-    - the lines to the network (:func:`_lines_gradient`): dC and dslope summed per band, then
-      through C = b2 + sum_on w2 b1 and slope = sum_on w2 w1.
-
-    near and inv pass theirs on to FIRE's c and L. O(rows x keys) work per head, no matrix
-    products over features."""
+    block (1, Hq, rows, keys) as :func:`.network_bands.banded_block` writes it; backward by
+    :class:`BandGradients`, every head at once. near and inv pass theirs on to FIRE's c and L."""
 
     @staticmethod
     def forward(ctx, feature, normalizer, w1, b1, w2, b2, plan, scratch=None):
@@ -91,51 +83,162 @@ class BandedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         feature, normalizer, w1, b1, w2, b2 = ctx.saved_tensors
-        plan: BandPlan = ctx.plan
-        near, inverse = line_and_inverse(feature, normalizer)
-        grad = grad[0].float().contiguous()  # (Hq, rows, keys): the distance view reads its memory
-        heads, rows, keys = grad.shape
+        gradients = BandGradients(feature, normalizer, (w1, b1, w2, b2), ctx.plan, ctx.columns)
+        gradients.add(slice(0, w2.shape[0]), grad[0].float().contiguous())
+        return *gradients.result(), None, None
+
+
+class RebuiltHeads:
+    """One causal block (the batch's one row of normalisers) rebuilt in backward a group of heads
+    at a time, with its gradients by hand instead of an autograd graph: :meth:`blocks` writes
+    each group's block (1, g, rows, keys) over reversed keys into one buffer as it is asked for,
+    exactly as :func:`.network_bands.banded_block` writes it; :meth:`add_gradient` takes the
+    group's dS (:class:`BandGradients`) before the next group is written; :meth:`result` gives
+    the gradients (d feature, d normaliser (1, rows), d w1, d b1, d w2, d b2). The chunked
+    backend's training blocks then hold one group's block, not every head's (8x less at
+    BUILT_HEADS = 1 with 8 heads), while it is hot for the attention's backward chain."""
+
+    def __init__(self, feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> None:
+        with torch.no_grad():
+            near, inverse = line_and_inverse(feature, normalizer[0])
+            plan = plan_bands(near, inverse, network)
+            self.banded = Banded.of(near, inverse, network, plan)
+        self.heads = network[2].shape[0]
+        self.gradients = BandGradients(feature, normalizer[0], network, plan, self.banded.columns)
+
+    def blocks(self, group: int, buffer: torch.Tensor | None) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(heads, their block (1, g, rows, keys) fp32) for consecutive groups of at most
+        ``group`` heads, each written into ``buffer`` (a flat fp32 one, when large enough)."""
+        return written_groups([self.banded], self.heads, group, buffer)
+
+    def add_gradient(self, heads: slice, grad: torch.Tensor) -> None:
+        """dS (1, g, rows, keys) fp32 of the block's ``heads`` (its future entries set to 0 here)."""
+        self.gradients.add(heads, grad[0])
+
+    def result(self) -> tuple[torch.Tensor, ...]:
+        grad_near, grad_normalizer, *network = self.gradients.result()
+        return grad_near, grad_normalizer[None], *network
+
+
+class BandGradients:
+    """The gradients of one batch row's banded block (:class:`BandedBlock`) to near = psi(d), the
+    rows' normaliser and the network (w1, b1, w2, b2), from the block's gradient G given a group
+    of heads at a time (:meth:`add`, in any order, each head once; then :meth:`result`). In the
+    same bands as the block was built:
+
+    - V's lines: dC[h, d] = S0[h, d] = sum_a G[h, a, d], dslope[h, d] = near[d] S1[h, d] with
+      S1 = sum_a G inv[a] (one product over V's rows), and dx[a, d] = sum_h G[h] slope[h] (the
+      zones' ReLUs add theirs), from which d near[d] += sum_a inv[a] dx and d inv[a] += sum_d
+      dx near[d]; the same for the last row's farthest key;
+    - each zone: with r = relu(w1 x + b1), d w2[:, k] += sum G r, g = sum_h w2[h, k] G where r > 0,
+      d b1_k += sum g, d w1_k += sum g x, and dx += w1_k g;
+    - the lines to the network (:func:`_lines_gradient`): dC and dslope summed per band, then
+      through C = b2 + sum_on w2 b1 and slope = sum_on w2 w1.
+
+    dx and the zones' sum over heads g are accumulated over the groups (one (rows, n) each per
+    part of the block) and summed once, in :meth:`result`: its sums to near and inv in fp64 from
+    the same rounded dx, as c's two gradient paths (through psi(d) and through the normaliser)
+    nearly cancel and only one shared dx keeps them cancelling (two separate fp32 sums lose
+    ~1e-4 of either path's size). O(rows x keys) work per head, no matrix products over features."""
+
+    def __init__(
+        self,
+        feature: torch.Tensor,
+        normalizer: torch.Tensor,
+        network: Network,
+        plan: BandPlan,
+        columns: ZoneColumns | None,
+    ) -> None:
+        w1, b1, w2, _ = network
+        self.feature, self.normalizer, self.network, self.plan = feature, normalizer, network, plan
+        self.near, self.inverse = line_and_inverse(feature, normalizer)  # (keys,), (rows,)
+        rows, keys = self.inverse.shape[0], self.near.shape[0]
+        self.rows, self.keys = rows, keys
+        self.grad_w1, self.grad_b1, self.grad_w2 = (
+            torch.zeros_like(w1),
+            torch.zeros_like(b1),
+            torch.zeros_like(w2),
+        )
+        self.grad_lines = torch.empty_like(plan.coefficients)  # (2, Hq, keys) dC, dslope
+        self.future = future_minimum(rows, rows, feature.device) == 0
         width = keys - 1
-        # the future at 0: V reads it as row a - 1's farthest distances
-        grad[:, :, :rows].mul_(future_minimum(rows, rows, grad.device) == 0)
-        grad_w1, grad_b1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2)
-        unit = (w1, b1, w2, grad_w1, grad_b1, grad_w2)
-        slopes = plan.coefficients[1]  # (Hq, keys)
-        grad_lines = torch.empty_like(plan.coefficients)  # (2, Hq, keys) dC, dslope
-        grad_near = torch.zeros_like(feature)
-        grad_inverse = torch.zeros(rows, dtype=torch.float64, device=grad.device)
+        # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1)
+        self.parts = (
+            _Part(slice(0, width), slice(0, rows), plan.zones, columns),
+            _Part(slice(width, keys), slice(rows - 1, rows), shifted(plan.zones, width), None),
+        )
+        for part in self.parts:
+            part.spans = clipped_spans(part.zones, part.distances.stop - part.distances.start)
+            if part.columns is None and part.spans:
+                near, inverse = self.near[part.distances], self.inverse[part.rows]
+                part.columns = zone_columns(near, inverse, part.spans, (w1, b1, w2))
+            if not part.spans:
+                part.columns = None
+
+    @torch.no_grad()
+    def add(self, heads: slice, grad: torch.Tensor) -> None:
+        """The gradient ``grad`` (g, rows, keys) fp32, contiguous, of the block's ``heads``; its
+        future entries (which a softmax's dS holds as exact zeros) are set to 0 in place (V reads
+        them as row a - 1's farthest distances)."""
+        rows, width = self.rows, self.keys - 1
+        grad[:, :, :rows].mul_(self.future)
+        w2 = self.network[2][heads]  # (g, K)
+        slopes = self.plan.coefficients[1, heads]  # (g, keys)
+        grad_lines = self.grad_lines[:, heads]  # (2, g, keys)
+        views = (distance_view(grad), grad[:, rows - 1 :, width:])  # (g, rows, keys - 1), (g, 1, 1)
+        for part, view in zip(self.parts, views, strict=True):
+            columns = part.distances
+            torch.sum(view, 1, out=grad_lines[0, :, columns])  # S0
+            # S1 near
+            torch.mul(
+                torch.matmul(self.inverse[part.rows], view), self.near[columns], out=grad_lines[1, :, columns]
+            )
+            # dx (rows, n) += sum_h G slope
+            for h in range(view.shape[0]):
+                if part.dx is None:
+                    part.dx = view[h] * slopes[h, columns]
+                else:
+                    part.dx.addcmul_(view[h], slopes[h, columns])
+            _zones_add(view, part, w2, self.grad_w2[heads])
+
+    @torch.no_grad()
+    def result(self) -> tuple[torch.Tensor, ...]:
+        """(d feature, d normaliser, d w1, d b1, d w2, d b2), every head added."""
+        w1, b1, w2, _ = self.network
+        grad_near = torch.zeros_like(self.feature)
+        grad_inverse = torch.zeros(self.rows, dtype=torch.float64, device=self.feature.device)
         # near and inv unrounded (fp64) for dx's sums to them: their two paths to c nearly cancel, so
         # each must be as exact as dx (with near, inv rounded to fp32 c's gradient was off by ~1e-5 of
         # either path's size: rows=1, keys=3, c=1, L=1 read 3.996e-6 against 4.143e-6)
-        near64, inverse64 = feature.double(), normalizer.double().reciprocal()
-        # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1), in its own (Hq, 1, 1)
-        parts = (
-            (distance_view(grad), slice(0, width), slice(0, rows), plan.zones, ctx.columns),
-            (
-                grad[:, rows - 1 :, width:],
-                slice(width, keys),
-                slice(rows - 1, rows),
-                shifted(plan.zones, width),
-                None,
-            ),
+        near64, inverse64 = self.feature.double(), self.normalizer.double().reciprocal()
+        for part in self.parts:
+            if part.dx is None:
+                continue
+            _zones_finish(part, w1, self.grad_w1, self.grad_b1)
+            dx64 = part.dx.double()
+            grad_near[part.distances] += (inverse64[part.rows] @ dx64).to(self.feature.dtype)
+            grad_inverse[part.rows] += dx64 @ near64[part.distances]
+        grad_b2 = _lines_gradient(
+            self.grad_lines, self.plan, (w1, b1, w2, self.grad_w1, self.grad_b1, self.grad_w2)
         )
-        for view, columns, part_rows, zones, made in parts:
-            part_near, part_inverse = near[columns], inverse[part_rows]
-            torch.sum(view, 1, out=grad_lines[0, :, columns])  # S0
-            torch.mul(torch.matmul(part_inverse, view), part_near, out=grad_lines[1, :, columns])  # S1 near
-            # dx (rows, n) = sum_h G slope (+ the zones' ReLUs), to near and inv in fp64 below (FIRE's
-            # c sums dx times dx/dc, whose two terms nearly cancel: fp32 sums of each lose ~1e-4)
-            dx = view[0] * slopes[0, columns]
-            for h in range(1, heads):
-                dx.addcmul_(view[h], slopes[h, columns])
-            _zones_gradient(view, part_near, part_inverse, zones, unit, dx, made)
-            dx64 = dx.double()
-            grad_near[columns] += (inverse64[part_rows] @ dx64).to(feature.dtype)
-            grad_inverse[part_rows] += dx64 @ near64[columns]
-        grad_b2 = _lines_gradient(grad_lines, plan, unit)
         # inverse = 1 / normaliser
-        grad_normalizer = (-grad_inverse / normalizer.double() ** 2).to(normalizer.dtype)
-        return grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        grad_normalizer = (-grad_inverse / self.normalizer.double() ** 2).to(self.normalizer.dtype)
+        return grad_near, grad_normalizer, self.grad_w1, self.grad_b1, self.grad_w2, grad_b2
+
+
+@dataclasses.dataclass
+class _Part:
+    """One part of a block's gradient (V, or the last row's farthest key): its distances and rows,
+    its zones (distances from the part's start) and their columns (:func:`.network_bands.zone_columns`,
+    or None without zones), and what the heads add up: dx (rows, n) and the zones' g (rows, n')."""
+
+    distances: slice
+    rows: slice
+    zones: list[tuple[int, int]]
+    columns: ZoneColumns | None
+    spans: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    dx: torch.Tensor | None = None
+    through: torch.Tensor | None = None
 
 
 def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> torch.Tensor:
@@ -154,42 +257,37 @@ def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> to
     return per_band[0].sum(1)
 
 
-def _zones_gradient(
-    grad: torch.Tensor,
-    near: torch.Tensor,
-    inverse: torch.Tensor,
-    zones: list[tuple[int, int]],
-    unit: tuple,
-    dx: torch.Tensor,
-    made: ZoneColumns | None = None,
-) -> None:
-    """Every zone's share of V's gradient ``grad`` (Hq, rows, D) at x = near[d] * inverse[a]
-    (``near`` (D,)), zones clipped to 0 .. D: added to the units' w2 columns, b1 and w1 (in
-    ``unit`` = (w1, b1, w2, grad_w1, grad_b1, grad_w2)) and to ``dx`` (rows, D); ``made``: these
-    zones' :func:`~.network_bands.zone_columns` where the block's build made them. All zones at
-    once: their columns gathered into one (Hq, rows, n) copy, each column with its unit's
-    parameters, the per-unit sums by ``index_add_`` (zones of two units may share columns: both
-    are added), so a block costs a few passes over its zones' columns (one per head) instead of
-    ten small operations per zone."""
-    w1, b1, w2, grad_w1, grad_b1, grad_w2 = unit
-    spans = clipped_spans(zones, grad.shape[-1])
-    if not spans:
+def _zones_add(grad: torch.Tensor, part: _Part, w2: torch.Tensor, grad_w2: torch.Tensor) -> None:
+    """The zones' share of V's gradient ``grad`` (g, rows, n) of a group of heads (``w2`` (g, K), and
+    ``grad_w2`` (g, K) a view to add theirs to): each column's sum over rows of G r (r its unit's
+    ReLU) to w2, and g = sum_h w2[h, k] G added to ``part.through`` (finished in
+    :func:`_zones_finish`). The zones' columns gathered into one (g, rows, n) copy, each column
+    with its unit's parameters, the per-unit sums by ``index_add_`` (zones of two units may share
+    columns: both are added): a few passes over the zones' columns per head instead of ten small
+    operations per zone."""
+    if part.columns is None:
         return
-    # x, r (rows, n)
-    columns, owner, x, hidden = zone_columns(near, inverse, spans, (w1, b1, w2)) if made is None else made
-    gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in spans], dim=2)  # (Hq, rows, n) G
-    unit_weight = w1[owner]  # (n,)
-    # head by head (no (Hq, rows, n) temporaries: ~20 % faster): the sums over rows of G r per
-    # column, and g = sum_h w2[h, k] G
-    weights = w2[:, owner]  # (Hq, n)
-    per_column = torch.empty_like(weights)  # (Hq, n)
-    through = gathered[0] * weights[0]  # (rows, n)
+    _, owner, _, hidden = part.columns  # (n,), (rows, n)
+    gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in part.spans], dim=2)  # (g, rows, n) G
+    weights = w2[:, owner]  # (g, n)
+    per_column = torch.empty_like(weights)  # (g, n)
+    # head by head (no (g, rows, n) temporaries: ~20 % faster)
     for h in range(gathered.shape[0]):
         torch.sum(gathered[h] * hidden, 0, out=per_column[h])
-        if h:
-            through.addcmul_(gathered[h], weights[h])
+        if part.through is None:
+            part.through = gathered[h] * weights[h]  # (rows, n)
+        else:
+            part.through.addcmul_(gathered[h], weights[h])
     grad_w2.index_add_(1, owner, per_column)
-    through.mul_(hidden > 0)  # g where the unit is on
+
+
+def _zones_finish(part: _Part, w1: torch.Tensor, grad_w1: torch.Tensor, grad_b1: torch.Tensor) -> None:
+    """Every head's g (``part.through``) where its unit is on, to b1, w1 and ``part.dx``."""
+    if part.columns is None or part.through is None:
+        return
+    columns, owner, x, hidden = part.columns
+    assert part.dx is not None
+    through = part.through.mul_(hidden > 0)  # g where the unit is on
     grad_b1.index_add_(0, owner, through.sum(0))
     grad_w1.index_add_(0, owner, (through * x).sum(0))
-    dx.index_add_(1, columns, through.mul_(unit_weight))
+    part.dx.index_add_(1, columns, through.mul_(w1[owner]))

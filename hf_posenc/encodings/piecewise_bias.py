@@ -255,6 +255,26 @@ class PiecewiseDistanceBias(BlockBias):
         )
         return ((heads, block.to(dtype)) for heads, block in blocks)
 
+    def rebuilt_reversed_heads(
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+    ) -> _RebuiltBandHeads | None:
+        """The bands' block (:class:`.network_bands_backward.RebuiltHeads`) where
+        :meth:`folded_reversed_with_gradients` takes the bands, the model computes in fp32 and one
+        row of normalisers serves the batch."""
+        network = self.network
+        if (
+            network is None
+            or dtype != torch.float32
+            or self.normalizer.shape[0] != 1
+            or not self._network_blocks(self.feature.device)
+            or not network_bands.serves(self._reversed_first(start, k_end), stop - start, k_end)
+        ):
+            return None
+        rebuilt = network_bands_backward.RebuiltHeads(
+            self.feature[:k_end], self.normalizer[:, start:stop], network
+        )
+        return _RebuiltBandHeads(self, rebuilt, start, stop, k_end)
+
     def folded_reversed_with_gradients(
         self, start: int, stop: int, k_end: int, dtype: torch.dtype, scratch: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -372,3 +392,39 @@ class DistanceRatio(torch.autograd.Function):
             skewed.as_strided((rows, keys), (width + 1, 1)).copy_(summed)
             grad_feature = torch.zeros_like(feature).index_add_(0, positions, skewed.sum(0))
         return grad_feature, grad_normalizer, None, None, None, None, None
+
+
+@dataclasses.dataclass
+class _RebuiltBandHeads:
+    """:class:`.block_bias.HeadwiseRebuild` of a :class:`PiecewiseDistanceBias`'s block of queries
+    ``start .. stop-1`` over keys ``0 .. k_end-1``: the bands' gradients placed in the form's
+    tensors (feature's first k_end distances, the normalisers of the block's rows, the network)."""
+
+    form: PiecewiseDistanceBias
+    rebuilt: network_bands_backward.RebuiltHeads
+    start: int
+    stop: int
+    k_end: int
+
+    def blocks(self, group: int, buffer: torch.Tensor | None) -> Iterator[tuple[slice, torch.Tensor]]:
+        return self.rebuilt.blocks(group, buffer)
+
+    def add_gradient(self, heads: slice, grad: torch.Tensor) -> None:
+        self.rebuilt.add_gradient(heads, grad)
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        grad_near, grad_normalizer, grad_w1, grad_b1, grad_w2, grad_b2 = self.rebuilt.result()
+        form = self.form
+        grad_feature = torch.zeros_like(form.feature)
+        grad_feature[: self.k_end] = grad_near
+        grad_rows = torch.zeros_like(form.normalizer)
+        grad_rows[:, self.start : self.stop] = grad_normalizer
+        found = {
+            "feature": grad_feature,
+            "normalizer": grad_rows,
+            "unit_weight": grad_w1,
+            "unit_bias": grad_b1,
+            "out_weight": grad_w2,
+            "out_bias": grad_b2,
+        }
+        return [found.get(name) for name in form.tensors()]

@@ -21,9 +21,10 @@ from conftest import make_model, patch, token_ids
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from hf_posenc.attention import chunked
+from hf_posenc.attention import chunked, rebuilt_flash
 from hf_posenc.encodings import network_bands, network_bands_backward
 from hf_posenc.encodings.fire import FIREFunction
+from hf_posenc.encodings.piecewise_bias import PiecewiseDistanceBias
 
 HEADS = 3
 
@@ -225,13 +226,17 @@ def test_fire_forward_buffer_holds_one_head():
 
 
 @settings(max_examples=12, deadline=None)
-@given(**CASES)
+@given(**CASES, group=st.integers(1, HEADS))
 # c's two paths (through psi(d) and through the normaliser) nearly cancel here: with the fp32
 # near and inv in dx's sums c's gradient read 3.996e-6 against 4.143e-6
-@example(rows=1, past=1, width=1, c=1.0, threshold=1.0, second_row=False, seed=0)
-def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, threshold, second_row, seed):
+@example(rows=1, past=1, width=1, c=1.0, threshold=1.0, second_row=False, seed=0, group=1)
+def test_banded_block_gradients_are_the_formula_gradients(
+    rows, past, width, c, threshold, second_row, seed, group
+):
     """The block rebuilt with gradients (``folded_reversed_with_gradients``, as backward of the
-    chunked backend's training blocks takes it) under a random upstream gradient (random at the
+    chunked backend's training blocks takes it), and for one row of normalisers rebuilt ``group``
+    heads at a time with its gradients added by hand (``rebuilt_reversed_heads``: the same values,
+    then each group's dS), under a random upstream gradient (random at the
     future keys too, whose entries are a constant and take no gradient): the gradients of w1, b1, w2, b2, c and the L multiplier are those of the fp64 formula
     (autograd) within 1e-4 of the largest of each, and for c and L within 16 fp32 epsilons of M =
     sum |upstream| |d bias / d theta| (their sums cancel: the terms through psi(i - j) and
@@ -259,6 +264,29 @@ def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, 
     block = function.bias(queries, rows, keys).folded_reversed_with_gradients(0, rows, keys, torch.float32)
     assert block is not None
     found = torch.autograd.grad((block.flip(-1).double() * anywhere).sum(), parameters, allow_unused=True)
+    # the same block rebuilt a group of heads at a time (one row of normalisers: not a second row),
+    # its dS given per group and its gradients added by hand (made before the check below moves c
+    # and L by central differences)
+    form = function.bias(queries, rows, keys)
+    rebuilt = form.rebuilt_reversed_heads(0, rows, keys, torch.float32)
+    assert (rebuilt is None) == (queries.shape[0] > 1)
+    _assert_formula_gradients(function, queries, keys, upstream, names, parameters, expected, found)
+    if rebuilt is not None:
+        grad_block = anywhere.flip(-1).float()  # (1, H, rows, keys) over reversed keys
+        for heads, part in rebuilt.blocks(group, None):
+            torch.testing.assert_close(part, block[:, heads].detach(), atol=0, rtol=0)  # the same values
+            rebuilt.add_gradient(heads, grad_block[:, heads].clone())
+        tensors = list(form.tensors().values())
+        pairs = [(t, g) for t, g in zip(tensors, rebuilt.gradients(), strict=True) if g is not None]
+        found = torch.autograd.grad(
+            [t for t, _ in pairs], parameters, [g for _, g in pairs], allow_unused=True
+        )
+        _assert_formula_gradients(function, queries, keys, upstream, names, parameters, expected, found)
+
+
+def _assert_formula_gradients(function, queries, keys, upstream, names, parameters, expected, found):
+    """``found`` (None: 0) equal ``expected``, the formula's, within 1e-4 of the largest of each, and
+    for c and L within 16 fp32 epsilons of M = sum |upstream| |d bias / d theta|."""
     for name, parameter, want, got in zip(names, parameters, expected, found, strict=True):
         got = torch.zeros_like(want) if got is None else got
         tolerance = 1e-4 * max(float(want.abs().max()), 1e-3)
@@ -272,20 +300,39 @@ def test_banded_block_gradients_are_the_formula_gradients(rows, past, width, c, 
                 parameter += step
             magnitude = float((upstream.abs() * ((above - below) / (2 * step)).abs()).sum())
             tolerance = max(tolerance, 16 * torch.finfo(torch.float32).eps * magnitude)
-        torch.testing.assert_close(got.double(), want.double(), atol=tolerance, rtol=0, msg=name)
+        torch.testing.assert_close(
+            got.double(), want.double(), atol=tolerance, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
-def test_fire_training_with_banded_blocks_equals_eager():
+#: how backward rebuilds the banded blocks: a group of heads at a time without a graph
+#: (``RebuiltHeads``, rebuilt_flash.REBUILT_HEADS heads), or every head through ``BandedBlock``
+REBUILDS = [("heads", 1), ("heads", 3), ("heads", 8), ("block", None)]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(("rebuild", "group"), REBUILDS, ids=[f"{r}-{g}" for r, g in REBUILDS])
+def test_fire_training_with_banded_blocks_equals_eager(rebuild, group, batch):
     """A training step at T=600 with L=32 (blocks of 256 queries with gradients; those of queries
-    256.. and 512..599 from bands of distances, forward and backward): the loss and every parameter's
-    gradient, the model's and FIRE's own, equal backend="eager"'s (fp32, 1e-5 absolute and
-    relative, 1e-4 for the gradients of FIRE's c and L, whose sums cancel)."""
-    ids = token_ids(1, 600)
+    256.. and 512..599 from bands of distances, forward and backward), rebuilt in backward a group
+    of heads at a time (1, 3 of the model's 4, all) or every head through autograd, a batch of
+    one and of two (whose rows share the bias: dS summed over them): the loss and every
+    parameter's gradient, the model's and FIRE's own, equal backend="eager"'s (fp32, 1e-5
+    absolute and relative, 1e-4 for the gradients of FIRE's c and L, whose sums cancel)."""
+    ids = token_ids(batch, 600)
     results = {}
+    if rebuild == "heads":
+        counted, patched = (
+            (network_bands_backward, "RebuiltHeads"),
+            mock.patch.object(rebuilt_flash, "REBUILT_HEADS", group),
+        )
+    else:
+        counted = (network_bands_backward.BandedBlock, "apply")
+        patched = mock.patch.object(PiecewiseDistanceBias, "rebuilt_reversed_heads", lambda *args: None)
     for backend in ("eager", "chunked"):
         model = patch(make_model("llama"), "fire", {"init_L": 32.0}, backend=backend)
         model.train()
-        with _counted(network_bands_backward.BandedBlock, "apply") as calls:  # (the chunked run's, last)
+        with patched, _counted(*counted) as calls:  # (the chunked run's, last)
             loss = model(ids, labels=ids).loss
             loss.backward()
         results[backend] = (
