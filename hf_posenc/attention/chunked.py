@@ -44,7 +44,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..core.layout import causal_keys, expand_kv_heads
 from ..core.memo import ForwardMemo
-from ..encodings.block_bias import BlockBias, HeadwiseRebuild, SeparableBias
+from ..encodings.block_bias import BlockBias, SeparableBias
+from ..encodings.headwise_rebuild import HeadwiseRebuild
 from . import rebuilt_flash, separable
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .bias_block import RebuiltBiasAttention, block_attention

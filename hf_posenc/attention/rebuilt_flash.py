@@ -25,7 +25,7 @@ below 2^-100 flushed to 0 and ``exp2_`` (torch's exp leaves its fast path for in
 about -87 and for the masked keys, see :mod:`hf_posenc.core.underflow`), multiplied in place
 by dO V^T - rowsum(dO * O) (one product of dO widened by a column of -rowsum(dO * O) and V
 widened by ones, into one head's (R, K) work buffer): dS. Where the form rebuilds its block a
-group of heads at a time (:class:`~hf_posenc.encodings.block_bias.HeadwiseRebuild`: FIRE's
+group of heads at a time (:class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild`: FIRE's
 bands, fp32, one row of normalisers), each group's block is written into one small buffer, its
 chain run and its dS handed to the form, whose gradients it adds up by hand, before the next
 group is written (:data:`REBUILT_HEADS`); else the whole (B, H, R, K) block is rebuilt with
@@ -54,11 +54,11 @@ from .softmax_parts import CPU_FLASH
 from .toeplitz_layout import FLUSH, LOG2E, work_buffer
 
 if TYPE_CHECKING:
-    from ..encodings.block_bias import HeadwiseRebuild
+    from ..encodings.headwise_rebuild import HeadwiseRebuild
 
 #: dtypes the block's forward and backward run in (the fused kernel computes in them)
 FLASH_DTYPES = (torch.float32, torch.float64)
-#: heads of a block rebuilt in backward at a time (:class:`~hf_posenc.encodings.block_bias.HeadwiseRebuild`):
+#: heads of a block rebuilt in backward at a time (:class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild`):
 #: the rebuilt block, its dS and the chain's work buffers are one group's
 REBUILT_HEADS = 1
 
@@ -88,7 +88,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     their block (B|1, g, R, K)) each read before the next is asked for, or None (then forward
     takes ``build``; either may be given as None / return None), ``rebuild_reversed(*tensors)``
     -> the reversed block with gradients for backward, or a
-    :class:`~hf_posenc.encodings.block_bias.HeadwiseRebuild` of it, or None (then backward takes
+    :class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild` of it, or None (then backward takes
     ``build``; may be None too), ``buffers`` (a dict
     where backward keeps its work buffer for the next block, or None), the form's tensors ->
     softmax(q k^T scale + bias) v, (B, H, R, D); gradients of q, k, v and the tensors. See the

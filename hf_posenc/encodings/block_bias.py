@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..core.layout import causal_mask_or_none, fold_mask, query_key_indices
+
+if TYPE_CHECKING:
+    from .headwise_rebuild import HeadwiseRebuild
 
 RowsFunction = Callable[[int, int, int], torch.Tensor]
 #: the bias of scores at index tensors (b, h, q_idx, kv_idx) -> bias (FlexAttention's score_mod layout)
@@ -68,26 +71,6 @@ def pad_last(values: torch.Tensor, size: int, value: float = 0.0) -> torch.Tenso
     the padding's gradient is dropped); ``values`` itself when ``size == n``."""
     extra = size - values.shape[-1]
     return values if extra == 0 else F.pad(values, (0, extra), value=value)
-
-
-class HeadwiseRebuild(Protocol):
-    """A causal block over reversed keys rebuilt in backward a group of heads at a time
-    (:meth:`BlockBias.rebuilt_reversed_heads`): the attention's backward asks for each group's
-    block, gives that group's dS before asking for the next, and then the gradients of the form's
-    tensors (aligned with :meth:`BlockBias.tensors`; None for those the block does not read)."""
-
-    def blocks(self, group: int, buffer: torch.Tensor | None) -> Iterator[tuple[slice, torch.Tensor]]:
-        """(heads, their block (1, g, rows, keys) fp32) for groups of at most ``group`` heads, each
-        written into ``buffer`` (flat, fp32) where it is large enough, when the iterator reaches it."""
-        ...
-
-    def add_gradient(self, heads: slice, grad: torch.Tensor) -> None:
-        """dS (1, g, rows, keys) of the block's ``heads`` (it may be overwritten)."""
-        ...
-
-    def gradients(self) -> list[torch.Tensor | None]:
-        """The form's tensors' gradients, every head's dS added."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +153,7 @@ class BlockBias:
         self, start: int, stop: int, k_end: int, dtype: torch.dtype
     ) -> HeadwiseRebuild | None:
         """The block of :meth:`folded_reversed` to be rebuilt in backward a group of heads at a time,
-        its gradient to the form's tensors added by hand per group (:class:`HeadwiseRebuild`), for
+        its gradient to the form's tensors added by hand per group (:class:`.headwise_rebuild.HeadwiseRebuild`), for
         forms that can; None where the form has no such way (then
         :meth:`folded_reversed_with_gradients`)."""
         return None

@@ -96,7 +96,7 @@ class RebuiltHeads:
     group's dS (:class:`BandGradients`) before the next group is written; :meth:`result` gives
     the gradients (d feature, d normaliser (1, rows), d w1, d b1, d w2, d b2). The chunked
     backend's training blocks then hold one group's block, not every head's (8x less at
-    BUILT_HEADS = 1 with 8 heads), while it is hot for the attention's backward chain."""
+    ``rebuilt_flash.REBUILT_HEADS = 1`` with 8 heads), while it is hot for the attention's backward chain."""
 
     def __init__(self, feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> None:
         with torch.no_grad():

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from ..core.layout import query_key_indices
 from . import network_bands, network_bands_backward, network_block
 from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
+from .distance_ratio import DistanceRatio, distance_ratio
 from .network_block import reversed_network_block
 from .piecewise_block import PiecewiseBlock, monotone_segments
 
@@ -89,7 +90,7 @@ class PiecewiseDistanceBias(BlockBias):
             return DistanceRatio.apply(
                 self.feature, self.normalizer, first, start, stop, k_end - k_start, reverse
             )
-        return _distance_ratio(self.feature, self.normalizer[:, start:stop], first, k_end - k_start, reverse)
+        return distance_ratio(self.feature, self.normalizer[:, start:stop], first, k_end - k_start, reverse)
 
     def x_range(self, start: int, stop: int, k_start: int, k_end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(min, max) of :meth:`x` over the block, 0-dim fp32, from O(rows) values: along a row x
@@ -339,64 +340,9 @@ class PiecewiseDistanceBias(BlockBias):
         )  # (B', Hq, rows, keys)
 
 
-def _distance_ratio(
-    feature: torch.Tensor, normalizer: torch.Tensor, first: int, keys: int, reverse: bool
-) -> torch.Tensor:
-    """feature (Tk,), the rows' normalizer (B|1, rows) -> x (B|1, rows, keys) fp32 with x[b, a,
-    b'] = feature[max(0, first + a + b')] / normalizer[b, a] over the keys in reverse order (b'),
-    flipped back unless ``reverse``: a strided view (stride 1 along both) of one line of
-    features, divided, one rounding to fp32."""
-    rows = normalizer.shape[1]
-    positions = torch.arange(first, first + rows + keys - 1, device=feature.device).clamp_(min=0)
-    line = feature[positions]  # (rows + keys - 1,)
-    reversed_x = torch.empty(normalizer.shape[0], rows, keys, dtype=torch.float32, device=feature.device)
-    torch.div(line.as_strided((rows, keys), (1, 1)), normalizer[:, :, None], out=reversed_x)
-    return reversed_x if reverse else reversed_x.flip(-1)
-
-
-class DistanceRatio(torch.autograd.Function):
-    """(feature (Tk,), normalizer (B|1, Tq), first, start, stop, keys, reverse) -> :func:`_distance_ratio`
-    of queries ``start .. stop-1``, differentiable in both tensors; keeps only them (O(T)).
-
-    Backward in the tensors' dtype (FIRE: fp64, where c's gradient needs it), from the
-    gradient g over the keys in reverse order, y = g / normalizer:
-    d normalizer[b, a] = -sum_b' y[b, a, b'] feature[d] / normalizer[b, a] (a row sum), and
-    d feature[d] = the sum of y over the anti-diagonal a + b' = d - first (summed over the
-    batch; distances clamped to 0 land on d = 0), read from y skewed into a (rows, rows + keys)
-    buffer — no (rows, keys) distance index and no scattered accumulation."""
-
-    @staticmethod
-    def forward(ctx, feature, normalizer, first: int, start: int, stop: int, keys: int, reverse: bool):
-        ctx.save_for_backward(feature, normalizer)
-        ctx.first, ctx.start, ctx.stop, ctx.keys, ctx.reverse = first, start, stop, keys, reverse
-        return _distance_ratio(feature, normalizer[:, start:stop], first, keys, reverse)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        feature, normalizer = ctx.saved_tensors
-        first, start, stop, keys = ctx.first, ctx.start, ctx.stop, ctx.keys
-        rows, width = stop - start, stop - start + keys - 1
-        rows_normalizer = normalizer[:, start:stop, None]  # (B|1, rows, 1)
-        reversed_grad = grad if ctx.reverse else grad.flip(-1)  # (B|1, rows, keys) over reversed keys
-        y = torch.div(reversed_grad, rows_normalizer)  # (B|1, rows, keys) in the normaliser's dtype
-        positions = torch.arange(first, first + width, device=feature.device).clamp_(min=0)
-        line = feature[positions]  # (rows + keys - 1,)
-        grad_feature = grad_normalizer = None
-        if ctx.needs_input_grad[1]:
-            grad_normalizer = torch.zeros_like(normalizer)
-            dot = (y * line.as_strided((rows, keys), (1, 1))).sum(-1)  # (B|1, rows)
-            grad_normalizer[:, start:stop] = -dot / rows_normalizer[..., 0]
-        if ctx.needs_input_grad[0]:
-            summed = y.sum(0) if y.shape[0] > 1 else y[0]  # (rows, keys)
-            skewed = y.new_zeros(rows, width)  # skewed[a, a + b'] = summed[a, b']
-            skewed.as_strided((rows, keys), (width + 1, 1)).copy_(summed)
-            grad_feature = torch.zeros_like(feature).index_add_(0, positions, skewed.sum(0))
-        return grad_feature, grad_normalizer, None, None, None, None, None
-
-
 @dataclasses.dataclass
 class _RebuiltBandHeads:
-    """:class:`.block_bias.HeadwiseRebuild` of a :class:`PiecewiseDistanceBias`'s block of queries
+    """:class:`.headwise_rebuild.HeadwiseRebuild` of a :class:`PiecewiseDistanceBias`'s block of queries
     ``start .. stop-1`` over keys ``0 .. k_end-1``: the bands' gradients placed in the form's
     tensors (feature's first k_end distances, the normalisers of the block's rows, the network)."""
 
