@@ -164,16 +164,9 @@ class BandGradients:
         width = keys - 1
         # V (distances 0 .. keys - 2), then the last row's farthest key (keys - 1)
         self.parts = (
-            _Part(slice(0, width), slice(0, rows), plan.zones, columns),
-            _Part(slice(width, keys), slice(rows - 1, rows), shifted(plan.zones, width), None),
+            _Part.of(self, slice(0, width), slice(0, rows), plan.zones, columns),
+            _Part.of(self, slice(width, keys), slice(rows - 1, rows), shifted(plan.zones, width), None),
         )
-        for part in self.parts:
-            part.spans = clipped_spans(part.zones, part.distances.stop - part.distances.start)
-            if part.columns is None and part.spans:
-                near, inverse = self.near[part.distances], self.inverse[part.rows]
-                part.columns = zone_columns(near, inverse, part.spans, (w1, b1, w2))
-            if not part.spans:
-                part.columns = None
 
     @torch.no_grad()
     def add(self, heads: slice, grad: torch.Tensor) -> None:
@@ -182,24 +175,23 @@ class BandGradients:
         them as row a - 1's farthest distances)."""
         rows, width = self.rows, self.keys - 1
         grad[:, :, :rows].mul_(self.future)
-        w2 = self.network[2][heads]  # (g, K)
-        slopes = self.plan.coefficients[1, heads]  # (g, keys)
-        grad_lines = self.grad_lines[:, heads]  # (2, g, keys)
         views = (distance_view(grad), grad[:, rows - 1 :, width:])  # (g, rows, keys - 1), (g, 1, 1)
         for part, view in zip(self.parts, views, strict=True):
-            columns = part.distances
-            torch.sum(view, 1, out=grad_lines[0, :, columns])  # S0
-            # S1 near
-            torch.mul(
-                torch.matmul(self.inverse[part.rows], view), self.near[columns], out=grad_lines[1, :, columns]
-            )
-            # dx (rows, n) += sum_h G slope
-            for h in range(view.shape[0]):
+            # a few operations per head (each is ~5 us of dispatch beside its work: a step of the
+            # bench's FIRE model at T=2048 ran ~40,000 of them here)
+            gathered = (
+                None if part.columns is None else view.index_select(2, part.columns[0])
+            )  # (g, rows, n')
+            for i, head in enumerate(range(heads.start, heads.stop)):
+                head_view = view[i]  # (rows, n)
+                torch.mm(part.row_weights, head_view, out=part.sums[head])  # S0, S1 (2, n)
+                # dx (rows, n) += G slope
                 if part.dx is None:
-                    part.dx = view[h] * slopes[h, columns]
+                    part.dx = head_view * part.slopes[head]
                 else:
-                    part.dx.addcmul_(view[h], slopes[h, columns])
-            _zones_add(view, part, w2, self.grad_w2[heads])
+                    part.dx.addcmul_(head_view, part.slopes[head])
+                if gathered is not None:
+                    _zones_add(gathered[i], part, head)
 
     @torch.no_grad()
     def result(self) -> tuple[torch.Tensor, ...]:
@@ -214,6 +206,10 @@ class BandGradients:
         for part in self.parts:
             if part.dx is None:
                 continue
+            self.grad_lines[0, :, part.distances] = part.sums[:, 0]  # S0
+            torch.mul(part.sums[:, 1], self.near[part.distances], out=self.grad_lines[1, :, part.distances])
+            if part.columns is not None:
+                self.grad_w2.index_add_(1, part.columns[1], part.per_column)
             _zones_finish(part, w1, self.grad_w1, self.grad_b1)
             dx64 = part.dx.double()
             grad_near[part.distances] += (inverse64[part.rows] @ dx64).to(self.feature.dtype)
@@ -229,16 +225,52 @@ class BandGradients:
 @dataclasses.dataclass
 class _Part:
     """One part of a block's gradient (V, or the last row's farthest key): its distances and rows,
-    its zones (distances from the part's start) and their columns (:func:`.network_bands.zone_columns`,
-    or None without zones), and what the heads add up: dx (rows, n) and the zones' g (rows, n')."""
+    its zones' (unit, lo, hi) clipped to it and their columns (:func:`.network_bands.zone_columns`,
+    None without zones), and what the heads add up."""
 
     distances: slice
     rows: slice
-    zones: list[tuple[int, int]]
+    spans: list[tuple[int, int, int]]
     columns: ZoneColumns | None
-    spans: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    dx: torch.Tensor | None = None
-    through: torch.Tensor | None = None
+    row_weights: torch.Tensor  # (2, rows): ones and the rows' inverse
+    sums: torch.Tensor  # (Hq, 2, n): per head their products with G (S0, S1)
+    slopes: torch.Tensor  # (Hq, n) each distance's slope
+    zone_weights: torch.Tensor  # (Hq, n') w2 of each zone column's unit (n' = 0 without zones)
+    per_column: torch.Tensor  # (Hq, n') sum over rows of G r
+    dx: torch.Tensor | None = None  # (rows, n) sum_h G slope, the zones' g w1 added last
+    through: torch.Tensor | None = None  # (rows, n') the zones' g = sum_h w2[h, k] G
+
+    @classmethod
+    def of(
+        cls,
+        gradients: BandGradients,
+        distances: slice,
+        rows: slice,
+        zones: list[tuple[int, int]],
+        columns: ZoneColumns | None,
+    ) -> _Part:
+        """The part of ``gradients``' block at ``distances`` and ``rows``, its ``zones`` as distances
+        from the part's start; ``columns``: the zones' columns where the block's build made them."""
+        w1, b1, w2, _ = gradients.network
+        heads, width = w2.shape[0], distances.stop - distances.start
+        near, inverse = gradients.near[distances], gradients.inverse[rows]
+        spans = clipped_spans(zones, width)
+        if not spans:
+            columns = None
+        elif columns is None:
+            columns = zone_columns(near, inverse, spans, (w1, b1, w2))
+        owner = columns[1] if columns is not None else torch.zeros(0, dtype=torch.long, device=w2.device)
+        return cls(
+            distances,
+            rows,
+            spans,
+            columns,
+            torch.stack((torch.ones_like(inverse), inverse)),
+            inverse.new_empty(heads, 2, width),
+            gradients.plan.coefficients[1, :, distances].contiguous(),
+            w2[:, owner].contiguous(),
+            w2.new_empty(heads, owner.shape[0]),
+        )
 
 
 def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> torch.Tensor:
@@ -257,28 +289,20 @@ def _lines_gradient(grad_lines: torch.Tensor, plan: BandPlan, unit: tuple) -> to
     return per_band[0].sum(1)
 
 
-def _zones_add(grad: torch.Tensor, part: _Part, w2: torch.Tensor, grad_w2: torch.Tensor) -> None:
-    """The zones' share of V's gradient ``grad`` (g, rows, n) of a group of heads (``w2`` (g, K), and
-    ``grad_w2`` (g, K) a view to add theirs to): each column's sum over rows of G r (r its unit's
-    ReLU) to w2, and g = sum_h w2[h, k] G added to ``part.through`` (finished in
-    :func:`_zones_finish`). The zones' columns gathered into one (g, rows, n) copy, each column
-    with its unit's parameters, the per-unit sums by ``index_add_`` (zones of two units may share
-    columns: both are added): a few passes over the zones' columns per head instead of ten small
+def _zones_add(gathered: torch.Tensor, part: _Part, head: int) -> None:
+    """Head ``head``'s share of the zones' gradient, from its G at the zones' columns ``gathered``
+    (rows, n'), each column with its unit's parameters (zones of two units may share columns:
+    both are added in :meth:`BandGradients.result`): the column's sum over rows of G r (r its
+    unit's ReLU) for w2, and g = sum_h w2[h, k] G added to ``part.through`` (finished in
+    :func:`_zones_finish`). A few passes over the zones' columns per head instead of ten small
     operations per zone."""
-    if part.columns is None:
-        return
-    _, owner, _, hidden = part.columns  # (n,), (rows, n)
-    gathered = torch.cat([grad[:, :, lo:hi] for _, lo, hi in part.spans], dim=2)  # (g, rows, n) G
-    weights = w2[:, owner]  # (g, n)
-    per_column = torch.empty_like(weights)  # (g, n)
-    # head by head (no (g, rows, n) temporaries: ~20 % faster)
-    for h in range(gathered.shape[0]):
-        torch.sum(gathered[h] * hidden, 0, out=per_column[h])
-        if part.through is None:
-            part.through = gathered[h] * weights[h]  # (rows, n)
-        else:
-            part.through.addcmul_(gathered[h], weights[h])
-    grad_w2.index_add_(1, owner, per_column)
+    assert part.columns is not None
+    hidden = part.columns[3]  # (rows, n')
+    torch.sum(gathered * hidden, 0, out=part.per_column[head])
+    if part.through is None:
+        part.through = gathered * part.zone_weights[head]  # (rows, n')
+    else:
+        part.through.addcmul_(gathered, part.zone_weights[head])
 
 
 def _zones_finish(part: _Part, w1: torch.Tensor, grad_w1: torch.Tensor, grad_b1: torch.Tensor) -> None:
