@@ -214,7 +214,6 @@ class _Chain:
     def __init__(self, q, k, v, out, lse, grad_out, scale: float, buffers: dict | None) -> None:
         (batch, heads, rows, dim), keys = q.shape, k.shape[2]
         self.batch, self.heads, self.rows, self.keys, self.dim = batch, heads, rows, keys, dim
-        self.shapes = q.shape, k.shape, v.shape
         self.scale, self.buffers = scale, buffers
         self.q, self.k = q, k  # (B, H, R | K, D)
         # dO V^T - rowsum(dO * O) as one product: dO with -rowsum(dO * O) as one more column, V with ones

@@ -99,12 +99,13 @@ class RebuiltHeads:
     ``rebuilt_flash.REBUILT_HEADS = 1`` with 8 heads), while it is hot for the attention's backward chain."""
 
     def __init__(self, feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> None:
+        # no graph (its caller may run with gradients on): the gradients come by hand
         with torch.no_grad():
             near, inverse = line_and_inverse(feature, normalizer[0])
             plan = plan_bands(near, inverse, network)
             self.banded = Banded.of(near, inverse, network, plan)
+            self.gradients = BandGradients(feature, normalizer[0], network, plan, self.banded.columns)
         self.heads = network[2].shape[0]
-        self.gradients = BandGradients(feature, normalizer[0], network, plan, self.banded.columns)
 
     def blocks(self, group: int, buffer: torch.Tensor | None) -> Iterator[tuple[slice, torch.Tensor]]:
         """(heads, their block (1, g, rows, keys) fp32) for consecutive groups of at most
