@@ -86,13 +86,20 @@ class BandPlan:
         """``form.band`` of queries ``q_rows`` (B, Hq, R, D) from ``start`` over ``keys`` (B, Hkv,
         K, D) from key ``first``: (its (B, Hq, R, K) values, its (B, Hq, R) flag that nothing
         before the band is needed)."""
+        scores, allowed, own = self.band_scores(q_rows, keys, start, first)
+        return form.band(q_rows, scores, allowed, own)
+
+    def band_scores(
+        self, q_rows: torch.Tensor, keys: torch.Tensor, start: int, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The band's scaled logits (B, Hq, R, K), its causal mask and each query's own key (R, K)."""
         rows = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device)
         key_index = torch.arange(first, first + keys.shape[-2], device=q_rows.device)
         allowed = key_index[None, :] <= rows[:, None]  # (R, K)
         own = key_index[None, :] == rows[:, None]  # (R, K) the query's own key
         stacked = stack_groups(q_rows, self.groups)  # (B, Hkv, G*R, D)
         scores = torch.matmul(stacked, keys.transpose(-1, -2)) * self.scale  # (B, Hkv, G*R, K)
-        return form.band(q_rows, unstack_groups(scores, self.groups), allowed, own)
+        return unstack_groups(scores, self.groups), allowed, own
 
     def band(
         self, form: BandForm, q: torch.Tensor, k: torch.Tensor, start: int, stop: int, width: int
@@ -204,9 +211,19 @@ class BandPlan:
         for (start, stop), first in zip(self.spans(length), firsts, strict=True):
             rows = slice(start, stop)
             d_out, block_lse = grad_out[:, :, rows], lse[:, :, rows]
-            logits, leaf_form, leaves, names = self.leaf_band(form, q, k, start, stop, first, need_form)
-            with torch.enable_grad():
-                tail = leaf_form.tail(leaves[0]) if first > 0 else None
+            q_rows, band_keys = q[:, :, rows], k[:, :, first:stop]
+            # the band's backward by hand where the form writes it, else through autograd
+            by_hand = None
+            if form.backward_by_hand:
+                scores, allowed, _ = self.band_scores(q_rows, band_keys, start, first)
+                by_hand = form.band_with_gradients(q_rows, scores, allowed)
+            if by_hand is not None:
+                logits, band_backward = by_hand
+                tail = form.tail(q_rows) if first > 0 else None
+            else:
+                logits, leaf_form, leaves, names = self.leaf_band(form, q, k, start, stop, first, need_form)
+                with torch.enable_grad():
+                    tail = leaf_form.tail(leaves[0]) if first > 0 else None
             with torch.no_grad():
                 probs = torch.exp(logits.detach() - block_lse[..., None])  # (B, Hq, R, K)
                 values = v[:, :, first:stop]
@@ -214,12 +231,25 @@ class BandPlan:
                 grad_v[:, :, first:stop] += torch.matmul(stacked.transpose(-1, -2), stack_groups(d_out, g))
                 d_probs = unstack_groups(torch.matmul(stack_groups(d_out, g), values.transpose(-1, -2)), g)
                 d_logits = probs * (d_probs - delta[:, :, rows, None])  # (B, Hq, R, K)
-            outputs, grads = [logits], [d_logits]
-            if tail is not None:
-                outputs.append(tail)
-                grads.append(-d_logits.sum(-1))  # every row of dL sums to zero
-            found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-            self.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
+            # every row of dL sums to zero: the tail's gradient is minus the band's
+            d_tail = None if tail is None else -d_logits.sum(-1)
+            if by_hand is not None:
+                d_scores, d_q, d_tensors = band_backward(d_logits, d_tail)
+                stacked = stack_groups(d_scores, g)  # (B, Hkv, G*R, K)
+                d_q += unstack_groups(torch.matmul(stacked, band_keys), g) * self.scale
+                grad_q[:, :, rows] += d_q
+                grad_k[:, :, first:stop] += torch.matmul(
+                    stacked.transpose(-1, -2), stack_groups(q_rows, g)
+                ).mul_(self.scale)
+                for name, grad in d_tensors.items() if need_form else ():
+                    grad_form[name] += grad
+            else:
+                outputs, grads = [logits], [d_logits]
+                if tail is not None and d_tail is not None:
+                    outputs.append(tail)
+                    grads.append(d_tail)
+                found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+                self.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
             if tail is None:  # no far keys
                 continue
             dq, dk, dv = cpu_flash_backward(

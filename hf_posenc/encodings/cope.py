@@ -22,6 +22,7 @@ which are in the KV cache, so decoding needs no extra state.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from ..core.config import EncodingConfig, check_bool, check_number
 from ..core.registry import register_encoding
 from .base import Encoding
 from .call import ScoreCall
-from .saturating_transform import SaturatingTransform
+from .saturating_transform import BandBackward, SaturatingTransform
 
 
 @dataclasses.dataclass
@@ -127,6 +128,8 @@ class CountedPositions(SaturatingTransform):
     npos_max: int
     scale: float  # the position logit's, 1 / sqrt(head_dim) as in transform_scores
 
+    backward_by_hand: ClassVar[bool] = True
+
     def band(
         self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +145,53 @@ class CountedPositions(SaturatingTransform):
         dtype = _compute_dtype(q)
         last = self.table[self.npos_max - 1].to(dtype)  # (D,)
         return (torch.matmul(q.to(dtype), last) * self.scale).to(q.dtype)  # (B, Hq, R)
+
+    def band_with_gradients(
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
+    ) -> tuple[torch.Tensor, BandBackward]:
+        """:meth:`band`'s logits (the same operations) and their backward by hand, from the gradient
+        dL of the logits and d tail of the tail (tail = scale z[npos_max - 1], z = q e^T):
+
+            d interp = scale dL,   dz[floor p] += d interp (1 - w),   dz[ceil p] += d interp w,
+            d p = d interp (z[ceil p] - z[floor p])  (0 where clamped: floor p = ceil p there),
+            d g_t = sum_{j <= t} d p_j (the reversed cumulative sum's transpose), 0 on masked keys,
+            dS = dL + d g * g (1 - g),   dz[npos_max - 1] += scale d tail,
+            dq = dz e,   d e = dz^T q (summed over the batch, heads and rows).
+
+        One pass per step over the band, no autograd graph (the graph's ~60 nodes per block cost
+        more than their arithmetic on the band's small blocks)."""
+        gates = torch.sigmoid(scores)  # (B, Hq, R, K)
+        counts = counted_positions(gates, allowed)  # (B, Hq, R, K) not clamped
+        dtype = _compute_dtype(q)
+        table = self.table.to(dtype)  # (npos, D)
+        z = torch.matmul(q.to(dtype), table.T)  # (B, Hq, R, npos)
+        positions = counts.clamp(max=self.npos_max - 1)
+        floor = positions.floor()
+        weight = positions - floor
+        low_index, high_index = floor.long(), positions.ceil().long()
+        low, high = z.gather(-1, low_index), z.gather(-1, high_index)
+        interpolated = low * (1.0 - weight) + high * weight  # interpolate_position_logits's
+        logits = (scores + interpolated * self.scale).masked_fill(~allowed, float("-inf"))
+
+        def backward(
+            grad_logits: torch.Tensor, grad_tail: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            grad_interpolated = grad_logits.to(dtype) * self.scale  # (B, Hq, R, K)
+            grad_z = torch.zeros_like(z)  # (B, Hq, R, npos)
+            grad_z.scatter_add_(-1, low_index, grad_interpolated * (1.0 - weight))
+            grad_z.scatter_add_(-1, high_index, grad_interpolated * weight)
+            if grad_tail is not None:
+                grad_z[..., self.npos_max - 1] += grad_tail.to(dtype) * self.scale
+            # (the clamp's gradient needs no mask: a clamped position is the integer npos_max - 1,
+            # whose floor and ceil are one index, so high - low is 0 there)
+            grad_positions = grad_interpolated.mul_(high - low)  # (reuses its buffer)
+            grad_gates = grad_positions.cumsum(-1).masked_fill_(~allowed, 0.0)
+            grad_scores = grad_logits + (grad_gates * gates * (1.0 - gates)).to(grad_logits.dtype)
+            grad_q = torch.matmul(grad_z, table).to(q.dtype)  # (B, Hq, R, D)
+            grad_table = grad_z.reshape(-1, grad_z.shape[-1]).T @ q.to(dtype).reshape(-1, q.shape[-1])
+            return grad_scores, grad_q, {"table": grad_table.to(self.table.dtype)}
+
+        return logits, backward
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:

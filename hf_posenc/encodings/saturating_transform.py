@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TypeVar
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -73,6 +74,25 @@ class SaturatingTransform(BandForm):
     @abc.abstractmethod
     def tail(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, R, D) -> tail_i (B, Hq, R), in q's dtype."""
+
+    #: whether :meth:`band_with_gradients` is written (else the backend asks autograd)
+    backward_by_hand: ClassVar[bool] = False
+
+    def band_with_gradients(
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
+    ) -> tuple[torch.Tensor, BandBackward]:
+        """For forms whose band's backward is written by hand (:data:`backward_by_hand`): the
+        band's transformed logits, as :meth:`band` gives them, and a function of their gradient
+        dL (B, Hq, R, K), 0 on the keys ``allowed`` forbids, and the tail's gradient (B, Hq, R) or
+        None -> (dS (B, Hq, R, K), the gradient of q (B, Hq, R, D) through the form's own use of
+        it, the form's tensors' gradients by name)."""
+        raise NotImplementedError(f"{type(self).__name__} has no band backward by hand")
+
+
+#: a hand-written band backward (:meth:`SaturatingTransform.band_with_gradients`)
+BandBackward = Callable[
+    [torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]"
+]
 
 
 @dataclasses.dataclass(frozen=True)
