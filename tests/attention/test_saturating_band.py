@@ -125,21 +125,31 @@ def _model(backend, params, dtype=torch.float32, **overrides):
     return model.train()
 
 
+@pytest.mark.parametrize("by_hand", [True, False], ids=["band-backward-by-hand", "band-through-autograd"])
 @pytest.mark.parametrize(
     ("params", "batch", "length"),
     [({"npos_max": 4}, 2, 300), ({"npos_max": 4, "shared_across_layers": True}, 1, 200)],
     ids=["gqa-batch2", "shared-table"],
 )
-def test_patched_model_training_equals_eager(params, batch, length, monkeypatch):
-    """A patched Llama (grouped-query heads: 4 q / 2 kv) trained on the default backend: logits
-    and every parameter's gradient (the position tables' included) equal the eager backend's
-    (fp32, 1e-5 relative to each tensor's largest value), and the saturating band served every
-    attention call. (The eager path computes explicit scores in fp32 whatever the model's
-    dtype, so fp64 exactness is checked on the function above, not here.)"""
+def test_patched_model_training_equals_eager(params, batch, length, by_hand, monkeypatch):
+    """A patched Llama (grouped-query heads: 4 q / 2 kv) trained on the default backend, the band's
+    backward by hand (``CountedPositions.band_with_gradients``, checked: it ran) or through
+    autograd: logits and every parameter's gradient (the position tables' included) equal the
+    eager backend's (fp32, 1e-5 relative to each tensor's largest value), and the saturating
+    band served every attention call. (The eager path computes explicit scores in fp32 whatever
+    the model's dtype, so fp64 exactness is checked on the function above, not here.)"""
     served = []
     attend = saturating_band.attend_saturating_band
     monkeypatch.setattr(
         saturating_band, "attend_saturating_band", lambda *a, **kw: served.append(1) or attend(*a, **kw)
+    )
+    monkeypatch.setattr(CountedPositions, "backward_by_hand", by_hand)
+    hand_bands = []
+    band_with_gradients = CountedPositions.band_with_gradients
+    monkeypatch.setattr(
+        CountedPositions,
+        "band_with_gradients",
+        lambda self, *a: hand_bands.append(1) or band_with_gradients(self, *a),
     )
     ids = token_ids(batch, length)
     results = []
@@ -150,6 +160,8 @@ def test_patched_model_training_equals_eager(params, batch, length, monkeypatch)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         results.append((out.logits.detach(), grads))
     assert len(served) == model.config.num_hidden_layers
+    blocks = model.config.num_hidden_layers * -(-length // saturating_band.BLOCK)
+    assert len(hand_bands) == (blocks if by_hand else 0)
     (logits, grads), (eager_logits, eager_grads) = results
     torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
     assert grads.keys() == eager_grads.keys() and "posenc.embeddings" in grads
