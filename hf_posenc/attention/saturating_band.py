@@ -135,6 +135,32 @@ class BandPlan:
             values, _ = self.band_of(leaf_form, q_leaf, k_leaf, start, first)
         return values, leaf_form, [q_leaf, k_leaf, *leaves.values()], list(leaves)
 
+    def add_hand_grads(
+        self,
+        found: tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]],
+        q_rows: torch.Tensor,
+        band_keys: torch.Tensor,
+        grad_q: torch.Tensor,
+        grad_k: torch.Tensor,
+        grad_form: dict[str, torch.Tensor],
+        rows: slice,
+        first: int,
+    ) -> None:
+        """Adds a hand-written band backward's (dS, dq, the form's tensors' gradients) into the full
+        gradients: dS through the scores S = scale q K_band^T to q and the band's keys."""
+        d_scores, d_q, d_tensors = found
+        g = self.groups
+        stacked = stack_groups(d_scores.to(q_rows.dtype), g)  # (B, Hkv, G*R, K)
+        through_scores = unstack_groups(torch.matmul(stacked, band_keys), g) * self.scale
+        d_q = through_scores if d_q is None else d_q + through_scores
+        grad_q[:, :, rows] += d_q
+        grad_k[:, :, first : first + band_keys.shape[-2]] += torch.matmul(
+            stacked.transpose(-1, -2), stack_groups(q_rows, g)
+        ).mul_(self.scale)
+        for name, grad in d_tensors.items():
+            if name in grad_form:
+                grad_form[name] += grad
+
     @staticmethod
     def add_leaf_grads(
         found: tuple[torch.Tensor | None, ...],
@@ -215,8 +241,7 @@ class BandPlan:
             # the band's backward by hand where the form writes it, else through autograd
             by_hand = None
             if form.backward_by_hand:
-                scores, allowed, _ = self.band_scores(q_rows, band_keys, start, first)
-                by_hand = form.band_with_gradients(q_rows, scores, allowed)
+                by_hand = form.band_with_gradients(q_rows, *self.band_scores(q_rows, band_keys, start, first))
             if by_hand is not None:
                 logits, band_backward = by_hand
                 tail = form.tail(q_rows) if first > 0 else None
@@ -234,15 +259,9 @@ class BandPlan:
             # every row of dL sums to zero: the tail's gradient is minus the band's
             d_tail = None if tail is None else -d_logits.sum(-1)
             if by_hand is not None:
-                d_scores, d_q, d_tensors = band_backward(d_logits, d_tail)
-                stacked = stack_groups(d_scores, g)  # (B, Hkv, G*R, K)
-                d_q += unstack_groups(torch.matmul(stacked, band_keys), g) * self.scale
-                grad_q[:, :, rows] += d_q
-                grad_k[:, :, first:stop] += torch.matmul(
-                    stacked.transpose(-1, -2), stack_groups(q_rows, g)
-                ).mul_(self.scale)
-                for name, grad in d_tensors.items() if need_form else ():
-                    grad_form[name] += grad
+                self.add_hand_grads(
+                    band_backward(d_logits, d_tail), q_rows, band_keys, grad_q, grad_k, grad_form, rows, first
+                )
             else:
                 outputs, grads = [logits], [d_logits]
                 if tail is not None and d_tail is not None:
@@ -333,11 +352,23 @@ class _VanishingBandAttention(torch.autograd.Function):
         grad_form = {name: torch.zeros_like(t) for name, t in form.tensors().items()} if need_form else {}
         for (start, stop), first in zip(plan.spans(q.shape[-2]), ctx.firsts, strict=True):
             d_out = stack_groups(grad_out[:, :, start:stop], g)  # (B, Hkv, G*R, D)
-            weights, _, leaves, names = plan.leaf_band(form, q, k, start, stop, first, need_form)
+            q_rows, band_keys = q[:, :, start:stop], k[:, :, first:stop]
+            if form.backward_by_hand:  # the band's backward by hand, else through autograd
+                weights, band_backward = form.band_with_gradients(
+                    q_rows, *plan.band_scores(q_rows, band_keys, start, first)
+                )
+            else:
+                weights, _, leaves, names = plan.leaf_band(form, q, k, start, stop, first, need_form)
             with torch.no_grad():
                 stacked = stack_groups(weights.detach().to(v.dtype), g)  # (B, Hkv, G*R, K)
                 grad_v[:, :, first:stop] += torch.matmul(stacked.transpose(-1, -2), d_out)
                 d_weights = unstack_groups(torch.matmul(d_out, v[:, :, first:stop].transpose(-1, -2)), g)
+            if form.backward_by_hand:
+                found_by_hand = band_backward(d_weights.to(weights.dtype), None)
+                plan.add_hand_grads(
+                    found_by_hand, q_rows, band_keys, grad_q, grad_k, grad_form, slice(start, stop), first
+                )
+                continue
             found = torch.autograd.grad(weights, leaves, d_weights.to(weights.dtype), allow_unused=True)
             plan.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
         return (None, None, None, grad_q, grad_k, grad_v, *(grad_form.get(name) for name in ctx.names))

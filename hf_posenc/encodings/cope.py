@@ -147,7 +147,7 @@ class CountedPositions(SaturatingTransform):
         return (torch.matmul(q.to(dtype), last) * self.scale).to(q.dtype)  # (B, Hq, R)
 
     def band_with_gradients(
-        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
     ) -> tuple[torch.Tensor, BandBackward]:
         """:meth:`band`'s logits (the same operations) and their backward by hand, from the gradient
         dL of the logits and d tail of the tail (tail = scale z[npos_max - 1], z = q e^T):

@@ -53,6 +53,19 @@ class BandForm(abc.ABC):
         weights; done (B, Hq, R) bool: every key before the band has the far form, with a margin
         that holds for any summation order)."""
 
+    #: whether :meth:`band_with_gradients` is written (else the backend asks autograd)
+    backward_by_hand: ClassVar[bool] = False
+
+    def band_with_gradients(
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
+    ) -> tuple[torch.Tensor, BandBackward]:
+        """For forms whose band's backward is written by hand (:data:`backward_by_hand`): the
+        band's values, as :meth:`band` gives them (without its flag), and a function of their
+        gradient (B, Hq, R, K), 0 on the keys ``allowed`` forbids, and a saturating transform's
+        tail's gradient (B, Hq, R) or None -> (dS (B, Hq, R, K), the gradient of q (B, Hq, R, D)
+        through the form's own use of it or None, the form's tensors' gradients by name)."""
+        raise NotImplementedError(f"{type(self).__name__} has no band backward by hand")
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields, by name (the parameters its formulas read)."""
         return {
@@ -75,23 +88,10 @@ class SaturatingTransform(BandForm):
     def tail(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, Hq, R, D) -> tail_i (B, Hq, R), in q's dtype."""
 
-    #: whether :meth:`band_with_gradients` is written (else the backend asks autograd)
-    backward_by_hand: ClassVar[bool] = False
 
-    def band_with_gradients(
-        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor
-    ) -> tuple[torch.Tensor, BandBackward]:
-        """For forms whose band's backward is written by hand (:data:`backward_by_hand`): the
-        band's transformed logits, as :meth:`band` gives them, and a function of their gradient
-        dL (B, Hq, R, K), 0 on the keys ``allowed`` forbids, and the tail's gradient (B, Hq, R) or
-        None -> (dS (B, Hq, R, K), the gradient of q (B, Hq, R, D) through the form's own use of
-        it, the form's tensors' gradients by name)."""
-        raise NotImplementedError(f"{type(self).__name__} has no band backward by hand")
-
-
-#: a hand-written band backward (:meth:`SaturatingTransform.band_with_gradients`)
+#: a hand-written band backward (:meth:`BandForm.band_with_gradients`)
 BandBackward = Callable[
-    [torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]"
+    [torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]"
 ]
 
 

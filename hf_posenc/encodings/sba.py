@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from ..core.registry import register_encoding
 from ..core.underflow import exp_flushed
 from .base import Encoding
 from .call import ScoreCall
-from .saturating_transform import VanishingWeights
+from .saturating_transform import BandBackward, VanishingWeights
 
 REMAINDERS = ("current", "drop")
 
@@ -131,3 +132,39 @@ class StickBreakingBand(VanishingWeights):
         breaks = allowed if self.attend_current else allowed & ~own  # (R, K)
         weights, kept = _stick_breaking(scores, breaks)  # (B, Hq, R, K), (B, Hq, R)
         return _with_remainder(weights, own, self.remainder), kept < VANISHED
+
+    backward_by_hand: ClassVar[bool] = True
+
+    def band_with_gradients(
+        self, q: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, own: torch.Tensor
+    ) -> tuple[torch.Tensor, BandBackward]:
+        """:meth:`band`'s weights (the same operations) and their backward by hand, from the gradient
+        dA' of the weights A' = A + max(1 - sum A, 0) own (``remainder="current"``; A' = A for
+        ``"drop"``), with log A_ij = log sigmoid(z_ij) + sum_{t > j} log sigmoid(-z_it) on the stick:
+
+            dA = dA' - (dA' at the own key) [1 - sum A >= 0]   (the remainder; the clamp's gradient),
+            d log A = dA A   (exp_flushed's: 0 where the weight is flushed),
+            dz_ij = d log A_ij sigmoid(-z_ij) - sigmoid(z_ij) sum_{j' < j} d log A_ij'   on the stick,
+
+        the last sum an exclusive cumulative sum over the keys (the transpose of the reversed one).
+        No autograd graph per block."""
+        breaks = allowed if self.attend_current else allowed & ~own  # (R, K)
+        z = scores.float()
+        weights, _ = _stick_breaking(scores, breaks)  # (B, Hq, R, K) A
+        out = _with_remainder(weights, own, self.remainder)
+
+        def backward(
+            grad_out: torch.Tensor, grad_tail: torch.Tensor | None
+        ) -> tuple[torch.Tensor, None, dict[str, torch.Tensor]]:
+            grad = grad_out.float()  # (B, Hq, R, K) dA'
+            if self.remainder == "current":
+                left_grad = (grad * own).sum(-1, keepdim=True)  # (B, Hq, R, 1) d max(1 - sum A, 0)
+                open_rows = (1.0 - weights.sum(-1, keepdim=True)) >= 0.0  # the clamp passes its gradient
+                grad = grad - left_grad * open_rows
+            grad_log = grad.mul_(weights) if grad is not grad_out else grad * weights  # d log A
+            # sum over j' < j of d log A (exclusive cumulative sum: shifted, no subtraction)
+            before = F.pad(grad_log.cumsum(-1)[..., :-1], (1, 0))
+            grad_z = grad_log * torch.sigmoid(-z) - before.masked_fill_(~breaks, 0.0) * torch.sigmoid(z)
+            return grad_z.masked_fill_(~breaks, 0.0).to(scores.dtype), None, {}
+
+        return out, backward

@@ -267,11 +267,24 @@ def test_stick_breaking_band_equals_the_formula(
         )
 
 
+@pytest.mark.parametrize("by_hand", [True, False], ids=["band-backward-by-hand", "band-through-autograd"])
 @pytest.mark.parametrize("params", [{}, {"attend_current": True, "remainder": "drop"}], ids=str)
-def test_stick_breaking_model_training_equals_eager(params, monkeypatch):
+def test_stick_breaking_model_training_equals_eager(params, by_hand, monkeypatch):
     """A patched Llama (4 q / 2 kv heads, a batch of two, T = 300) trained with ``sba`` on the
-    default backend: logits and every parameter's gradient equal the eager backend's (fp32, 1e-5
-    relative to each tensor's largest value), the band served every layer and left keys out."""
+    default backend, the band's backward by hand (``StickBreakingBand.band_with_gradients``,
+    checked: it ran) or through autograd: logits and every parameter's gradient equal the eager
+    backend's (fp32, 1e-5 relative to each tensor's largest value), the band served every layer
+    and left keys out."""
+    from hf_posenc.encodings.sba import StickBreakingBand
+
+    monkeypatch.setattr(StickBreakingBand, "backward_by_hand", by_hand)
+    hand_bands: list[int] = []
+    band_with_gradients = StickBreakingBand.band_with_gradients
+    monkeypatch.setattr(
+        StickBreakingBand,
+        "band_with_gradients",
+        lambda self, *a: hand_bands.append(1) or band_with_gradients(self, *a),
+    )
     firsts: list[int] = []
     forward = saturating_band._vanishing_forward
 
@@ -291,6 +304,7 @@ def test_stick_breaking_model_training_equals_eager(params, monkeypatch):
             (out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         )
     assert firsts and max(firsts) > 0
+    assert len(hand_bands) == (len(firsts) if by_hand else 0)  # once per block of the patched run
     (logits, grads), (eager_logits, eager_grads) = results
     torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
     for name, grad in grads.items():
