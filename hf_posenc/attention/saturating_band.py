@@ -6,8 +6,10 @@ keys near each block of queries (a :class:`~hf_posenc.encodings.saturating_trans
   explicit band plus one fused kernel call for the keys before it, merged by log-sum-exp (below);
 - a ``normalize`` stage whose weights before the band are exactly 0
   (:class:`~hf_posenc.encodings.saturating_transform.VanishingWeights`, stick-breaking's past
-  fp32's underflow): the band alone, ``out = W_band V_band``; backward recomputes the band under
-  autograd (``dW = dO V^T``, ``dV = W^T dO``).
+  fp32's underflow): the band alone, ``out = W_band V_band``; backward recomputes the band
+  (``dW = dO V^T``, ``dV = W^T dO``) and carries dW through the form's backward by hand
+  (:meth:`~hf_posenc.encodings.saturating_transform.BandForm.band_with_gradients`: stick-breaking's)
+  or under autograd.
 
 For one block of queries ``[s, e)`` (:data:`BLOCK` rows) and the band of keys ``[f, e)``:
 
@@ -26,9 +28,11 @@ clamped at ``npos_max - 1``).
 
 Backward (FlashAttention-2's, Dao 2023, Algorithm 2, from the merged ``out`` and ``lse``): the far
 keys through the fused kernel's backward with ``lse - tail`` (their weights include the
-constant); the band recomputed under autograd from leaves of q, the band's keys and the form's
-tensors, ``P = exp(L - lse)``, ``dL = P * (dO V^T - rowsum(dO * out))``, and autograd carries dL
-through the form (CoPE: through its gates and position interpolation) to q, k and the table. The
+constant); the band recomputed, ``P = exp(L - lse)``, ``dL = P * (dO V^T - rowsum(dO * out))``,
+and dL carried through the form to q, k and its tensors by the form's own backward where it
+writes one (``BandForm.band_with_gradients``: CoPE's gates and position interpolation, no
+autograd graph per block), else by autograd over leaves of q, the band's keys and the form's
+tensors. The
 tail's gradient needs no far-key sums: every row of dL sums to zero, so
 ``d tail_i = - sum over the band of dL_i``.
 
