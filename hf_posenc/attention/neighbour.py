@@ -184,7 +184,7 @@ def attend_remade(
         out = _NeighbourAttention.apply(plan, split_of, made, *sources, v)
     else:
         out, _ = plan.forward(*_rotated(split, dtype), v)
-    plan.trim_heap(out)
+    plan.trim_heap(out, training)
     return out.transpose(1, 2).to(out_dtype)  # (B, Tq, Hq, D)
 
 

@@ -17,6 +17,18 @@ from . import softmax_parts
 from .host_heap import trim_host_heap
 from .softmax_parts import additive_mask, finite, stack_groups, unstack_groups
 
+#: a training step's neighbour-backend calls (forwards and backwards, CPU, several blocks) per heap
+#: trim. glibc held 170-290 MiB free in a 530-630 MiB heap at each call of a SelfExtend training
+#: step (the bench's model, T=2048), so a trim per call handed back and refaulted ~200 MiB per
+#: layer: steps of 0.67-0.68 s with a trim per call, 0.63 every 2nd, 0.60 every 4th, 0.52 never;
+#: peak resident set 869-874 / 879-891 / 895 / 1145 MiB (one process each, 5 steps, 2026-11-28,
+#: idle); `scripts/cpu_constant_ab.py --encoding selfextend --mode train --length 2048 --constant
+#: hf_posenc.attention.neighbour_plan:TRIM_EVERY --values 1 4 --native`: 1.45x -> 1.29x native
+#: (rerope 1.44x -> 1.30x). Inference trims after every call: every 4th saved no time there and
+#: held 20-40 MiB more at T=4096
+TRIM_EVERY = 4
+_TRIM_CALLS = [0]
+
 
 @dataclasses.dataclass(frozen=True)
 class NeighbourPlan:
@@ -67,11 +79,15 @@ class NeighbourPlan:
             parts.append((True, keys, allowed[..., keys] & ~self.split.is_near(rows, keys)))
         return parts
 
-    def trim_heap(self, out: torch.Tensor) -> None:
+    def trim_heap(self, out: torch.Tensor, training: bool) -> None:
         """After a call of several blocks on CPU: the blocks' temporaries left holes in the C heap
-        that stay resident under the tensors allocated after them (see :mod:`.host_heap`)."""
+        that stay resident under the tensors allocated after them (see :mod:`.host_heap`); handed
+        back after every call without gradients, after every :data:`TRIM_EVERY`-th of a training
+        step's forwards and backwards."""
         if out.device.type == "cpu" and out.shape[-2] > self.block and not torch.compiler.is_compiling():
-            trim_host_heap()
+            _TRIM_CALLS[0] += 1
+            if not training or _TRIM_CALLS[0] % TRIM_EVERY == 0:
+                trim_host_heap()
 
     def bias(self, allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """(B|1, 1, rows, keys) bool -> (B|1, 1, G*rows, keys) additive mask for stacked query heads."""
@@ -159,5 +175,5 @@ class NeighbourPlan:
                 grads["fq" if is_far else "nq"][:, :, rows] += unstack_groups(dq, g)
                 grads["fk" if is_far else "nk"][:, :, keys] += dk
                 grads["v"][:, :, keys] += dv
-        self.trim_heap(out)
+        self.trim_heap(out, training=True)
         return grads["nq"], grads["fq"], grads["nk"], grads["fk"], grads["v"]
