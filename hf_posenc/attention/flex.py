@@ -13,7 +13,7 @@ per forward.
 Compiled calls run at a length bucket (:func:`bucket_length`), not at their own lengths: q, k and
 v are padded to the bucket, the block mask masks the padded keys and discards the padded queries
 (whole padded blocks are skipped by the kernel), the bias is evaluated on the padded ranges
-(:class:`~hf_posenc.encodings.block_bias.ScoreGrid`: tables padded, the key offset a tensor) and
+(:class:`~hf_posenc.encodings.score_grid.ScoreGrid`: tables padded, the key offset a tensor) and
 the output is sliced back. One graph is compiled per (bias form, bucket of Tq, bucket of Tk,
 dtype, with or without backward) instead of per length: a bucket is a multiple of
 ``step = max(128, 2^(ceil(log2 n) - 1) / FLEX_BUCKETS_PER_OCTAVE)`` (``FLEX_BUCKETS_PER_OCTAVE``
@@ -51,7 +51,8 @@ import torch.nn.functional as F
 
 from ..compat import raise_recompile_limit
 from ..core.memo import ForwardMemo
-from ..encodings.block_bias import BlockBias, ScoreGrid
+from ..encodings.block_bias import BlockBias
+from ..encodings.score_grid import ScoreGrid
 from .backend import AUTO, AttentionCall, Backend, output_only, register_backend
 from .flex_kernels import attend_with_ladder, kernel_class
 

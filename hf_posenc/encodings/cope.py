@@ -71,11 +71,30 @@ def contextual_positions(gates: torch.Tensor, allowed: torch.Tensor | None, npos
 def interpolate_position_logits(z: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """z (..., Tq, npos) logits of integer positions, positions (..., Tq, Tk) fractional
     -> (1 - w) z[floor p] + w z[ceil p] with w = p - floor p, shape (..., Tq, Tk)."""
-    floor = positions.floor()
-    weight = positions - floor  # differentiable; the indices carry no gradient
-    low = z.gather(-1, floor.long())
-    high = z.gather(-1, positions.ceil().long())
-    return low * (1.0 - weight) + high * weight
+    return _Interpolation.of(z, positions).value()
+
+
+@dataclasses.dataclass
+class _Interpolation:
+    """The parts of :func:`interpolate_position_logits`: floor and ceil indices, the weight w =
+    p - floor p (differentiable; the indices carry no gradient), z at both indices."""
+
+    low_index: torch.Tensor
+    high_index: torch.Tensor
+    weight: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+
+    @classmethod
+    def of(cls, z: torch.Tensor, positions: torch.Tensor) -> _Interpolation:
+        floor = positions.floor()
+        low_index, high_index = floor.long(), positions.ceil().long()
+        return cls(
+            low_index, high_index, positions - floor, z.gather(-1, low_index), z.gather(-1, high_index)
+        )
+
+    def value(self) -> torch.Tensor:
+        return self.low * (1.0 - self.weight) + self.high * self.weight
 
 
 @register_encoding
@@ -165,26 +184,21 @@ class CountedPositions(SaturatingTransform):
         dtype = _compute_dtype(q)
         table = self.table.to(dtype)  # (npos, D)
         z = torch.matmul(q.to(dtype), table.T)  # (B, Hq, R, npos)
-        positions = counts.clamp(max=self.npos_max - 1)
-        floor = positions.floor()
-        weight = positions - floor
-        low_index, high_index = floor.long(), positions.ceil().long()
-        low, high = z.gather(-1, low_index), z.gather(-1, high_index)
-        interpolated = low * (1.0 - weight) + high * weight  # interpolate_position_logits's
-        logits = (scores + interpolated * self.scale).masked_fill(~allowed, float("-inf"))
+        parts = _Interpolation.of(z, counts.clamp(max=self.npos_max - 1))
+        logits = (scores + parts.value() * self.scale).masked_fill(~allowed, float("-inf"))
 
         def backward(
             grad_logits: torch.Tensor, grad_tail: torch.Tensor | None
         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             grad_interpolated = grad_logits.to(dtype) * self.scale  # (B, Hq, R, K)
             grad_z = torch.zeros_like(z)  # (B, Hq, R, npos)
-            grad_z.scatter_add_(-1, low_index, grad_interpolated * (1.0 - weight))
-            grad_z.scatter_add_(-1, high_index, grad_interpolated * weight)
+            grad_z.scatter_add_(-1, parts.low_index, grad_interpolated * (1.0 - parts.weight))
+            grad_z.scatter_add_(-1, parts.high_index, grad_interpolated * parts.weight)
             if grad_tail is not None:
                 grad_z[..., self.npos_max - 1] += grad_tail.to(dtype) * self.scale
             # (the clamp's gradient needs no mask: a clamped position is the integer npos_max - 1,
             # whose floor and ceil are one index, so high - low is 0 there)
-            grad_positions = grad_interpolated.mul_(high - low)  # (reuses its buffer)
+            grad_positions = grad_interpolated.mul_(parts.high - parts.low)  # (reuses its buffer)
             grad_gates = grad_positions.cumsum(-1).masked_fill_(~allowed, 0.0)
             grad_scores = grad_logits + (grad_gates * gates * (1.0 - gates)).to(grad_logits.dtype)
             grad_q = torch.matmul(grad_z, table).to(q.dtype)  # (B, Hq, R, D)

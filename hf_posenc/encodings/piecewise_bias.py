@@ -43,10 +43,11 @@ import torch.nn.functional as F
 
 from ..core.layout import query_key_indices
 from . import network_bands, network_bands_backward, network_block
-from .block_bias import BlockBias, ElementwiseBias, ScoreGrid, pad_last
+from .block_bias import BlockBias
 from .distance_ratio import DistanceRatio, distance_ratio
 from .network_block import reversed_network_block
 from .piecewise_block import PiecewiseBlock, monotone_segments
+from .score_grid import ElementwiseBias, ScoreGrid, pad_last
 
 #: blocks of at most this many queries (decoding steps) are the formula's view (:meth:`span`)
 #: with the mask folded in: one query over 2048 keys, 8 heads (CPU, no gradients) took ~0.5 ms

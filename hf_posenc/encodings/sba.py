@@ -161,7 +161,7 @@ class StickBreakingBand(VanishingWeights):
                 left_grad = (grad * own).sum(-1, keepdim=True)  # (B, Hq, R, 1) d max(1 - sum A, 0)
                 open_rows = (1.0 - weights.sum(-1, keepdim=True)) >= 0.0  # the clamp passes its gradient
                 grad = grad - left_grad * open_rows
-            grad_log = grad.mul_(weights) if grad is not grad_out else grad * weights  # d log A
+            grad_log = grad * weights  # d log A
             # sum over j' < j of d log A (exclusive cumulative sum: shifted, no subtraction)
             before = F.pad(grad_log.cumsum(-1)[..., :-1], (1, 0))
             grad_z = grad_log * torch.sigmoid(-z) - before.masked_fill_(~breaks, 0.0) * torch.sigmoid(z)
