@@ -19,23 +19,23 @@ from the kept statistics (Dao 2023, Algorithm 2):
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
     dQ = s dS K,  dK = s dS^T Q,  dbias = dS (summed over a batch the bias is shared by)
 
-computed one head at a time (:class:`_Chain`) in the rebuilt block: bias - lse written there,
-then ``addmm_`` adds the head's scores (the exponent in base 2: log2(e) times it), weights
-below 2^-100 flushed to 0 and ``exp2_`` (torch's exp leaves its fast path for inputs below
-about -87 and for the masked keys, see :mod:`hf_posenc.core.underflow`), multiplied in place
-by dO V^T - rowsum(dO * O) (one product of dO widened by a column of -rowsum(dO * O) and V
-widened by ones, into one head's (R, K) work buffer): dS. Where the form rebuilds its block a
-group of heads at a time (:class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild`: FIRE's
-bands, fp32, one row of normalisers), each group's block is written into one small buffer, its
-chain run and its dS handed to the form, whose gradients it adds up by hand, before the next
-group is written (:data:`REBUILT_HEADS`); else the whole (B, H, R, K) block is rebuilt with
-gradients and dbias sent through its own backward. With one head at a time neither the block
-nor its dS exists for every head at once: a training step's peak by the profiler's count, FIRE
-at T=2048 in the bench's model, 197 -> 168 MiB (native 157; ``python -m
+computed a group of :data:`REBUILT_HEADS` heads at a time (:class:`_Chain`) in the rebuilt
+block: bias - lse written there, then ``baddbmm_`` adds the group's scores (the exponent in base
+2: log2(e) times it), weights below 2^-100 flushed to 0 and ``exp2_`` (torch's exp leaves its
+fast path for inputs below about -87 and for the masked keys, see
+:mod:`hf_posenc.core.underflow`), multiplied in place by dO V^T - rowsum(dO * O) (one batched
+product of dO widened by a column of -rowsum(dO * O) and V widened by ones, into the group's
+(g, R, K) work buffer): dS. Where the form rebuilds its block a group of heads at a time
+(:class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild`: FIRE's bands, fp32, one row of
+normalisers), each group's block is written into one small buffer, its chain run and its dS
+handed to the form, whose gradients it adds up by hand, before the next group is written; else
+the whole (B, H, R, K) block is rebuilt with gradients and dbias sent through its own backward.
+Neither the block nor its dS exists for every head at once: a training step's peak by the
+profiler's count, FIRE at T=2048 in the bench's model (``python -m
 hf_posenc.recipes.benchmark.peak_memory --encodings fire --hidden-size 256 --num-heads 8
---vocab-size 256 --lengths 1024 2048``), time unchanged within this machine's noise. No softmax
-(the statistics are kept) and no second forward; the block's (rows x keys) buffers exist only
-while it is computed.
+--vocab-size 256 --lengths 1024 2048``; native 157 MiB): every head at once 197 MiB, one head
+168, four heads (:data:`REBUILT_HEADS`) 179. No softmax (the statistics are kept) and no second
+forward; the block's (rows x keys) buffers exist only while it is computed.
 
 Before, the block's backward recomputed its weights by a softmax of explicitly recomputed
 scores (:func:`~.bias_block.block_gradients`) and built its bias twice (once without gradients
@@ -58,9 +58,16 @@ if TYPE_CHECKING:
 
 #: dtypes the block's forward and backward run in (the fused kernel computes in them)
 FLASH_DTYPES = (torch.float32, torch.float64)
-#: heads of a block rebuilt in backward at a time (:class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild`):
-#: the rebuilt block, its dS and the chain's work buffers are one group's
-REBUILT_HEADS = 1
+#: heads of a block whose backward chain runs at a time, in batched products, and that a
+#: :class:`~hf_posenc.encodings.headwise_rebuild.HeadwiseRebuild` rebuilds at a time: the rebuilt
+#: block, its dS and the chain's work buffers are one group's. Batched over heads, torch's two
+#: threads each take whole heads; one head at a time they split each (R, K) product, and on the
+#: 2-vCPU VM of 2026-11-28 such a split product (256 x 32 by 32 x 2048) ran at 0.18 ms in some
+#: stretches of minutes and 0.35 ms in others (the same process; a batch of 4 heads unchanged,
+#: 0.19 per head): FIRE's training step at T=2048 (scripts/cpu_constant_ab.py-style alternating
+#: rounds, classified by that product's time): 1 head 1.44x native in the fast stretches and
+#: 1.76x in the slow, 4 heads 1.47x and 1.57x; memory above (168 -> 179 MiB)
+REBUILT_HEADS = 4
 
 
 def serves(q: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool:
@@ -225,28 +232,31 @@ class _Chain:
         self.grad_q = torch.empty(batch, heads, rows, dim, dtype=q.dtype, device=q.device)
         self.grad_k = torch.empty(batch, heads, keys, dim, dtype=q.dtype, device=q.device)
         self.grad_v = torch.empty(batch, heads, keys, dim, dtype=q.dtype, device=q.device)
-        # dO V^T - delta, one head's (R, K), in a work buffer shared by the blocks (and layers) of a forward
-        self.grad_p = work_buffer(buffers, "grad_p", rows * keys, q.dtype, q.device)[: rows * keys].view(
-            rows, keys
-        )
 
     def run(self, scores: torch.Tensor, heads: slice) -> None:
-        """``scores`` (B, g, R, K) = bias - lse of the block's ``heads`` -> dS, in place. One head at a
-        time: its (R, K) block stays in cache through the chain's nine passes."""
-        scale, grad_p = self.scale, self.grad_p
-        for b in range(self.batch):
-            for i, head in enumerate(range(heads.start, heads.stop)):
-                weights = scores[b, i]  # (R, K)
-                q, k = self.q[b, head], self.k[b, head]
-                weights.addmm_(q, k.T, beta=LOG2E, alpha=scale * LOG2E)
+        """``scores`` (B, g, R, K) = bias - lse of the block's ``heads`` -> dS, in place, at most
+        :data:`REBUILT_HEADS` heads at a time in batched products (``baddbmm_`` / ``bmm``): the
+        threads split those heads between them, each writing whole (R, K) matrices."""
+        scale, dim, rows, keys = self.scale, self.dim, self.rows, self.keys
+        size = min(REBUILT_HEADS, heads.stop - heads.start)
+        # dO V^T - delta of a group, (g, R, K), in a work buffer shared by the blocks (and layers) of a forward
+        work = work_buffer(self.buffers, "grad_p", size * rows * keys, scores.dtype, scores.device)
+        for first in range(heads.start, heads.stop, size):
+            group = slice(first, min(first + size, heads.stop))  # the model's heads
+            count = group.stop - group.start
+            grad_p = work[: count * rows * keys].view(count, rows, keys)
+            for b in range(self.batch):
+                weights = scores[b, first - heads.start : group.stop - heads.start]  # (g, R, K)
+                q, k = self.q[b, group], self.k[b, group]  # (g, R | K, D)
+                weights.baddbmm_(q, k.transpose(1, 2), beta=LOG2E, alpha=scale * LOG2E)
                 # weights below 2^FLUSH are 0: no subnormal P or dS (each costs ~100x in exp2, mul and BLAS)
                 torch.threshold_(weights, FLUSH, -math.inf).exp2_()  # P
-                grad_aug = self.grad_aug[b, head]
-                torch.mm(weights.T, grad_aug[:, : self.dim], out=self.grad_v[b, head])  # P^T dO
-                torch.mm(grad_aug, self.v_aug[b, head].T, out=grad_p)
+                grad_aug = self.grad_aug[b, group]  # (g, R, D + 1)
+                torch.bmm(weights.transpose(1, 2), grad_aug[..., :dim], out=self.grad_v[b, group])  # P^T dO
+                torch.bmm(grad_aug, self.v_aug[b, group].transpose(1, 2), out=grad_p)
                 weights.mul_(grad_p)  # dS = P * (dO V^T - delta)
-                torch.mm(weights, k, out=self.grad_q[b, head])
-                torch.mm(weights.T, q, out=self.grad_k[b, head])
+                torch.bmm(weights, k, out=self.grad_q[b, group])
+                torch.bmm(weights.transpose(1, 2), q, out=self.grad_k[b, group])
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) of every head run."""

@@ -95,8 +95,8 @@ class RebuiltHeads:
     exactly as :func:`.network_bands.banded_block` writes it; :meth:`add_gradient` takes the
     group's dS (:class:`BandGradients`) before the next group is written; :meth:`result` gives
     the gradients (d feature, d normaliser (1, rows), d w1, d b1, d w2, d b2). The chunked
-    backend's training blocks then hold one group's block, not every head's (8x less at
-    ``rebuilt_flash.REBUILT_HEADS = 1`` with 8 heads), while it is hot for the attention's backward chain."""
+    backend's training blocks then hold one group's block, not every head's (2x less at
+    ``rebuilt_flash.REBUILT_HEADS = 4`` with 8 heads), while it is hot for the attention's backward chain."""
 
     def __init__(self, feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> None:
         # no graph (its caller may run with gradients on): the gradients come by hand

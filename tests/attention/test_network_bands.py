@@ -319,7 +319,7 @@ def _assert_formula_gradients(function, queries, keys, upstream, names, paramete
 
 #: how backward rebuilds the banded blocks: a group of heads at a time without a graph
 #: (``RebuiltHeads``, rebuilt_flash.REBUILT_HEADS heads), or every head through ``BandedBlock``
-REBUILDS = [("heads", 1), ("heads", 3), ("heads", 8), ("block", None)]
+REBUILDS = [("heads", 1), ("heads", 3), ("heads", 8), ("block", 4), ("block", 3)]
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -327,24 +327,29 @@ REBUILDS = [("heads", 1), ("heads", 3), ("heads", 8), ("block", None)]
 def test_fire_training_with_banded_blocks_equals_eager(rebuild, group, batch):
     """A training step at T=600 with L=32 (blocks of 256 queries with gradients; those of queries
     256.. and 512..599 from bands of distances, forward and backward), rebuilt in backward a group
-    of heads at a time (1, 3 of the model's 4, all) or every head through autograd, a batch of
+    of heads at a time (1, 3 of the model's 4, all) or every head through autograd (its chain
+    then over groups of all 4 heads or of 3 and 1), a batch of
     one and of two (whose rows share the bias: dS summed over them): the loss and every
     parameter's gradient, the model's and FIRE's own, equal backend="eager"'s (fp32, 1e-5
     absolute and relative, 1e-4 for the gradients of FIRE's c and L, whose sums cancel)."""
     ids = token_ids(batch, 600)
     results = {}
+    # mock's patchers may be entered again (once per backend below)
+    patchers = [mock.patch.object(rebuilt_flash, "REBUILT_HEADS", group)]
     if rebuild == "heads":
-        counted, patched = (
-            (network_bands_backward, "RebuiltHeads"),
-            mock.patch.object(rebuilt_flash, "REBUILT_HEADS", group),
-        )
+        counted = (network_bands_backward, "RebuiltHeads")
     else:
         counted = (network_bands_backward.BandedBlock, "apply")
-        patched = mock.patch.object(PiecewiseDistanceBias, "rebuilt_reversed_heads", lambda *args: None)
+        patchers.append(
+            mock.patch.object(PiecewiseDistanceBias, "rebuilt_reversed_heads", lambda *args: None)
+        )
     for backend in ("eager", "chunked"):
         model = patch(make_model("llama"), "fire", {"init_L": 32.0}, backend=backend)
         model.train()
-        with patched, _counted(*counted) as calls:  # (the chunked run's, last)
+        # calls: the chunked run's (the last)
+        with contextlib.ExitStack() as stack, _counted(*counted) as calls:
+            for patcher in patchers:
+                stack.enter_context(patcher)
             loss = model(ids, labels=ids).loss
             loss.backward()
         results[backend] = (
