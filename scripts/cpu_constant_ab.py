@@ -9,14 +9,17 @@ the same machine state (this 2-core machine is noisy: compare values within one 
 prints each value's step times (seconds, sorted) and median. With ``--native`` the unpatched
 model (the same weights) takes a step in each round too, and each value's median is also given
 as a ratio to native's; without ``--constant`` the encoding is timed as it is (against native,
-with ``--native``). It imports the hf_posenc of the checkout it sits in (so a worktree's script
-times that worktree's code).
+with ``--native``). With ``--by-state`` every round starts with ``split_product_probe.py``'s probe
+and the medians are also given per state of the machine it read (fast / slow; with ``--native``
+as medians of each round's ratio to native's step). It imports the hf_posenc of the checkout it
+sits in (so a worktree's script times that worktree's code).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import pathlib
 import statistics
 import sys
@@ -46,7 +49,23 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--native", action="store_true", help="also time the unpatched model in every round")
+    p.add_argument(
+        "--by-state",
+        action="store_true",
+        help="probe the machine's state before each round (split_product_probe.py)",
+    )
     return p
+
+
+def _state_probe():
+    """split_product_probe.py beside this script: () -> 'fast' | 'slow'."""
+    spec = importlib.util.spec_from_file_location(
+        "split_product_probe", pathlib.Path(__file__).with_name("split_product_probe.py")
+    )
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return lambda: "slow" if probe.probe()["split"] > probe.SLOW_MS else "fast"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     values: list[int | None] = list(args.values) or [None]
     times: dict[int | None, list[float]] = {value: [] for value in values}
     native_times: list[float] = []
+    state_of = _state_probe() if args.by_state else None
+    states: list[str] = []
     try:
         step(model)  # warm-up: first-call allocations and lazy imports
         if native is not None:
             step(native)
         for _ in range(args.rounds):
+            if state_of is not None:
+                states.append(state_of())
             if native is not None:
                 native_times.append(step(native))
             for value in values:
@@ -114,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{label}: median {statistics.median(seconds):.3f} s{ratio}  {[round(s, 3) for s in sorted(seconds)]}"
         )
+    for state in sorted(set(states)):
+        rounds = [i for i, found in enumerate(states) if found == state]
+        for value, seconds in times.items():
+            label = name if value is None else f"{name}={value}"
+            if native_times:  # each round's own ratio: the state may change between rounds
+                figure = f"{statistics.median(seconds[i] / native_times[i] for i in rounds):.3f}x native"
+            else:
+                figure = f"{statistics.median(seconds[i] for i in rounds):.3f} s"
+            print(f"{state} state ({len(rounds)} of {len(states)} rounds): {label}: median {figure}")
     return 0
 
 

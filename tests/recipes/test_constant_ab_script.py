@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import torch
+
 from hf_posenc.encodings import network_block
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "cpu_constant_ab.py"
@@ -71,3 +73,40 @@ def test_a_constant_without_values_is_one_line(capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["--constant and --values go together (neither: the encoding as it is)"]
+
+
+def test_rounds_are_reported_per_state_of_the_machine(capsys, monkeypatch):
+    """``--by-state``: each round's state (here given: fast, slow, fast) groups the rounds, and each
+    group's median is of its own rounds' ratios to native's step."""
+    script = _script()
+    states = iter(["fast", "slow", "fast"])
+    monkeypatch.setattr(script, "_state_probe", lambda: lambda: next(states))
+    code = script.main(
+        ["--encoding", "t5", "--mode", "forward", "--length", "32", "--rounds", "3", "--native", "--by-state"]
+    )
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "native",
+        "as is",
+        "fast state (2 of 3 rounds)",
+        "slow state (1 of 3 rounds)",
+    ]
+    assert all(line.endswith("x native") for line in lines[2:])
+
+
+def test_the_state_probe_times_three_products():
+    """scripts/split_product_probe.py: the split, batched and one-thread products each take a
+    positive time, and torch's thread count is left as it was."""
+    spec = importlib.util.spec_from_file_location(
+        "split_product_probe", SCRIPT.with_name("split_product_probe.py")
+    )
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    threads = torch.get_num_threads()
+    found = probe.probe()
+    assert sorted(found) == ["batched", "one_thread", "split"]
+    assert all(value > 0 for value in found.values())
+    assert torch.get_num_threads() == threads
+    assert _script()._state_probe()() in ("fast", "slow")
