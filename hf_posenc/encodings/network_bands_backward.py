@@ -180,9 +180,14 @@ class BandGradients:
         for part, view in zip(self.parts, views, strict=True):
             # a few operations per head (each is ~5 us of dispatch beside its work: a step of the
             # bench's FIRE model at T=2048 ran ~40,000 of them here)
+            # (g, rows, n'): the zones' columns side by side, copied a zone's contiguous distances at a
+            # time (index_select over the last dim of this strided view read ~8x slower: 0.32 against
+            # 0.04 ms for 4 heads x 256 rows x 400 columns)
             gathered = (
-                None if part.columns is None else view.index_select(2, part.columns[0])
-            )  # (g, rows, n')
+                None
+                if part.columns is None
+                else torch.cat([view[:, :, lo:hi] for _, lo, hi in part.spans], dim=2)
+            )
             for i, head in enumerate(range(heads.start, heads.stop)):
                 head_view = view[i]  # (rows, n)
                 torch.mm(part.row_weights, head_view, out=part.sums[head])  # S0, S1 (2, n)
