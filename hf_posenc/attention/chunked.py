@@ -230,13 +230,16 @@ def attend_chunked(
         k_block, v_block = k[:, :, k_start:k_end], v[:, :, k_start:k_end]
         if flash_rebuilt:  # the fused kernel's forward, its log-sum-exp kept for backward
             shared: dict = {} if memo is None else memo.get(("rebuilt_flash_buffers",), dict)
+            # what the form's forward build leaves for its rebuild in backward (FIRE's band plan, O(keys)):
+            # held by the rebuild's closure until this block's backward
+            plans: dict = {}
 
             def build_reversed() -> torch.Tensor | Iterator[tuple[slice, torch.Tensor]] | None:
                 # the causal block over keys k_end-1 .. 0, BUILT_HEADS heads at a time where the form
                 # builds it so (each group's block read by the kernel before the next is written)
                 if q.shape[1] > BUILT_HEADS:
                     groups = bias.folded_reversed_heads(
-                        start, stop, k_end, q.dtype, BUILT_HEADS, scratch(BUILT_HEADS)
+                        start, stop, k_end, q.dtype, BUILT_HEADS, scratch(BUILT_HEADS), plans
                     )
                     if groups is not None:
                         return groups
@@ -245,7 +248,7 @@ def attend_chunked(
             def rebuild_reversed(*values: torch.Tensor) -> torch.Tensor | HeadwiseRebuild | None:
                 # the same, a group of heads at a time where the form rebuilds it so, else differentiable
                 # into the forward's bias buffer (the blocks' backward runs one block at a time)
-                rebuilt = form(values).rebuilt_reversed_heads(start, stop, k_end, q.dtype)
+                rebuilt = form(values).rebuilt_reversed_heads(start, stop, k_end, q.dtype, plans)
                 if rebuilt is not None:
                     return rebuilt
                 kept = buffers[0] if buffers else None

@@ -34,7 +34,8 @@ Neither the block nor its dS exists for every head at once: a training step's pe
 profiler's count, FIRE at T=2048 in the bench's model (``python -m
 hf_posenc.recipes.benchmark.peak_memory --encodings fire --hidden-size 256 --num-heads 8
 --vocab-size 256 --lengths 1024 2048``; native 157 MiB): every head at once 197 MiB, one head
-168, four heads (:data:`REBUILT_HEADS`) 179. No softmax (the statistics are kept) and no second
+168, four heads (:data:`REBUILT_HEADS`) 179 (181 with the forward's band plans kept for the
+rebuild). No softmax (the statistics are kept) and no second
 forward; the block's (rows x keys) buffers exist only while it is computed.
 
 Before, the block's backward recomputed its weights by a softmax of explicitly recomputed

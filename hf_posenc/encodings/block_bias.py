@@ -118,22 +118,26 @@ class BlockBias:
         dtype: torch.dtype,
         group: int,
         scratch: torch.Tensor | None = None,
+        kept: dict | None = None,
     ) -> Iterator[tuple[slice, torch.Tensor]] | None:
         """:meth:`folded_reversed` at most ``group`` heads at a time: (heads, their block (B|1, g,
         rows, k_end)), each block made (into ``scratch``, at least B' * g * rows * k_end values,
         where the form uses it) when the iterator reaches it, so the caller uses each block before
         asking for the next; None where :meth:`folded_reversed` is None. Forms that only build
-        every head at once give them as one slice."""
+        every head at once give them as one slice. ``kept``: a dict the caller hands to
+        :meth:`rebuilt_reversed_heads` of the same block, where a form may leave what its rebuild
+        can reuse (O(keys) per block; the form's tensors must be the same values then)."""
         block = self.folded_reversed(start, stop, k_end, dtype)
         return None if block is None else iter([(slice(0, block.shape[1]), block)])
 
     def rebuilt_reversed_heads(
-        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype, kept: dict | None = None
     ) -> HeadwiseRebuild | None:
         """The block of :meth:`folded_reversed` to be rebuilt in backward a group of heads at a time,
         its gradient to the form's tensors added by hand per group (:class:`.headwise_rebuild.HeadwiseRebuild`), for
         forms that can; None where the form has no such way (then
-        :meth:`folded_reversed_with_gradients`)."""
+        :meth:`folded_reversed_with_gradients`). ``kept``: what :meth:`folded_reversed_heads` left
+        for this block, or None."""
         return None
 
     def folded_reversed_with_gradients(

@@ -49,6 +49,9 @@ from .network_block import future_minimum
 #: from the network's products (:mod:`.network_block`; tests compare the two, so does
 #: ``scripts/cpu_constant_ab.py``)
 BANDS = True
+#: where :func:`banded_head_blocks` leaves the plan of a block with one row of normalisers in a
+#: ``kept`` dict, for its rebuild in backward (:class:`.network_bands_backward.RebuiltHeads`)
+PLAN_KEY = "band_plan"
 #: a zone is widened by this many distances on each side (the crossing estimated by a
 #: quotient, the x by a product; the values never depend on it, see the module's docstring)
 ZONE_MARGIN = 2
@@ -117,15 +120,23 @@ def banded_head_blocks(
     network: Network,
     scratch: torch.Tensor | None,
     group: int,
+    kept: dict | None = None,
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """:func:`banded_block` ``group`` heads at a time: (heads, their block (B|1, g, rows, keys))
     for consecutive slices of at most ``group`` heads, each block written into one buffer
     (``scratch`` when large enough) as the iterator reaches it, so the previous one must be used
-    before the next is asked for. The plans and the zones' ReLUs are made once, for all heads."""
+    before the next is asked for. The plans and the zones' ReLUs are made once, for all heads;
+    with one row of normalisers its plan is left in ``kept`` (under :data:`PLAN_KEY`) when given."""
     heads = network[2].shape[0]
     with torch.no_grad():  # (not around the yield: the caller would run without gradients)
         near, inverse = line_and_inverse(feature, normalizer)
-        rows_of_batch = [Banded.of(near, row_inverse, network) for row_inverse in inverse]
+        plans = [plan_bands(near, row_inverse, network) for row_inverse in inverse]
+        rows_of_batch = [
+            Banded.of(near, row_inverse, network, plan)
+            for row_inverse, plan in zip(inverse, plans, strict=True)
+        ]
+    if kept is not None and len(plans) == 1:
+        kept[PLAN_KEY] = plans[0]
     yield from written_groups(rows_of_batch, heads, group, scratch)
 
 

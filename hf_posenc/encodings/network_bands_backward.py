@@ -98,11 +98,14 @@ class RebuiltHeads:
     backend's training blocks then hold one group's block, not every head's (2x less at
     ``rebuilt_flash.REBUILT_HEADS = 4`` with 8 heads), while it is hot for the attention's backward chain."""
 
-    def __init__(self, feature: torch.Tensor, normalizer: torch.Tensor, network: Network) -> None:
+    def __init__(
+        self, feature: torch.Tensor, normalizer: torch.Tensor, network: Network, plan: BandPlan | None = None
+    ) -> None:
         # no graph (its caller may run with gradients on): the gradients come by hand
         with torch.no_grad():
             near, inverse = line_and_inverse(feature, normalizer[0])
-            plan = plan_bands(near, inverse, network)
+            # the forward's plan of this block where it was kept (the same near, inverse and network)
+            plan = plan_bands(near, inverse, network) if plan is None else plan
             self.banded = Banded.of(near, inverse, network, plan)
             self.gradients = BandGradients(feature, normalizer[0], network, plan, self.banded.columns)
         self.heads = network[2].shape[0]

@@ -240,9 +240,11 @@ class PiecewiseDistanceBias(BlockBias):
         dtype: torch.dtype,
         group: int,
         scratch: torch.Tensor | None = None,
+        kept: dict | None = None,
     ) -> Iterator[tuple[slice, torch.Tensor]] | None:
         """:meth:`folded_reversed` ``group`` heads at a time where the bands build it (their plans and
-        zones made once for all heads, :func:`.network_bands.banded_head_blocks`); other blocks
+        zones made once for all heads, :func:`.network_bands.banded_head_blocks`; the plan of one
+        row of normalisers left in ``kept`` for :meth:`rebuilt_reversed_heads`); other blocks
         (fewer keys than twice the rows) as one slice of every head when ``group`` covers them
         all, else None."""
         network = self.network
@@ -253,16 +255,17 @@ class PiecewiseDistanceBias(BlockBias):
             # (keys < 2 rows: for groups of fewer heads the caller builds it a group at a time)
             return super().folded_reversed_heads(start, stop, k_end, dtype, group) if group >= heads else None
         blocks = network_bands.banded_head_blocks(
-            self.feature[:k_end], self.normalizer[:, start:stop], network, scratch, group
+            self.feature[:k_end], self.normalizer[:, start:stop], network, scratch, group, kept
         )
         return ((heads, block.to(dtype)) for heads, block in blocks)
 
     def rebuilt_reversed_heads(
-        self, start: int, stop: int, k_end: int, dtype: torch.dtype
+        self, start: int, stop: int, k_end: int, dtype: torch.dtype, kept: dict | None = None
     ) -> _RebuiltBandHeads | None:
         """The bands' block (:class:`.network_bands_backward.RebuiltHeads`) where
         :meth:`folded_reversed_with_gradients` takes the bands, the model computes in fp32 and one
-        row of normalisers serves the batch."""
+        row of normalisers serves the batch; with the plan :meth:`folded_reversed_heads` left in
+        ``kept`` where it did."""
         network = self.network
         if (
             network is None
@@ -273,7 +276,10 @@ class PiecewiseDistanceBias(BlockBias):
         ):
             return None
         rebuilt = network_bands_backward.RebuiltHeads(
-            self.feature[:k_end], self.normalizer[:, start:stop], network
+            self.feature[:k_end],
+            self.normalizer[:, start:stop],
+            network,
+            None if kept is None else kept.get(network_bands.PLAN_KEY),
         )
         return _RebuiltBandHeads(self, rebuilt, start, stop, k_end)
 

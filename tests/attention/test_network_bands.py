@@ -364,3 +364,22 @@ def test_fire_training_with_banded_blocks_equals_eager(rebuild, group, batch):
     for name, grad in eager_grads.items():
         tolerance = 1e-4 if name.endswith((".c", ".L_multiplier")) else 1e-5
         torch.testing.assert_close(chunked_grads[name], grad, atol=tolerance, rtol=tolerance, msg=name)
+
+
+def test_training_reuses_the_forward_band_plan_in_backward():
+    """A training step's banded blocks are planned once, in forward: their rebuild in backward
+    (``RebuiltHeads``) takes the plan the forward left (``network_bands.PLAN_KEY``) instead of
+    planning again; the step's loss and gradients stay eager's (the test above)."""
+    ids = token_ids(1, 600)
+    model = patch(make_model("llama"), "fire", {"init_L": 32.0}, backend="chunked")
+    model.train()
+    with (
+        _counted(network_bands, "plan_bands") as forward_plans,
+        _counted(network_bands_backward, "plan_bands") as backward_plans,
+        _counted(network_bands_backward, "RebuiltHeads") as rebuilt,
+    ):
+        model(ids, labels=ids).loss.backward()
+    layers = model.config.num_hidden_layers
+    assert len(rebuilt) == layers * 2  # queries 256.. and 512..599, rebuilt in backward
+    assert len(forward_plans) == layers * 2  # one plan per banded block, made in forward
+    assert backward_plans == []
