@@ -8,11 +8,18 @@ or by autograd over leaves."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from ..encodings.saturating_transform import BandForm, FormT, SaturatingTransform
 from .softmax_parts import cpu_flash_backward, cpu_flash_forward, stack_groups, unstack_groups
+
+#: adds a recomputed band's gradients (:meth:`BandPlan.recomputed_band`): (d values (B, Hq, R, K),
+#: d tail (B, Hq, R) or None, grad_q, grad_k, grad_form), the last three added to in place
+BandGradientsAdder = Callable[
+    [torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "dict[str, torch.Tensor]"], None
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +86,55 @@ class BandPlan:
             leaf_form = form.replace(**leaves) if leaves else form
             values, _ = self.band_of(leaf_form, q_leaf, k_leaf, start, first)
         return values, leaf_form, [q_leaf, k_leaf, *leaves.values()], list(leaves)
+
+    def recomputed_band(
+        self,
+        form: BandForm,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        start: int,
+        stop: int,
+        first: int,
+        need_form: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, BandGradientsAdder]:
+        """The block's band recomputed for backward: (its values (B, Hq, R, K), a saturating
+        transform's tail over the block's queries (B, Hq, R) where the block has far keys, else
+        None, and a function adding the band's gradients given those of its values and tail), by
+        the form's own backward where it writes one
+        (:meth:`~hf_posenc.encodings.saturating_transform.BandForm.band_with_gradients`), else by
+        autograd over leaves (:meth:`leaf_band`; the form's tensors only with ``need_form``)."""
+        with_tail = first > 0  # far keys: a saturating transform's tail stands for them
+        q_rows, band_keys = q[:, :, start:stop], k[:, :, first:stop]
+        if form.backward_by_hand:
+            values, band_backward = form.band_with_gradients(
+                q_rows, *self.band_scores(q_rows, band_keys, start, first)
+            )
+            tail = form.tail(q_rows) if with_tail and isinstance(form, SaturatingTransform) else None
+
+            def add_by_hand(d_values, d_tail, grad_q, grad_k, grad_form) -> None:
+                found = band_backward(d_values, d_tail)
+                self.add_hand_grads(
+                    found, q_rows, band_keys, grad_q, grad_k, grad_form, slice(start, stop), first
+                )
+
+            return values, tail, add_by_hand
+        values, leaf_form, leaves, names = self.leaf_band(form, q, k, start, stop, first, need_form)
+        with torch.enable_grad():
+            tail = (
+                leaf_form.tail(leaves[0])
+                if with_tail and isinstance(leaf_form, SaturatingTransform)
+                else None
+            )
+
+        def add_by_autograd(d_values, d_tail, grad_q, grad_k, grad_form) -> None:
+            outputs, grads = [values], [d_values]
+            if tail is not None and d_tail is not None:
+                outputs.append(tail)
+                grads.append(d_tail)
+            found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+            self.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
+
+        return values, tail, add_by_autograd
 
     def add_hand_grads(
         self,
@@ -182,18 +238,7 @@ class BandPlan:
         for (start, stop), first in zip(self.spans(length), firsts, strict=True):
             rows = slice(start, stop)
             d_out, block_lse = grad_out[:, :, rows], lse[:, :, rows]
-            q_rows, band_keys = q[:, :, rows], k[:, :, first:stop]
-            # the band's backward by hand where the form writes it, else through autograd
-            by_hand = None
-            if form.backward_by_hand:
-                by_hand = form.band_with_gradients(q_rows, *self.band_scores(q_rows, band_keys, start, first))
-            if by_hand is not None:
-                logits, band_backward = by_hand
-                tail = form.tail(q_rows) if first > 0 else None
-            else:
-                logits, leaf_form, leaves, names = self.leaf_band(form, q, k, start, stop, first, need_form)
-                with torch.enable_grad():
-                    tail = leaf_form.tail(leaves[0]) if first > 0 else None
+            logits, tail, add_band_grads = self.recomputed_band(form, q, k, start, stop, first, need_form)
             with torch.no_grad():
                 probs = torch.exp(logits.detach() - block_lse[..., None])  # (B, Hq, R, K)
                 values = v[:, :, first:stop]
@@ -203,17 +248,7 @@ class BandPlan:
                 d_logits = probs * (d_probs - delta[:, :, rows, None])  # (B, Hq, R, K)
             # every row of dL sums to zero: the tail's gradient is minus the band's
             d_tail = None if tail is None else -d_logits.sum(-1)
-            if by_hand is not None:
-                self.add_hand_grads(
-                    band_backward(d_logits, d_tail), q_rows, band_keys, grad_q, grad_k, grad_form, rows, first
-                )
-            else:
-                outputs, grads = [logits], [d_logits]
-                if tail is not None and d_tail is not None:
-                    outputs.append(tail)
-                    grads.append(d_tail)
-                found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-                self.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
+            add_band_grads(d_logits, d_tail, grad_q, grad_k, grad_form)
             if tail is None:  # no far keys
                 continue
             dq, dk, dv = cpu_flash_backward(

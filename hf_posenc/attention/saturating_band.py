@@ -107,8 +107,9 @@ def _vanishing_forward(plan: BandPlan, form: BandForm, q, k, v) -> tuple[torch.T
 
 
 class _VanishingBandAttention(torch.autograd.Function):
-    """Vanishing weights over each block's band; backward recomputes the band under autograd
-    (dW = dO V^T, dV = W^T dO), keeping q, k, v and the form's tensors (O(T))."""
+    """Vanishing weights over each block's band; backward recomputes the band (dW = dO V^T, dV =
+    W^T dO; dW through the form's backward, :meth:`.band_plan.BandPlan.recomputed_band`), keeping
+    q, k, v and the form's tensors (O(T))."""
 
     @staticmethod
     def forward(ctx: Any, plan: BandPlan, form: BandForm, names: tuple[str, ...], q, k, v, *tensors):
@@ -129,25 +130,12 @@ class _VanishingBandAttention(torch.autograd.Function):
         grad_form = {name: torch.zeros_like(t) for name, t in form.tensors().items()} if need_form else {}
         for (start, stop), first in zip(plan.spans(q.shape[-2]), ctx.firsts, strict=True):
             d_out = stack_groups(grad_out[:, :, start:stop], g)  # (B, Hkv, G*R, D)
-            q_rows, band_keys = q[:, :, start:stop], k[:, :, first:stop]
-            if form.backward_by_hand:  # the band's backward by hand, else through autograd
-                weights, band_backward = form.band_with_gradients(
-                    q_rows, *plan.band_scores(q_rows, band_keys, start, first)
-                )
-            else:
-                weights, _, leaves, names = plan.leaf_band(form, q, k, start, stop, first, need_form)
+            weights, _, add_band_grads = plan.recomputed_band(form, q, k, start, stop, first, need_form)
             with torch.no_grad():
                 stacked = stack_groups(weights.detach().to(v.dtype), g)  # (B, Hkv, G*R, K)
                 grad_v[:, :, first:stop] += torch.matmul(stacked.transpose(-1, -2), d_out)
                 d_weights = unstack_groups(torch.matmul(d_out, v[:, :, first:stop].transpose(-1, -2)), g)
-            if form.backward_by_hand:
-                found_by_hand = band_backward(d_weights.to(weights.dtype), None)
-                plan.add_hand_grads(
-                    found_by_hand, q_rows, band_keys, grad_q, grad_k, grad_form, slice(start, stop), first
-                )
-                continue
-            found = torch.autograd.grad(weights, leaves, d_weights.to(weights.dtype), allow_unused=True)
-            plan.add_leaf_grads(found, leaves, names, grad_q, grad_k, grad_form, start, stop, first)
+            add_band_grads(d_weights.to(weights.dtype), None, grad_q, grad_k, grad_form)
         return (None, None, None, grad_q, grad_k, grad_v, *(grad_form.get(name) for name in ctx.names))
 
 
