@@ -49,7 +49,7 @@ from ..encodings.headwise_rebuild import HeadwiseRebuild
 from . import rebuilt_flash, separable
 from .backend import AUTO, AttentionCall, Backend, register_backend
 from .bias_block import RebuiltBiasAttention, block_attention
-from .rebuilt_flash import RebuiltBiasFlashAttention
+from .rebuilt_flash import RebuiltBiasFlashAttention, ReversedGradients, ReversedKeyValues
 from .separable import attend_separable
 from .toeplitz import attend_toeplitz
 
@@ -151,10 +151,15 @@ def attend_chunked(
     # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block needs them
     # (FIRE past its threshold, below; with gradients the flip is in the graph, one per layer)
     reversed_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # where the blocks add the reversed copies' gradients (with gradients)
+    reversed_sink = ReversedGradients()
 
     def reversed_keys() -> tuple[torch.Tensor, torch.Tensor]:
         if not reversed_kv:
-            reversed_kv.append((k.flip(2), v.flip(2)))
+            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+                reversed_kv.append(ReversedKeyValues.apply(k, v, reversed_sink))
+            else:
+                reversed_kv.append((k.flip(2), v.flip(2)))
         return reversed_kv[0]
 
     toeplitz_rows = 0
@@ -264,6 +269,7 @@ def attend_chunked(
                 v_block,
                 k_reversed,
                 v_reversed,
+                reversed_sink,
                 softmax_scale,
                 build,
                 build_reversed,

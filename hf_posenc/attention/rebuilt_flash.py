@@ -88,9 +88,10 @@ def serves(q: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool
 
 class RebuiltBiasFlashAttention(torch.autograd.Function):
     """q (B, H, R, D), k/v (B, H, K, D) of one causal block and, or None, the same k and v over
-    the keys in reverse order (views of one reversed copy of the layer's: forward attends them
-    where the bias comes so, and backward gives them their gradients, with no flip per block;
-    the copies are not kept, k and v are), ``build(*tensors)`` -> its bias
+    the keys in reverse order (views of one reversed copy of the layer's, made by
+    :class:`ReversedKeyValues`: forward attends them where the bias comes so, and backward adds
+    their gradients into that copy's ``sink``, a :class:`ReversedGradients`, with no flip per
+    block; the copies are not kept, k and v are), ``build(*tensors)`` -> its bias
     (B|1, H, R, K) in q's dtype (the future keys at the dtype's minimum), ``build_reversed()``
     -> the same over the keys in reverse order, without gradients, or an iterator of (heads,
     their block (B|1, g, R, K)) each read before the next is asked for, or None (then forward
@@ -110,6 +111,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         v,
         k_reversed,
         v_reversed,
+        sink: ReversedGradients | None,
         scale: float,
         build,
         build_reversed,
@@ -119,6 +121,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     ):
         assert CPU_FLASH is not None
         ctx.given_reversed = k_reversed is not None
+        ctx.sink = sink
         with torch.no_grad():
             # over the keys in reverse order where the form builds that cheaper (attention does not
             # depend on the keys' order; k and v in that order, (B, H, K, D) each)
@@ -153,7 +156,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         scale = ctx.scale
-        inputs = differentiable_copies(tensors, ctx.needs_input_grad[10:])
+        inputs = differentiable_copies(tensors, ctx.needs_input_grad[11:])
         with torch.enable_grad():
             # (B|1, H, R, K), with gradients to the form's tensors, or a HeadwiseRebuild: over the keys in
             # reverse order where the form rebuilds it so (then k and v flipped here, dk and dv to the
@@ -177,13 +180,16 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             tensor_grads = tensor_gradients(bias, inputs, scores)  # scores: (B, H, R, K) dS
         else:
             tensor_grads = _headwise(bias, chain, lse, inputs)
-        grad_q, grad_k, grad_v = chain.gradients()
-        grad_k, grad_v = grad_k.view(k.shape), grad_v.view(v.shape)
-        # to the k and v given in the bias's order; the others get None
-        keys_grads = (None, None, grad_k, grad_v) if reverse else (grad_k, grad_v, None, None)
-        if reverse and not ctx.given_reversed:  # (flipped in forward)
+        grad_q, grad_k, grad_v = chain.gradients()  # dk, dv (B, H, K, D) transposed views
+        keys_grads: tuple[torch.Tensor | None, ...] = (None, None, None, None)
+        if not reverse:
+            keys_grads = (grad_k.contiguous(), grad_v.contiguous(), None, None)
+        elif ctx.given_reversed:  # added into the layer's reversed k and v where this block's keys are
+            if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+                ctx.sink.add(grad_k, grad_v)
+        else:  # (flipped in forward)
             keys_grads = (grad_k.flip(2), grad_v.flip(2), None, None)
-        return (grad_q, *keys_grads, None, None, None, None, None, *tensor_grads)
+        return (grad_q, *keys_grads, None, None, None, None, None, None, *tensor_grads)
 
 
 def _headwise(
@@ -264,11 +270,59 @@ class _Chain:
                 torch.bmm(q.transpose(1, 2), weights, out=self.grad_k[b, group])  # (dS^T Q)^T = Q^T dS
 
     def gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dq, dk, dv) of every head run."""
-        # dk and dv back to (B, H, K, D), contiguous: autograd copies them into the layer's
-        # (reversed) k and v, a strided copy per block otherwise (measured slower)
+        """(dq, dk, dv) of every head run; dk and dv (B, H, K, D) views, not contiguous."""
+        # dk and dv as (B, H, K, D) views of their transposed storage
         return (
             self.grad_q.mul_(self.scale),
-            self.grad_k.mul_(self.scale).transpose(-1, -2).contiguous(),
-            self.grad_v.transpose(-1, -2).contiguous(),
+            self.grad_k.mul_(self.scale).transpose(-1, -2),
+            self.grad_v.transpose(-1, -2),
         )
+
+
+class ReversedGradients:
+    """The gradients of one layer's k and v over the keys in reverse order (B, H, Tk, D), which
+    the blocks' backward adds into (a causal block's keys 0 .. K-1 are the last K reversed keys)
+    instead of returning them. Returned through autograd, each block's gradient to its slice of
+    the reversed copies became a zero-filled (B, H, Tk, D) tensor that the engine then added up:
+    FIRE at T=2048 in the bench's model, ~6 ms of a ~650 ms training step in fills and adds.
+    :class:`ReversedKeyValues` reads the sums once every block's backward has run."""
+
+    def __init__(self) -> None:
+        self.grad_k: torch.Tensor | None = None
+        self.grad_v: torch.Tensor | None = None
+        self.shape: torch.Size | None = None
+
+    def add(self, grad_k: torch.Tensor, grad_v: torch.Tensor) -> None:
+        """The gradients (B, H, K, D) of the last K reversed keys and values."""
+        keys = grad_k.shape[2]
+        if self.grad_k is None or self.grad_v is None:
+            assert self.shape is not None
+            self.grad_k = grad_k.new_zeros(self.shape)
+            self.grad_v = grad_v.new_zeros(self.shape)
+        self.grad_k[:, :, -keys:].add_(grad_k)
+        self.grad_v[:, :, -keys:].add_(grad_v)
+
+
+class ReversedKeyValues(torch.autograd.Function):
+    """k, v (B, H, Tk, D) -> the same over the keys in reverse order (copies; reversed key b is
+    key Tk-1-b). Their gradients are what ``sink`` (a :class:`ReversedGradients`) collected
+    from the blocks that attended views of them, plus any gradient autograd brings, flipped back.
+    Autograd runs this backward after every block that took the copies as inputs (each block
+    returns None for them), so the sums are complete."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, sink: ReversedGradients):
+        ctx.set_materialize_grads(False)
+        ctx.sink = sink
+        sink.shape = k.shape
+        return k.flip(2), v.flip(2)
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
+        sink = ctx.sink
+        grads = []
+        for given, collected in ((grad_k, sink.grad_k), (grad_v, sink.grad_v)):
+            total = collected if given is None else (given if collected is None else collected.add_(given))
+            grads.append(None if total is None else total.flip(2))
+        sink.grad_k = sink.grad_v = None
+        return grads[0], grads[1], None

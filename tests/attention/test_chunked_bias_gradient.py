@@ -109,6 +109,43 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
         torch.testing.assert_close(grads["chunked"][n], g, atol=1e-5, rtol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["whole-model", "encoding-only"])
+def test_fire_training_past_its_threshold_collects_the_reversed_keys_gradients(frozen, monkeypatch):
+    """FIRE's blocks past L attend views of one reversed copy of the layer's k and v and add their
+    gradients into one sum per layer (``ReversedGradients``) that the copy's backward flips back:
+    with the whole model trained, the gradients of every weight (those reached through k and v
+    included) equal the eager backend's; with only the encoding trained (the first layer's k and v
+    need no gradient: nothing collected there), FIRE's gradients do too (fp32, 1e-5)."""
+    monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
+    added = []
+    original_add = chunked.ReversedGradients.add
+
+    def counting_add(self, grad_k, grad_v):
+        added.append(grad_k.shape[2])
+        return original_add(self, grad_k, grad_v)
+
+    monkeypatch.setattr(chunked.ReversedGradients, "add", counting_add)
+    ids = token_ids(2, 40)
+    grads = {}
+    for backend in ("chunked", "eager"):
+        model = patch(make_model("llama"), "fire", {"init_L": 6.0}, backend=backend)
+        model.train()
+        if frozen:
+            for name, parameter in model.named_parameters():
+                parameter.requires_grad_(name.startswith("posenc."))
+        model(ids, labels=ids).loss.backward()
+        grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"], "no parameter got a gradient"
+    # the blocks past L (ending at 16, 24, 32, 40 keys) of every layer whose k and v need a gradient:
+    # with only FIRE trained, every layer but the first (its input needs none; later layers' inputs
+    # carry the earlier layers' FIRE)
+    layers = model.config.num_hidden_layers
+    assert sorted(added) == sorted(list(range(16, 41, 8)) * (layers - frozen)), added
+    assert grads["chunked"].keys() == grads["eager"].keys()
+    for n, g in grads["eager"].items():
+        torch.testing.assert_close(grads["chunked"][n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
 def _saved_bytes(length: int, block: int, mask: bool) -> int:
     """Bytes autograd keeps for backward over one separable-bias call (FoX's form) with gradients."""
     from hf_posenc.encodings.block_bias import SeparableBias
