@@ -186,6 +186,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             keys_grads = (grad_k.contiguous(), grad_v.contiguous(), None, None)
         elif ctx.given_reversed:  # added into the layer's reversed k and v where this block's keys are
             if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+                assert ctx.sink is not None, "reversed k and v that need gradients come with their sink"
                 ctx.sink.add(grad_k, grad_v)
         else:  # (flipped in forward)
             keys_grads = (grad_k.flip(2), grad_v.flip(2), None, None)
