@@ -109,13 +109,20 @@ def test_learned_bias_training_uses_a_fused_backward_and_equals_eager(name, para
         torch.testing.assert_close(grads["chunked"][n], g, atol=1e-5, rtol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["whole-model", "encoding-only"])
-def test_fire_training_past_its_threshold_collects_the_reversed_keys_gradients(frozen, monkeypatch):
+@pytest.mark.parametrize(
+    ("frozen", "checkpointed"),
+    [(False, False), (True, False), (False, True)],
+    ids=["whole-model", "encoding-only", "gradient-checkpointing"],
+)
+def test_fire_training_past_its_threshold_collects_the_reversed_keys_gradients(
+    frozen, checkpointed, monkeypatch
+):
     """FIRE's blocks past L attend views of one reversed copy of the layer's k and v and add their
     gradients into one sum per layer (``ReversedGradients``) that the copy's backward flips back:
     with the whole model trained, the gradients of every weight (those reached through k and v
     included) equal the eager backend's; with only the encoding trained (the first layer's k and v
-    need no gradient: nothing collected there), FIRE's gradients do too (fp32, 1e-5)."""
+    need no gradient: nothing collected there), FIRE's gradients do too; with the chunked model's
+    layers recomputed in backward (gradient checkpointing) as well (fp32, 1e-5)."""
     monkeypatch.setattr(chunked, "QUERY_BLOCK", 8)
     added = []
     original_add = chunked.ReversedGradients.add
@@ -130,6 +137,8 @@ def test_fire_training_past_its_threshold_collects_the_reversed_keys_gradients(f
     for backend in ("chunked", "eager"):
         model = patch(make_model("llama"), "fire", {"init_L": 6.0}, backend=backend)
         model.train()
+        if checkpointed and backend == "chunked":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if frozen:
             for name, parameter in model.named_parameters():
                 parameter.requires_grad_(name.startswith("posenc."))
