@@ -165,8 +165,9 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             reverse = bias is not None
             if bias is None:
                 bias = ctx.build(*inputs)
-        if reverse:
-            k, v = k.flip(2), v.flip(2)
+        if reverse:  # k and v over the keys in reverse order: views of the layer's copy where it has one
+            kept = ctx.sink.reversed_keys(k.shape[2]) if ctx.given_reversed and ctx.sink is not None else None
+            k, v = kept if kept is not None else (k.flip(2), v.flip(2))
         chain = _Chain(q, k, v, out, lse, grad_out, scale, ctx.buffers)
         if isinstance(bias, torch.Tensor):
             # log2(e) (bias - lse + s q k^T): bias - lse first (a masked key's minimum stays finite),
@@ -292,6 +293,22 @@ class ReversedGradients:
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
         self.shape: torch.Size | None = None
+        # the layer's k and v (B, H, Tk, D), and their reversed copies made again in backward, once
+        # for all its blocks (a flip per block was ~3 ms of a FIRE step at T=2048), until
+        # :class:`ReversedKeyValues`' backward drops them
+        self.keys_values: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._reversed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reversed_keys(self, keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """k and v of keys ``keys-1 .. 0`` (the last ``keys`` reversed keys, (B, H, keys, D) views),
+        or None when no layer's k and v are known."""
+        if self._reversed is None:
+            if self.keys_values is None:
+                return None
+            k, v = self.keys_values
+            self._reversed = (k.flip(2), v.flip(2))
+        k_rev, v_rev = self._reversed
+        return k_rev[:, :, k_rev.shape[2] - keys :], v_rev[:, :, v_rev.shape[2] - keys :]
 
     def add(self, grad_k: torch.Tensor, grad_v: torch.Tensor) -> None:
         """The gradients (B, H, K, D) of the last K reversed keys and values."""
@@ -316,6 +333,7 @@ class ReversedKeyValues(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.sink = sink
         sink.shape = k.shape
+        sink.keys_values = (k.detach(), v.detach())
         return k.flip(2), v.flip(2)
 
     @staticmethod
@@ -326,4 +344,5 @@ class ReversedKeyValues(torch.autograd.Function):
             total = collected if given is None else (given if collected is None else collected.add_(given))
             grads.append(None if total is None else total.flip(2))
         sink.grad_k = sink.grad_v = None
+        sink.keys_values = sink._reversed = None
         return grads[0], grads[1], None
