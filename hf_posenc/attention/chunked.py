@@ -150,16 +150,16 @@ def attend_chunked(
 
     # k, v in reverse order (reversed key b holds key Tk-1-b), made once when a block needs them
     # (FIRE past its threshold, below; with gradients the flip is in the graph, one per layer)
-    reversed_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    # where the blocks add the reversed copies' gradients (with gradients)
-    reversed_sink = ReversedGradients()
+    # (with gradients also the ReversedGradients that serves their blocks' backward, else None)
+    reversed_kv: list[tuple[torch.Tensor, torch.Tensor, ReversedGradients | None]] = []
 
-    def reversed_keys() -> tuple[torch.Tensor, torch.Tensor]:
+    def reversed_keys() -> tuple[torch.Tensor, torch.Tensor, ReversedGradients | None]:
         if not reversed_kv:
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-                reversed_kv.append(ReversedKeyValues.apply(k, v, reversed_sink))
+                sink = ReversedGradients(k.detach(), v.detach())
+                reversed_kv.append((*ReversedKeyValues.apply(k, v, sink), sink))
             else:
-                reversed_kv.append((k.flip(2), v.flip(2)))
+                reversed_kv.append((k.flip(2), v.flip(2), None))
         return reversed_kv[0]
 
     toeplitz_rows = 0
@@ -188,7 +188,7 @@ def attend_chunked(
         if reverse and not torch.is_grad_enabled():  # (with gradients reversed copies would be kept)
             groups = bias.folded_reversed_heads(start, stop, k_end, q.dtype, group, scratch(group))
             if groups is not None:  # (B|1, g, rows, k_end) per group of heads, keys k_end-1 .. 0
-                k_rev, v_rev = reversed_keys()
+                k_rev, v_rev, _ = reversed_keys()
                 k_block, v_block = k_rev[:, :, k_len - k_end :], v_rev[:, :, k_len - k_end :]
                 outputs = [
                     block_attention(
@@ -259,9 +259,9 @@ def attend_chunked(
                 kept = buffers[0] if buffers else None
                 return form(values).folded_reversed_with_gradients(start, stop, k_end, q.dtype, kept)
 
-            k_reversed = v_reversed = None
+            k_reversed = v_reversed = sink = None
             if reverse and bias.builds_reversed(q.device):  # (causal: k_start = 0) views, differentiable
-                k_rev, v_rev = reversed_keys()
+                k_rev, v_rev, sink = reversed_keys()
                 k_reversed, v_reversed = k_rev[:, :, k_len - k_end :], v_rev[:, :, k_len - k_end :]
             return RebuiltBiasFlashAttention.apply(
                 q_block,
@@ -269,7 +269,7 @@ def attend_chunked(
                 v_block,
                 k_reversed,
                 v_reversed,
-                reversed_sink,
+                sink,
                 softmax_scale,
                 build,
                 build_reversed,

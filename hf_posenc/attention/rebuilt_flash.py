@@ -12,8 +12,9 @@ log-sum-exp (O(rows)) and the bias form's O(T) tensors, as
 :class:`~.bias_block.RebuiltBiasAttention` keeps.
 
 Backward: the bias built once more, with gradients, from the form's tensors (over the keys in
-reverse order where the form rebuilds it so, FIRE's bands of distances: the kept k and v
-flipped, and dk, dv the gradients of the reversed copies), and the FlashAttention-2 gradients
+reverse order where the form rebuilds it so, FIRE's bands of distances: k and v in that order
+from one copy per layer made in backward, dk and dv added into one sum per layer, both by
+:class:`ReversedGradients`), and the FlashAttention-2 gradients
 from the kept statistics (Dao 2023, Algorithm 2):
 
     P = exp(s Q K^T + bias - lse),  dV = P^T dO,  dS = P * (dO V^T - rowsum(dO * O)),
@@ -166,8 +167,10 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
             if bias is None:
                 bias = ctx.build(*inputs)
         if reverse:  # k and v over the keys in reverse order: views of the layer's copy where it has one
-            kept = ctx.sink.reversed_keys(k.shape[2]) if ctx.given_reversed and ctx.sink is not None else None
-            k, v = kept if kept is not None else (k.flip(2), v.flip(2))
+            if ctx.given_reversed and ctx.sink is not None:
+                k, v = ctx.sink.reversed_keys(k.shape[2])
+            else:
+                k, v = k.flip(2), v.flip(2)
         chain = _Chain(q, k, v, out, lse, grad_out, scale, ctx.buffers)
         if isinstance(bias, torch.Tensor):
             # log2(e) (bias - lse + s q k^T): bias - lse first (a masked key's minimum stays finite),
@@ -186,8 +189,7 @@ class RebuiltBiasFlashAttention(torch.autograd.Function):
         if not reverse:
             keys_grads = (grad_k.contiguous(), grad_v.contiguous(), None, None)
         elif ctx.given_reversed:  # added into the layer's reversed k and v where this block's keys are
-            if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-                assert ctx.sink is not None, "reversed k and v that need gradients come with their sink"
+            if ctx.sink is not None:  # (None: the copies need no gradient)
                 ctx.sink.add(grad_k, grad_v)
         else:  # (flipped in forward)
             keys_grads = (grad_k.flip(2), grad_v.flip(2), None, None)
@@ -282,29 +284,24 @@ class _Chain:
 
 
 class ReversedGradients:
-    """The gradients of one layer's k and v over the keys in reverse order (B, H, Tk, D), which
-    the blocks' backward adds into (a causal block's keys 0 .. K-1 are the last K reversed keys)
-    instead of returning them. Returned through autograd, each block's gradient to its slice of
-    the reversed copies became a zero-filled (B, H, Tk, D) tensor that the engine then added up:
-    FIRE at T=2048 in the bench's model, ~6 ms of a ~650 ms training step in fills and adds.
-    :class:`ReversedKeyValues` reads the sums once every block's backward has run."""
+    """One layer's k and v (B, H, Tk, D, no graph) over the keys in reverse order for its blocks'
+    backward, and the sums of the gradients of those reversed copies, which the blocks' backward
+    adds into (a causal block's keys 0 .. K-1 are the last K reversed keys) instead of returning
+    them. Returned through autograd, each block's gradient to its slice of the reversed copies
+    became a zero-filled (B, H, Tk, D) tensor that the engine then added up (FIRE at T=2048 in
+    the bench's model: ~6 ms of a ~650 ms training step in fills and adds); flipped per block, k
+    and v cost ~3 ms more. :class:`ReversedKeyValues` reads the sums once every block's backward
+    has run, and drops the copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys_values = (k, v)
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
-        self.shape: torch.Size | None = None
-        # the layer's k and v (B, H, Tk, D), and their reversed copies made again in backward, once
-        # for all its blocks (a flip per block was ~3 ms of a FIRE step at T=2048), until
-        # :class:`ReversedKeyValues`' backward drops them
-        self.keys_values: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._reversed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._reversed: tuple[torch.Tensor, torch.Tensor] | None = None  # made by the first block asking
 
-    def reversed_keys(self, keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """k and v of keys ``keys-1 .. 0`` (the last ``keys`` reversed keys, (B, H, keys, D) views),
-        or None when no layer's k and v are known."""
+    def reversed_keys(self, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v of keys ``keys-1 .. 0`` (the last ``keys`` reversed keys, (B, H, keys, D) views)."""
         if self._reversed is None:
-            if self.keys_values is None:
-                return None
             k, v = self.keys_values
             self._reversed = (k.flip(2), v.flip(2))
         k_rev, v_rev = self._reversed
@@ -314,11 +311,15 @@ class ReversedGradients:
         """The gradients (B, H, K, D) of the last K reversed keys and values."""
         keys = grad_k.shape[2]
         if self.grad_k is None or self.grad_v is None:
-            assert self.shape is not None
-            self.grad_k = grad_k.new_zeros(self.shape)
-            self.grad_v = grad_v.new_zeros(self.shape)
+            self.grad_k, self.grad_v = (torch.zeros_like(t) for t in self.keys_values)
         self.grad_k[:, :, -keys:].add_(grad_k)
         self.grad_v[:, :, -keys:].add_(grad_v)
+
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The sums (None where no block added), the copies dropped."""
+        sums = (self.grad_k, self.grad_v)
+        self.grad_k = self.grad_v = self._reversed = None
+        return sums
 
 
 class ReversedKeyValues(torch.autograd.Function):
@@ -332,17 +333,12 @@ class ReversedKeyValues(torch.autograd.Function):
     def forward(ctx, k: torch.Tensor, v: torch.Tensor, sink: ReversedGradients):
         ctx.set_materialize_grads(False)
         ctx.sink = sink
-        sink.shape = k.shape
-        sink.keys_values = (k.detach(), v.detach())
         return k.flip(2), v.flip(2)
 
     @staticmethod
     def backward(ctx, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
-        sink = ctx.sink
         grads = []
-        for given, collected in ((grad_k, sink.grad_k), (grad_v, sink.grad_v)):
+        for given, collected in zip((grad_k, grad_v), ctx.sink.take(), strict=True):
             total = collected if given is None else (given if collected is None else collected.add_(given))
             grads.append(None if total is None else total.flip(2))
-        sink.grad_k = sink.grad_v = None
-        sink.keys_values = sink._reversed = None
         return grads[0], grads[1], None
