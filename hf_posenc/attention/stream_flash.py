@@ -1,21 +1,25 @@
-"""Attention over values and a stream with the same weights, on torch's fused CPU flash kernel,
-forward and backward, without running the forward twice: TAPE's training path on CPU.
+"""Attention over values and a stream with the same weights, forward and backward, without
+running the forward twice: TAPE's training path on CPU.
 
 With weights ``a = softmax(q k^T * scale + mask)`` (per query head, keys of its KV head) the
-call gives ``(a v, a s)`` for the values ``v`` (width Dv) and the stream ``s`` (width S). The fused
-kernel wants q, k and its values of one width, so the values are ``[v | s]`` (W = Dv + S) and q,
-k are zero-padded to W: every score is the same sum (the added products are exact zeros). Its
-backward operator takes the forward's output and log-sum-exp (FlashAttention-2's backward, Dao
-2023: ``dS = P * (dO [v|s]^T - rowsum(dO * out))``, one softmax for both), so the backward is
-one fused call too, not a second forward (as :func:`~hf_posenc.core.recompute.recomputed` would
-run) followed by the backward.
+call gives ``(a v, a s)`` for the values ``v`` (width Dv) and the stream ``s`` (width S): one
+attention over the values ``[v | s]`` (W = Dv + S) in explicit blocks of query rows
+(:mod:`.wide_values`), whose score products stay at q's width (torch's fused CPU kernel takes
+one width for q, k and v, so it would need q and k zero-padded to W). Its backward takes the
+forward's output and log-sum-exp (FlashAttention-2's backward, Dao 2023:
+``dS = P * (dO [v|s]^T - rowsum(dO * out))``, one softmax for both), so it is not a second
+forward (as :func:`~hf_posenc.core.recompute.recomputed` would run) followed by the backward.
 
 What is kept for backward: q, k, v, the stream (or, for a rotated q / k, what the rotation
 rebuilds them from: :func:`~hf_posenc.core.recompute.kernel`), the output and the log-sum-exp
-(B, Hq, Tq). The padded q, k and the widened values are rebuilt in backward. The output is laid
-out per token as every head's values, then every head's stream (B, Tq, Hq*Dv + Hq*S): both
-halves are then views that the layer keeps anyway (the output projection's input, the attended
-stream), so keeping the output costs no memory of its own.
+(B, Hq, Tq). The values ``[v | s]`` are rebuilt in backward. The output is laid out per token as
+every head's values, then every head's stream (B, Tq, Hq*Dv + Hq*S): both halves are then views
+that the layer keeps anyway (the output projection's input, the attended stream), so keeping the
+output costs no memory of its own.
+
+Before (to 2026-11-28), the fused CPU flash kernel computed it at width W, q and k zero-padded,
+four calls of a quarter of the heads per layer: one layer of the bench's TAPE (8 heads of 32,
+T = 2048) 28 ms forward and 72 ms backward there against 23-25 and 58-60 here (:mod:`.wide_values`).
 """
 
 from __future__ import annotations
@@ -25,29 +29,24 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.layout import causal_mask, causal_mask_or_none, expand_kv_heads
+from ..core.layout import causal_mask_or_none
 from ..core.recompute import kernel
-from .softmax_parts import CPU_FLASH, CPU_FLASH_BACKWARD
+from . import wide_values
 
 if TYPE_CHECKING:
     from .backend import AttentionCall
 
-#: kernel calls per layer (fewer where there are fewer KV heads): see :func:`_head_chunks`
-HEAD_CHUNKS = 4
-
 
 def serves(call: AttentionCall) -> bool:
-    """Whether the fused CPU kernel computes this call: a ``backend=`` choice under which SDPA
+    """Whether the blocked CPU path computes this call: a ``backend=`` choice under which SDPA
     serves (not ``eager``), CPU, fp32/fp64, no bias or explicit-score stage, no dropout, no
     weights asked for, not under ``torch.compile``. Without gradients too: its forward writes
-    the output in place, a quarter of the heads at a time (the whole-width SDPA call and the
-    copy into this layout held about twice the memory at T=4096)."""
+    the output in place, a block of rows at a time (the whole-width SDPA call and the copy into
+    this layout held about twice the memory at T=4096)."""
     from .core import SdpaBackend  # here: core imports the backend module, which imports this one
 
     return (
         call.requested in SdpaBackend.requests
-        and CPU_FLASH is not None
-        and CPU_FLASH_BACKWARD is not None
         and call.q.device.type == "cpu"
         and call.q.dtype in (torch.float32, torch.float64)
         and call.bias is None
@@ -61,23 +60,20 @@ def serves(call: AttentionCall) -> bool:
 def attend_with_stream(call: AttentionCall, stream: torch.Tensor) -> torch.Tensor:
     """``(a v, a stream)`` of ``call`` -> (B, Tq, Hq*Dv + Hq*S): per token every head's attended
     values, then every head's attended stream. ``stream`` (B, Hkv, Tk, S)."""
-    q_len, k_len = call.q.shape[-2], call.k.shape[-2]
+    q_len = call.q.shape[-2]
     inputs = (call.q, call.k, call.v, stream.to(call.v.dtype))
     if q_len <= FEW_QUERIES and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         with torch.no_grad():
             return _few_queries(*inputs, allowed=call.mask, scale=call.softmax_scale)
-    causal = call.mask is None and q_len == k_len  # (the kernel's is_causal is top-left aligned)
-    allowed = (
-        None if causal else (causal_mask(q_len, k_len, call.q.device) if call.mask is None else call.mask)
-    )
+    allowed = call.mask  # None: causal, bottom-right aligned
     forward = functools.partial(_forward, allowed=allowed, scale=call.softmax_scale)
     backward = functools.partial(_backward, allowed=allowed, scale=call.softmax_scale)
     return kernel(forward, backward, *inputs)
 
 
 #: calls of at most this many queries without gradients (decoding steps) attend explicitly: the
-#: fused kernel's widened copies (the cached keys padded to W, [v | s]) cost a pass over the whole
-#: cache per step, where the few queries' scores are small
+#: blocked path's values [v | s] are a copy of the whole cache per step, where the few queries'
+#: scores are small
 FEW_QUERIES = 16
 
 
@@ -112,47 +108,11 @@ def _few_queries(
     return torch.cat(flat, dim=-1)
 
 
-def _additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """(B|1, 1, Tq, Tk) bool -> 0 where allowed, -inf elsewhere (SDPA's own reading of a boolean
-    mask: a row with no allowed key gives a zero output)."""
-    if allowed is None:
-        return None
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf")
-    )
-
-
-def _widened(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stream: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's inputs of one width W = max(D, Dv + S): q (B,Hq,Tq,W), k and [v | s] (B,Hq,Tk,W)."""
-    groups = q.shape[1] // k.shape[1]
-    width = max(q.shape[-1], v.shape[-1] + stream.shape[-1])
-    values = torch.cat((v, stream), dim=-1) if stream.shape[-1] else v  # (B, Hkv, Tk, Dv + S)
-    q, k, values = (_padded(x, width) if x.shape[-1] < width else x for x in (q, k, values))
-    return q, expand_kv_heads(k, groups), expand_kv_heads(values, groups)
-
-
-def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x (..., D) -> (..., width), zeros past D: only the padding is zero-filled (``F.pad`` fills
-    the whole output, then copies x over it)."""
-    out = x.new_empty(*x.shape[:-1], width)
-    out[..., : x.shape[-1]] = x
-    out[..., x.shape[-1] :].zero_()
-    return out
-
-
-def _head_chunks(kv_heads: int, groups: int) -> list[tuple[slice, slice]]:
-    """(query heads, KV heads) of each kernel call: whole KV heads with their query heads, in
-    :data:`HEAD_CHUNKS` calls, so the widened copies of one call (padded q and k, [v | s], and
-    in backward the widened output, its gradient and the kernel's three gradients, all W wide)
-    are a fraction of one layer's heads, not all of them at once (the peak of a training step
-    is one layer's backward beside what the step keeps)."""
-    size = -(-kv_heads // HEAD_CHUNKS)
-    return [
-        (slice(h * groups, min(h + size, kv_heads) * groups), slice(h, min(h + size, kv_heads)))
-        for h in range(0, kv_heads, size)
-    ]
+def _parts(flat: torch.Tensor, heads: int, dv: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Tq, Hq*Dv + Hq*S) -> its values and stream parts, (B, Hq, Tq, Dv) and (B, Hq, Tq, S) views."""
+    values = flat[..., : heads * dv].unflatten(-1, (heads, dv)).transpose(1, 2)
+    stream = flat[..., heads * dv :].unflatten(-1, (heads, s)).transpose(1, 2)
+    return values, stream
 
 
 def _forward(
@@ -164,21 +124,10 @@ def _forward(
     allowed: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    assert CPU_FLASH is not None
     b, heads, q_len, _ = q.shape
     dv, s = v.shape[-1], stream.shape[-1]
-    mask = _additive(allowed, q.dtype)
     flat = q.new_empty(b, q_len, heads * (dv + s))  # (B, Tq, Hq*Dv + Hq*S)
-    values_of = flat[..., : heads * dv].unflatten(-1, (heads, dv))  # (B, Tq, Hq, Dv), views
-    stream_of = flat[..., heads * dv :].unflatten(-1, (heads, s))  # (B, Tq, Hq, S)
-    lse = q.new_empty(b, heads, q_len)
-    for qh, kh in _head_chunks(k.shape[1], heads // k.shape[1]):
-        wide_q, wide_k, values = _widened(q[:, qh], k[:, kh], v[:, kh], stream[:, kh])
-        out, lse[:, qh] = CPU_FLASH(wide_q, wide_k, values, 0.0, allowed is None, attn_mask=mask, scale=scale)
-        values_of[:, :, qh] = out[..., :dv].transpose(1, 2)  # (B, Tq, h, Dv)
-        stream_of[:, :, qh] = out[..., dv : dv + s].transpose(1, 2)
-        # freed before the next chunk's widened copies are made, not held beside them
-        del wide_q, wide_k, values, out
+    lse = wide_values.forward(q, k, (v, stream), allowed, scale, _parts(flat, heads, dv, s))
     return flat, (flat, lse)
 
 
@@ -190,45 +139,11 @@ def _backward(
     allowed: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, ...]:
-    assert CPU_FLASH_BACKWARD is not None
     q, k, v, stream = inputs
     flat, lse = saved
-    d, dv, s = q.shape[-1], v.shape[-1], stream.shape[-1]
-    heads, kv_heads = q.shape[1], k.shape[1]
-    groups = heads // kv_heads
-    mask = _additive(allowed, q.dtype)
-    dq, dk, dvv, ds = (torch.empty_like(x) for x in (q, k, v, stream))
-    for qh, kh in _head_chunks(kv_heads, groups):
-        wide_q, wide_k, values = _widened(q[:, qh], k[:, kh], v[:, kh], stream[:, kh])
-        width, count = wide_q.shape[-1], qh.stop - qh.start
-        out, grad_out = (_unflattened(x, heads, qh, dv, s, width) for x in (flat, grad))  # (B, h, Tq, W)
-        dq_h, dk_h, dvalues = CPU_FLASH_BACKWARD(
-            grad_out,
-            wide_q,
-            wide_k,
-            values,
-            out,
-            lse[:, qh],
-            0.0,
-            allowed is None,
-            attn_mask=mask,
-            scale=scale,
-        )
-        del out, grad_out, wide_q, wide_k, values
-        if groups > 1:  # (B, h, Tk, W) -> (B, h / groups, Tk, W): a KV head's query heads summed
-            dk_h, dvalues = (x.unflatten(1, (count // groups, groups)).sum(2) for x in (dk_h, dvalues))
-        dq[:, qh], dk[:, kh] = dq_h[..., :d], dk_h[..., :d]
-        dvv[:, kh], ds[:, kh] = dvalues[..., :dv], dvalues[..., dv : dv + s]
-    return dq, dk, dvv, ds
-
-
-def _unflattened(x: torch.Tensor, heads: int, qh: slice, dv: int, s: int, width: int) -> torch.Tensor:
-    """The query heads ``qh`` of (B, Tq, Hq*Dv + Hq*S) -> (B, h, Tq, W) (zero past Dv + S), laid
-    out as (B, Tq, h, W)."""
-    b, q_len, _ = x.shape
-    count = qh.stop - qh.start
-    make = x.new_zeros if width > dv + s else x.new_empty
-    wide = make(b, q_len, count, width)
-    wide[..., :dv] = x[..., : heads * dv].unflatten(-1, (heads, dv))[:, :, qh]
-    wide[..., dv : dv + s] = x[..., heads * dv :].unflatten(-1, (heads, s))[:, :, qh]
-    return wide.transpose(1, 2)
+    heads, dv, s = q.shape[1], v.shape[-1], stream.shape[-1]
+    outputs, grads = _parts(flat, heads, dv, s), _parts(grad.contiguous(), heads, dv, s)
+    grad_q, grad_k, (grad_v, grad_stream) = wide_values.backward(
+        q, k, (v, stream), allowed, scale, outputs, grads, lse
+    )
+    return grad_q, grad_k, grad_v, grad_stream

@@ -1,5 +1,6 @@
-"""The fused CPU stream attention (``attention/stream_flash.py``, issue 21.5/21.6): values and a
-stream attended with one softmax on torch's fused CPU flash kernel, forward and backward.
+"""The CPU stream attention (``attention/stream_flash.py``, issue 21.5/21.6): values and a
+stream attended with one softmax in blocks of query rows (``attention/wide_values.py``), forward
+and backward.
 
 Checked against the definition written out in fp64 — per query head h and query i,
 a_ij = softmax_j(q_i . k_j * scale), masked (causal bottom-right, or a boolean padding mask;
@@ -23,10 +24,6 @@ import hf_posenc.attention.stream_flash as stream_flash
 from hf_posenc.attention.backend import AttentionCall, dispatch_with_stream
 from hf_posenc.compat import cache_keyword
 from hf_posenc.encodings.base import probe_call
-
-pytestmark = pytest.mark.skipif(
-    stream_flash.CPU_FLASH_BACKWARD is None, reason="torch has no fused CPU flash backward"
-)
 
 
 def _reference(q, k, v, stream, allowed, scale):
@@ -143,8 +140,8 @@ def test_without_gradients_a_few_queries_equal_the_definition(
         )
 
 
-def test_dispatch_routes_cpu_calls_to_the_fused_kernel(monkeypatch):
-    """On CPU in fp32, with gradients and without, the stream call is the fused kernel (its
+def test_dispatch_routes_cpu_calls_to_the_blocked_path(monkeypatch):
+    """On CPU in fp32, with gradients and without, the stream call is the blocked path (its
     forward runs once per call), but for a call of at most ``FEW_QUERIES`` queries without
     gradients (a decoding step: explicit scores); in bf16 the previous path serves (one fused
     SDPA call)."""
@@ -170,7 +167,7 @@ def test_dispatch_routes_cpu_calls_to_the_fused_kernel(monkeypatch):
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_tape_training_with_left_padding_equals_the_eager_backend(kv_heads, monkeypatch):
     """A patched TAPE model's loss and every parameter's gradient with a left-padded batch, on
-    the default backend (the fused kernel) and on eager (explicit fp32 scores): equal at 1e-5
+    the default backend (the blocked path) and on eager (explicit fp32 scores): equal at 1e-5
     (the loss over the real tokens' predictions)."""
     model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads).train()
     ids = token_ids(2, 16)
@@ -200,7 +197,7 @@ def test_tape_training_with_left_padding_equals_the_eager_backend(kv_heads, monk
 
 
 def test_cached_decode_after_a_trained_prefill_equals_the_full_forward():
-    """Logits of a prefill with gradients (the fused kernel) followed by cached decoding steps
+    """Logits of a prefill with gradients (the blocked path) followed by cached decoding steps
     equal the full sequence's forward: the stream state the training-path forward leaves in the
     cache is the one decoding continues from."""
     from transformers import DynamicCache
@@ -217,30 +214,25 @@ def test_cached_decode_after_a_trained_prefill_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1).detach(), full, atol=1e-5, rtol=1e-5)
 
 
-def test_the_forward_holds_one_head_chunks_widened_copies_at_a_time():
-    """Without gradients the fused call's peak is its output (every head's values and stream) and
-    log-sum-exp, one chunk of heads' widened q, k and [v | s], and what the kernel itself holds for
-    that chunk (its output and work buffers, measured here alone): each chunk's copies are freed
-    before the next chunk's are made (before, two chunks' were alive at once: 729088 bytes against
-    608768 with these sizes and two threads, 2026-11-27)."""
+def test_the_forward_holds_its_output_the_values_and_one_blocks_scores():
+    """Without gradients the call's peak is its output (every head's values and stream), its
+    log-sum-exp, the values [v | s] side by side, and one block's scores (8 heads x 64 rows x
+    the keys): no (heads, Tq, Tk) tensor and no copy of q or k (the fused kernel's path before held
+    q and k zero-padded to the values' width, a quarter of the heads at a time)."""
     from capture import peak_allocated_bytes
 
-    batch, heads, length, dim = 1, 8, 256, 16
+    batch, heads, length, dim = 1, 8, 512, 16
     q, k, v, stream = (torch.randn(batch, heads, length, dim) for _ in range(4))
-    chunk = -(-heads // stream_flash.HEAD_CHUNKS)  # heads per kernel call
-    width = 2 * dim  # values and stream side by side; q and k zero-padded to it
-    wide = [torch.randn(batch, chunk, length, width) for _ in range(3)]  # one chunk's q, k, [v | s]
+    width = 2 * dim  # values and stream side by side
     output = batch * length * heads * width * 4 + batch * heads * length * 4  # flat output, lse
-    inputs = 3 * batch * chunk * length * width * 4
-
-    def one_call():
-        with torch.no_grad():
-            stream_flash.CPU_FLASH(*wide, 0.0, True, scale=dim**-0.5)
+    values = batch * heads * length * width * 4
+    scores = 8 * 64 * length * 4  # one block's, every head (sizes the module's defaults give)
+    block = 3 * 8 * 64 * width * 4  # a block's attended values, their parts and row statistics
 
     def run():
         with torch.no_grad():
             stream_flash._forward(q, k, v, stream, allowed=None, scale=dim**-0.5)
 
-    kernel = peak_allocated_bytes(one_call)  # its output, log-sum-exp and work buffers
     peak = peak_allocated_bytes(run)
-    assert peak <= output + inputs + kernel + inputs // 12, (peak, output, inputs, kernel)
+    assert peak <= output + values + scores + block, (peak, output, values, scores, block)
+    assert peak > output + values + scores // 2  # (the sizes are the ones the call holds)

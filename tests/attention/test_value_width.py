@@ -15,7 +15,7 @@ from conftest import make_model, patch, token_ids
 from encoding_cases import ALL_CASES, CASES_BY_ENCODING, case_id
 from transformers import DynamicCache
 
-from hf_posenc.attention import stream_flash
+from hf_posenc.attention import stream_flash, wide_values
 from hf_posenc.attention.backend import AttentionCall, dispatch_with_stream
 from hf_posenc.compat import cache_keyword
 from hf_posenc.core.registry import encoding_names, get_encoding
@@ -26,10 +26,10 @@ DEFAULTS = [cases[0] for cases in CASES_BY_ENCODING.values()]
 
 @pytest.mark.parametrize("case", DEFAULTS, ids=[case_id(c) for c in DEFAULTS])
 def test_sdpa_and_the_cache_see_the_models_head_width(case, monkeypatch):
-    """Every fused-kernel call of a patched forward (SDPA, and the CPU flash operator that an
-    encoding attending a stream calls directly) gets q, k, v of one width, and the cache filled
-    by it holds keys and values of the model's head width. An encoding that attends a stream
-    (TAPE) makes at least one such call: its widened values must not leave the fused kernel."""
+    """Every SDPA call of a patched forward gets q, k, v of one width, and the cache filled by it
+    holds keys and values of the model's head width. An encoding that attends a stream (TAPE)
+    takes the blocked path for values wider than q and k (``wide_values``: no SDPA math path, no
+    (T, T) weights), with q and k of the model's head width."""
     model = patch(make_model("llama"), case[0], case[1])
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     widths = []
@@ -42,14 +42,20 @@ def test_sdpa_and_the_cache_see_the_models_head_width(case, monkeypatch):
         return record
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording(F.scaled_dot_product_attention))
-    if stream_flash.CPU_FLASH is not None:
-        monkeypatch.setattr(stream_flash, "CPU_FLASH", recording(stream_flash.CPU_FLASH))
+    blocked = []
+    original_blocked = wide_values.forward
+    monkeypatch.setattr(
+        wide_values,
+        "forward",
+        lambda q, k, *args: blocked.append((q.shape[-1], k.shape[-1])) or original_blocked(q, k, *args),
+    )
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        # more queries than stream_flash.FEW_QUERIES: a call the fused kernel serves without gradients
+        # more queries than stream_flash.FEW_QUERIES: a call the blocked path serves without gradients
         model(token_ids(1, stream_flash.FEW_QUERIES + 8), **{cache_keyword(model): cache}, use_cache=True)
     if get_encoding(case[0]).attends_stream:
-        assert widths, "no fused-kernel call recorded for a stream-attending encoding"
+        assert blocked, "no blocked call recorded for a stream-attending encoding"
+    assert all(q_width == k_width == head_dim for q_width, k_width in blocked), blocked
     for q_width, k_width, v_width in widths:
         assert q_width == k_width == v_width, f"SDPA got widths q={q_width} k={k_width} v={v_width}"
     for layer in cache.layers:

@@ -1,0 +1,97 @@
+"""Independent pieces of CPU work side by side, one per intra-op thread, each running its tensor
+operations single-threaded (:func:`side_by_side`).
+
+Why by hand: a loop of many small tensor operations (the blocks of an attention computed in
+explicit products, :mod:`.wide_values`) opens one OpenMP parallel region per operation, and
+every region waits for all of torch's threads to arrive. On the 2-vCPU VM of 2026-11-28 that wait
+was ~100 us per region in some stretches of minutes (the machine's slow state, where a product
+split over the two threads ran no faster than on one: ``scripts/split_product_probe.py``): one
+layer's backward of TAPE's values (8 heads, T = 2048, 352 regions) took 87-95 ms there against
+58-60 ms in the fast state. Given to the threads as two halves of the heads, each half's
+operations single-threaded, the same work waits once per call: 53-57 ms in the slow state
+(/work/notes/s21/bwd_states.py). torch's inter-op pool (``torch.jit.fork``) runs its tasks'
+operations on the same intra-op threads, so it does not avoid the waits.
+
+How: ``torch.set_num_threads(1)`` in each worker (OpenMP's and MKL's thread counts are per
+calling thread) and in the caller for the call's duration, restored after. Tasks run with the
+caller's grad mode and without autocast (in their tensors' own dtypes), as torch's thread-local
+states do not follow work to another thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+_state = threading.local()  # .inside: this thread runs a task of side_by_side (no nested split)
+
+
+def _start_worker() -> None:
+    torch.set_num_threads(1)
+    _state.inside = True
+
+
+def _workers(count: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's worker threads, at least ``count`` of them (made on first use)."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < count:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=count, thread_name_prefix="hf_posenc-split", initializer=_start_worker
+            )
+            _pool_size = count
+        return _pool
+
+
+def parts() -> int:
+    """How many pieces :func:`side_by_side` runs at once here: torch's intra-op threads, or 1
+    inside one of its tasks."""
+    return 1 if getattr(_state, "inside", False) else torch.get_num_threads()
+
+
+def side_by_side(tasks: Sequence[Callable[[], None]]) -> None:
+    """Run ``tasks`` (independent: no two write the same memory) to completion, at most
+    :func:`parts` at once, each with single-threaded tensor operations; every task runs, and the
+    first exception one raised is raised after all have finished. One task, or one thread: run
+    here, in order, as they are."""
+    threads = parts()
+    if len(tasks) < 2 or threads < 2:
+        for task in tasks:
+            task()
+        return
+    grad = torch.is_grad_enabled()
+
+    def run(lane: list[Callable[[], None]]) -> BaseException | None:
+        """Every task of ``lane`` -> the first exception one raised, or None."""
+        first = None
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", enabled=False):
+            for task in lane:
+                try:
+                    task()
+                except BaseException as caught:
+                    first = first or caught
+        return first
+
+    pool = _workers(threads - 1)
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _state.inside = True
+    try:
+        # the caller takes every threads-th task from the first, the workers the others in turn
+        lanes = [list(tasks[lane::threads]) for lane in range(min(threads, len(tasks)))]
+        futures = [pool.submit(run, lane) for lane in lanes[1:]]
+        errors = [run(lanes[0])] + [future.result() for future in futures]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+    finally:
+        _state.inside = False
+        torch.set_num_threads(caller_threads)
