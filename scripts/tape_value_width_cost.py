@@ -1,77 +1,102 @@
-"""TAPE's attention at twice the head width, alone: one layer's fused CPU backward over values
-[v | stream] with q and k zero-padded to their width, against an explicit per-head chain with q and
-k at their own width (only the values doubled), and native's fused forward+backward at the head
-width; each alternating, mean of 3 calls after one (B=1, 8 heads of 32, T=2048, fp32).
+"""TAPE's attention alone, one layer: values [v | stream] twice the head width, causal, fp32.
+Each round times, in turn: native's fused CPU flash forward and backward at the head width;
+the same kernel at twice the width with q and k zero-padded (TAPE's path to 2026-11-28); and the
+blocked path TAPE takes now (``hf_posenc.attention.wide_values``: forward, backward with its
+heads split over torch's threads, and the backward with every operation on all threads instead).
+With ``--by-state`` each round is classified by ``scripts/split_product_probe.py`` (this VM's
+fast and slow states) and the medians are given per state.
 
-    python scripts/tape_value_width_cost.py [--length 2048] [--rounds 3]
+    python scripts/tape_value_width_cost.py [--length 2048] [--heads 8] [--head-dim 32] \
+        [--rounds 10] [--by-state]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import importlib.util
+import pathlib
+import statistics
 import time
+from collections.abc import Callable
+from unittest import mock
 
 import torch
+
+from hf_posenc.attention import thread_split, wide_values
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _state_of() -> Callable[[], str]:
+    spec = importlib.util.spec_from_file_location(
+        "split_product_probe", pathlib.Path(__file__).with_name("split_product_probe.py")
+    )
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return lambda: "slow" if probe.probe()["split"] > probe.SLOW_MS else "fast"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--by-state", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    heads, length, dim, rows = 8, args.length, 32, 256
-    width, scale, log2e = 2 * dim, dim**-0.5, math.log2(math.e)
-    q, k = torch.randn(1, heads, length, dim), torch.randn(1, heads, length, dim)
-    values = torch.randn(1, heads, length, width)  # [v | stream]
-    grad = torch.randn(1, heads, length, width)
+    heads, length, dim = args.heads, args.length, args.head_dim
+    scale = dim**-0.5
+    q, k, v, stream = (torch.randn(1, heads, length, dim) for _ in range(4))
+    values = torch.cat((v, stream), -1)  # (1, H, T, 2D)
+    grad = torch.randn(1, heads, length, 2 * dim)
+    wide_q, wide_k = (torch.cat((x, torch.zeros_like(x)), -1) for x in (q, k))
+    out_native, lse_native = FORWARD(q, k, v, 0.0, True, scale=scale)[:2]
+    out_wide, lse_wide = FORWARD(wide_q, wide_k, values, 0.0, True, scale=scale)[:2]
+    flat = torch.empty(1, length, heads, 2 * dim)  # the stream path's layout: per token, per head
+    outputs = [flat[..., :dim].transpose(1, 2), flat[..., dim:].transpose(1, 2)]
+    lse = wide_values.forward(q, k, (v, stream), None, scale, outputs)
+    grads = [grad[..., :dim], grad[..., dim:]]
 
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((x, torch.zeros_like(x)), -1)
+    def blocked_backward() -> None:
+        wide_values.backward(q, k, (v, stream), None, scale, outputs, grads, lse)
 
-    out, lse = FORWARD(padded(q), padded(k), values, 0.0, True, scale=scale)
+    def blocked_backward_one_part() -> None:
+        with mock.patch.object(thread_split, "parts", lambda: 1):
+            blocked_backward()
 
-    def fused() -> None:
-        BACKWARD(grad, padded(q), padded(k), values, out, lse, 0.0, True, scale=scale)
-
-    def chain() -> None:  # FlashAttention-2's backward by hand, per head and block of rows
-        delta = (grad[0] * out[0]).sum(-1)  # (H, T)
-        grad_k, grad_v = torch.zeros(heads, length, dim), torch.zeros(heads, length, width)
-        grad_q = torch.empty(heads, length, dim)
-        causal = torch.full((rows, rows), -math.inf).triu_(1)
-        for h in range(heads):
-            for start in range(0, length, rows):
-                stop = start + rows
-                s = torch.mm(q[0, h, start:stop], k[0, h, :stop].T).mul_(scale * log2e)
-                s.sub_(lse[0, h, start:stop, None] * log2e)[:, start:].add_(causal)
-                s.exp2_()  # P
-                grad_v[h, :stop].addmm_(s.T, grad[0, h, start:stop])
-                dp = torch.mm(grad[0, h, start:stop], values[0, h, :stop].T).sub_(delta[h, start:stop, None])
-                s.mul_(dp)  # dS
-                torch.mm(s, k[0, h, :stop], out=grad_q[h, start:stop])
-                grad_k[h, :stop].addmm_(s.T, q[0, h, start:stop])
-
-    def native() -> None:
-        o, m = FORWARD(q, k, values[..., :dim], 0.0, True, scale=scale)
-        BACKWARD(grad[..., :dim], q, k, values[..., :dim], o, m, 0.0, True, scale=scale)
-
-    cases = {"fused backward at twice the width": fused, "explicit chain, values doubled": chain}
-    cases["native forward+backward"] = native
-    for fn in cases.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    cases: dict[str, Callable[[], object]] = {
+        "native forward (width D)": lambda: FORWARD(q, k, v, 0.0, True, scale=scale),
+        "native backward (width D)": lambda: BACKWARD(
+            grad[..., :dim].contiguous(), q, k, v, out_native, lse_native, 0.0, True, scale=scale
+        ),
+        "fused forward, q/k padded to 2D": lambda: FORWARD(wide_q, wide_k, values, 0.0, True, scale=scale),
+        "fused backward, q/k padded to 2D": lambda: BACKWARD(
+            grad, wide_q, wide_k, values, out_wide, lse_wide, 0.0, True, scale=scale
+        ),
+        "blocked forward": lambda: wide_values.forward(q, k, (v, stream), None, scale, outputs),
+        "blocked backward, heads split": blocked_backward,
+        "blocked backward, ops threaded": blocked_backward_one_part,
+    }
+    for case in cases.values():
+        case()
+    state_of = _state_of() if args.by_state else (lambda: "all")
+    times: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
-        for name, fn in cases.items():
+        state = state_of()
+        for name, case in cases.items():
             start = time.perf_counter()
-            for _ in range(3):
-                fn()
-            times[name].append((time.perf_counter() - start) / 3 * 1e3)
-    for name, values_ms in times.items():
-        print(f"{name:36s} {min(values_ms):7.1f} ms (min of {args.rounds} rounds)")
+            case()
+            times.setdefault(state, {}).setdefault(name, []).append((time.perf_counter() - start) * 1e3)
+    print(
+        f"one layer: {heads} heads of {dim}, values {2 * dim} wide, T={length}, {torch.get_num_threads()} threads"
+    )
+    for state, by_case in sorted(times.items()):
+        print(f"{state} state ({len(next(iter(by_case.values())))} rounds), median ms:")
+        for name, values_ms in by_case.items():
+            print(f"  {name:36s} {statistics.median(values_ms):7.1f}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ explicit products, :mod:`.wide_values`) opens one OpenMP parallel region per ope
 every region waits for all of torch's threads to arrive. On the 2-vCPU VM of 2026-11-28 that wait
 was ~100 us per region in some stretches of minutes (the machine's slow state, where a product
 split over the two threads ran no faster than on one: ``scripts/split_product_probe.py``): one
-layer's backward of TAPE's values (8 heads, T = 2048, 352 regions) took 87-95 ms there against
-58-60 ms in the fast state. Given to the threads as two halves of the heads, each half's
-operations single-threaded, the same work waits once per call: 53-57 ms in the slow state
-(/work/notes/s21/bwd_states.py). torch's inter-op pool (``torch.jit.fork``) runs its tasks'
+layer's backward of TAPE's values (8 heads, T = 2048, ~350 regions) took 73-95 ms there against
+57-60 ms in the fast state. Given to the threads as two halves of the heads, each half's
+operations single-threaded, the same work waits once per call: 55-60 ms in the slow state
+(``python scripts/tape_value_width_cost.py --by-state``). torch's inter-op pool (``torch.jit.fork``) runs its tasks'
 operations on the same intra-op threads, so it does not avoid the waits.
 
 How: ``torch.set_num_threads(1)`` in each worker (OpenMP's and MKL's thread counts are per

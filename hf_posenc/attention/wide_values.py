@@ -18,10 +18,17 @@ Why by hand: torch's fused CPU flash kernel takes q, k and v of one width ("Q/K/
 same head size"), so TAPE's values [v | stream] (W = Dv + S) made it pad q and k with zeros to W
 and compute every score's product and every dq/dk at twice the width. Here the score products
 stay at q's width D and only the value products are W wide. One layer of 8 heads of D = 32, W =
-64, T = 2048, causal, on the 2-vCPU VM of 2026-11-28 (/work/notes/s21/tape_fwd.py, tape_bwd.py,
-best of 5): forward 22.6-24.9 ms here against 28.0 fused at W (native's width-32 call 16.0),
-backward 57.5-60.0 against 71.2-72.5 (native 40.7-41.7); 16 heads of D = 64 backward 191-221
-against 262-277, 32 heads of D = 128 825-832 against 1086-1107 (forward 87 / 104 and 397 / 436).
+64, T = 2048, causal, on the 2-vCPU VM of 2026-11-28 (``python scripts/tape_value_width_cost.py
+--rounds 8 --by-state``, medians, fast / slow state): forward 23.8 / 24.8 ms here against 27.7 /
+29.0 for the fused kernel at W (native's width-32 call 15.7 / 17.2), backward 58.4 / 59.6 against
+71.4 / 71.9 (native 41.8 / 44.7). One-off runs of the same comparison (best of 5, fast state):
+16 heads of D = 64 backward 191-221 against 262-277 ms, 32 heads of D = 128 825-832 against
+1086-1107 (forward 87 / 104 and 397 / 436).
+
+The backward's heads are split over torch's threads, each half's operations single-threaded
+(:mod:`.thread_split`): with every operation on both threads instead it read 56.9 / 73.4 ms (one
+wait for the threads per operation, ~100 us each in the slow state). The forward's operations
+stay on all threads: split by heads it ran slower (30-31 against 24-26 ms in both states).
 """
 
 from __future__ import annotations
@@ -42,8 +49,11 @@ BACKWARD_ROWS = 128
 #: query heads whose scores one batched product computes (the threads split them; 4 heads of 64
 #: rows ran ~1.5x slower than 8 at D = 32 with torch's two threads in each product)
 HEADS = 8
-#: bytes of one block's scores (and of its dP in backward), where T is long: fewer rows per block
-BLOCK_BYTES = 32 * 2**20
+#: bytes of one product's scores (and of its dP in backward) at most: fewer rows per block where
+#: T is long (the forward's 64 rows of 8 heads reach it at T = 4096, where its peak by the
+#: profiler's count is 53 MiB against native's 41 in the bench's model, 45 with the fused kernel
+#: before; 32 rows there ran ~5 % slower, 91 against 86.5 ms a layer)
+BLOCK_BYTES = 8 * 2**20
 
 
 def _layout(heads: int, kv_heads: int, keys: int, itemsize: int, rows: int) -> tuple[int, int]:
@@ -186,7 +196,7 @@ def forward(
                     out[b, query_heads, start:end] = part
 
     # each operation on torch's threads: split by heads over the threads instead (as the backward
-    # is), it ran slower (30-31 against 24-26 ms a layer, /work/notes/s21/bwd_states.py)
+    # is), it ran slower (30-31 against 24-26 ms a layer, see the module's docstring)
     for b, heads in blocks.pieces(1):
         piece(b, heads)
     return lse
