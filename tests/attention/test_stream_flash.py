@@ -164,11 +164,22 @@ def test_dispatch_routes_cpu_calls_to_the_blocked_path(monkeypatch):
     assert runs == [1, 1]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_tape_training_with_left_padding_equals_the_eager_backend(kv_heads, monkeypatch):
+def test_tape_training_with_left_padding_equals_the_eager_backend(kv_heads, threads, monkeypatch):
     """A patched TAPE model's loss and every parameter's gradient with a left-padded batch, on
-    the default backend (the blocked path) and on eager (explicit fp32 scores): equal at 1e-5
-    (the loss over the real tokens' predictions)."""
+    the default backend (the blocked path; with torch at 2 threads its backward's heads split
+    over them) and on eager (explicit fp32 scores): equal at 1e-5 (the loss over the real
+    tokens' predictions)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _tape_training_against_eager(kv_heads, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _tape_training_against_eager(kv_heads, monkeypatch):
     model = make_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads).train()
     ids = token_ids(2, 16)
     attention_mask = torch.ones_like(ids)
