@@ -21,6 +21,7 @@ states do not follow work to another thread.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,16 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
 _state = threading.local()  # .inside: this thread runs a task of side_by_side (no nested split)
+
+
+def _forget_workers() -> None:
+    """In a forked child: the parent's worker threads do not exist there (a pool that still
+    counted them would never run a task), so the next call makes its own."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_workers)
 
 
 def _start_worker() -> None:

@@ -112,3 +112,28 @@ def test_one_thread_runs_the_tasks_here_in_order():
         assert order == [(i, True) for i in range(4)]
     finally:
         torch.set_num_threads(before)
+
+
+def _split_in_child(queue) -> None:
+    torch.set_num_threads(2)
+    done: list[int] = []
+    thread_split.side_by_side([lambda i=i: done.append(i) for i in range(4)])
+    queue.put(sorted(done))
+
+
+def test_a_forked_child_splits_with_workers_of_its_own(three_threads):
+    """After the parent has made its workers, a child forked from it (a fork-started process)
+    still runs a split to the end: the parent's worker threads do not exist there."""
+    import multiprocessing
+
+    thread_split.side_by_side([lambda: None for _ in range(3)])  # the parent's workers exist
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_split_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=30)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the child's split never finished"
+    assert queue.get(timeout=5) == [0, 1, 2, 3]
