@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -232,3 +233,13 @@ def static_layer_written(cache: Any, layer_idx: int) -> int | None:
         return None
     written = getattr(layers[layer_idx], "cumulative_length_int", None)
     return written if isinstance(written, int) else None
+
+
+@functools.cache
+def thread_counts_per_caller() -> bool:
+    """Whether ``torch.set_num_threads`` sets the intra-op thread count of the calling thread
+    alone, as torch's OpenMP backend does (OpenMP's and MKL's counts are per thread), so a worker
+    thread may run single-threaded operations beside the caller's (``attention.thread_split``).
+    torch's native thread pool backend takes one count for the process, once (a later call only
+    warns), and TBB builds are not checked: there, no split."""
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..compat import thread_counts_per_caller
+
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
@@ -64,8 +66,11 @@ def _workers(count: int) -> concurrent.futures.ThreadPoolExecutor:
 
 def parts() -> int:
     """How many pieces :func:`side_by_side` runs at once here: torch's intra-op threads, or 1
-    inside one of its tasks."""
-    return 1 if getattr(_state, "inside", False) else torch.get_num_threads()
+    inside one of its tasks, or where torch's thread counts are not per thread (not its OpenMP
+    backend: :func:`~hf_posenc.compat.thread_counts_per_caller`)."""
+    if getattr(_state, "inside", False) or not thread_counts_per_caller():
+        return 1
+    return torch.get_num_threads()
 
 
 def side_by_side(tasks: Sequence[Callable[[], None]]) -> None:

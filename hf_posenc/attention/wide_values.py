@@ -95,6 +95,8 @@ class _Blocks:
         self.batch, heads, self.q_len, self.dim = q.shape
         self.kv_heads, self.k_len = k.shape[1], k.shape[2]
         self.groups = heads // self.kv_heads
+        if allowed is not None:  # (a mask over keys only, (B|1, 1, 1, Tk), read per row)
+            allowed = allowed.expand(allowed.shape[0], 1, self.q_len, self.k_len)
         self.per_product, self.rows = _layout(heads, self.kv_heads, self.k_len, q.element_size(), rows)
         self.spans = key_spans(allowed, self.q_len, self.k_len, self.rows)
         self.blocked = None if allowed is None else ~allowed  # (B|1, 1, Tq, Tk)
@@ -154,7 +156,7 @@ def forward(
 
     q (B, Hq, Tq, D); k (B, Hkv, Tk, D); ``values`` (B, Hkv, Tk, X_i), attended with the same
     weights (W = sum X_i wide together); ``outputs`` (B, Hq, Tq, X_i) views, any strides;
-    ``allowed`` (B|1, 1, Tq, Tk) bool or None (causal, bottom-right aligned)."""
+    ``allowed`` (B|1, 1, Tq|1, Tk) bool or None (causal, bottom-right aligned)."""
     rows = FORWARD_ROWS if q.shape[-1] <= 32 else 2 * FORWARD_ROWS
     blocks = _Blocks(q, k, allowed, scale, rows)
     g = blocks.groups

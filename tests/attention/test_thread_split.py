@@ -137,3 +137,13 @@ def test_a_forked_child_splits_with_workers_of_its_own(three_threads):
         child.kill()
     assert not alive, "the child's split never finished"
     assert queue.get(timeout=5) == [0, 1, 2, 3]
+
+
+def test_without_per_thread_counts_the_tasks_run_here(monkeypatch, three_threads):
+    """Where torch's thread counts are one for the process (its native thread pool backend), no
+    split: every task on the caller's thread, in order, the caller's threads untouched."""
+    monkeypatch.setattr(thread_split, "thread_counts_per_caller", lambda: False)
+    order: list[tuple[int, bool]] = []
+    me = threading.get_ident()
+    thread_split.side_by_side([lambda i=i: order.append((i, threading.get_ident() == me)) for i in range(4)])
+    assert order == [(i, True) for i in range(4)] and torch.get_num_threads() == 3

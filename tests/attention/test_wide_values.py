@@ -54,7 +54,7 @@ def _run(q, k, values, allowed, scale, widths):
     k_len=st.integers(1, 40),
     cached=st.integers(0, 12),
     rows=st.sampled_from([1, 3, 4, 64]),
-    mask_kind=st.sampled_from(["causal", "random", "window", "padded"]),
+    mask_kind=st.sampled_from(["causal", "random", "window", "padded", "keys"]),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
 )
@@ -80,6 +80,8 @@ def test_output_and_gradients_equal_the_definition(
         allowed = torch.rand(batch, 1, q_len, k_len, generator=generator) < 0.4
     elif mask_kind == "window":  # a sliding window of 5 keys: blocks whose first key is past 0
         allowed = (causal & ~causal.tril(k_len - q_len - 5))[None, None]
+    elif mask_kind == "keys":  # a mask over keys only (B, 1, 1, Tk), every row reads it
+        allowed = torch.rand(batch, 1, 1, k_len, generator=generator) < 0.7
     elif mask_kind == "padded":  # the first sequence left-padded: whole blocks of rows see nothing
         allowed = causal.repeat(batch, 1, 1, 1)
         allowed[0, :, :, : k_len // 2] = False
