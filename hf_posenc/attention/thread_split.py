@@ -9,11 +9,14 @@ split over the two threads ran no faster than on one: ``scripts/split_product_pr
 layer's backward of TAPE's values (8 heads, T = 2048, ~350 regions) took 73-95 ms there against
 57-60 ms in the fast state. Given to the threads as two halves of the heads, each half's
 operations single-threaded, the same work waits once per call: 55-60 ms in the slow state
-(``python scripts/tape_value_width_cost.py --by-state``). torch's inter-op pool (``torch.jit.fork``) runs its tasks'
-operations on the same intra-op threads, so it does not avoid the waits.
+(``python scripts/tape_value_width_cost.py --by-state``). torch's inter-op pool
+(``torch.jit.fork``) was not tried: its tasks' operations would still each open a region on the
+intra-op threads.
 
 How: ``torch.set_num_threads(1)`` in each worker (OpenMP's and MKL's thread counts are per
-calling thread) and in the caller for the call's duration, restored after. Tasks run with the
+calling thread under torch's OpenMP backend; under its other backends nothing is split:
+:func:`parts`) and in the caller for the call's duration, restored after; a forked child makes
+workers of its own. Tasks run with the
 caller's grad mode and without autocast (in their tensors' own dtypes), as torch's thread-local
 states do not follow work to another thread.
 """
