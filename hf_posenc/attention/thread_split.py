@@ -1,5 +1,5 @@
-"""Independent pieces of CPU work side by side, one per intra-op thread, each running its tensor
-operations single-threaded (:func:`side_by_side`).
+"""Independent pieces of CPU work side by side in two lanes, each running its tensor operations
+on its share of torch's intra-op threads (:func:`side_by_side`; with two threads, one each).
 
 Why by hand: a loop of many small tensor operations (the blocks of an attention computed in
 explicit products, :mod:`.wide_values`) opens one OpenMP parallel region per operation, and
@@ -13,10 +13,10 @@ operations single-threaded, the same work waits once per call: 55-60 ms in the s
 (``torch.jit.fork``) was not tried: its tasks' operations would still each open a region on the
 intra-op threads.
 
-How: ``torch.set_num_threads(1)`` in each worker (OpenMP's and MKL's thread counts are per
-calling thread under torch's OpenMP backend; under its other backends nothing is split:
-:func:`parts`) and in the caller for the call's duration, restored after; a forked child makes
-workers of its own. Tasks run with the
+How: at most :data:`LANES` lanes, the caller's and a worker's, each with its share of the
+threads (``torch.set_num_threads``: OpenMP's and MKL's thread counts are per calling thread under
+torch's OpenMP backend; under its other backends nothing is split: :func:`parts`), the caller's
+count restored after; a forked child makes workers of its own. Tasks run with the
 caller's grad mode and without autocast (in their tensors' own dtypes), as torch's thread-local
 states do not follow work to another thread.
 """
@@ -49,7 +49,6 @@ os.register_at_fork(after_in_child=_forget_workers)
 
 
 def _start_worker() -> None:
-    torch.set_num_threads(1)
     _state.inside = True
 
 
@@ -67,29 +66,41 @@ def _workers(count: int) -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+#: lanes of work at most, however many threads torch has: measured with two threads only (the
+#: 2-vCPU VM); with more, each lane's operations take its share of the threads (not measured).
+#: Python threads share one interpreter lock between operations, so more lanes of many small
+#: operations each would mostly wait for it
+LANES = 2
+
+
 def parts() -> int:
-    """How many pieces :func:`side_by_side` runs at once here: torch's intra-op threads, or 1
-    inside one of its tasks, or where torch's thread counts are not per thread (not its OpenMP
-    backend: :func:`~hf_posenc.compat.thread_counts_per_caller`)."""
+    """How many lanes :func:`side_by_side` runs at once here: torch's intra-op threads, at most
+    :data:`LANES`; 1 inside one of its tasks, or where torch's thread counts are not per thread
+    (not its OpenMP backend: :func:`~hf_posenc.compat.thread_counts_per_caller`)."""
     if getattr(_state, "inside", False) or not thread_counts_per_caller():
         return 1
-    return torch.get_num_threads()
+    return min(LANES, torch.get_num_threads())
 
 
 def side_by_side(tasks: Sequence[Callable[[], None]]) -> None:
-    """Run ``tasks`` (independent: no two write the same memory) to completion, at most
-    :func:`parts` at once, each with single-threaded tensor operations; every task runs, and the
-    first exception one raised is raised after all have finished. One task, or one thread: run
-    here, in order, as they are."""
-    threads = parts()
-    if len(tasks) < 2 or threads < 2:
+    """Run ``tasks`` (independent: no two write the same memory) to completion, in at most
+    :func:`parts` lanes at once, each lane's tensor operations on its share of torch's threads
+    (one each with two threads); every task runs, and the first exception one raised is raised
+    after all have finished. One task, or one lane: run here, in order, as they are."""
+    count = min(parts(), len(tasks))
+    if count < 2:
         for task in tasks:
             task()
         return
     grad = torch.is_grad_enabled()
+    caller_threads = torch.get_num_threads()
+    share = max(1, caller_threads // count)  # each worker lane's threads; the caller keeps the rest
 
-    def run(lane: list[Callable[[], None]]) -> BaseException | None:
-        """Every task of ``lane`` -> the first exception one raised, or None."""
+    def run(lane: list[Callable[[], None]], threads: int | None) -> BaseException | None:
+        """Every task of ``lane`` -> the first exception one raised, or None; on ``threads``
+        threads (None: as this thread has them)."""
+        if threads is not None:
+            torch.set_num_threads(threads)
         first = None
         with torch.set_grad_enabled(grad), torch.autocast("cpu", enabled=False):
             for task in lane:
@@ -99,15 +110,14 @@ def side_by_side(tasks: Sequence[Callable[[], None]]) -> None:
                     first = first or caught
         return first
 
-    pool = _workers(threads - 1)
-    caller_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    pool = _workers(count - 1)
+    torch.set_num_threads(max(1, caller_threads - share * (count - 1)))
     _state.inside = True
     try:
-        # the caller takes every threads-th task from the first, the workers the others in turn
-        lanes = [list(tasks[lane::threads]) for lane in range(min(threads, len(tasks)))]
-        futures = [pool.submit(run, lane) for lane in lanes[1:]]
-        errors = [run(lanes[0])] + [future.result() for future in futures]
+        # the caller takes every count-th task from the first, the workers the others in turn
+        lanes = [list(tasks[lane::count]) for lane in range(count)]
+        futures = [pool.submit(run, lane, share) for lane in lanes[1:]]
+        errors = [run(lanes[0], None)] + [future.result() for future in futures]
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error

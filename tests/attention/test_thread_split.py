@@ -24,11 +24,12 @@ def three_threads():
     torch.set_num_threads(before)
 
 
-def test_every_task_runs_once_on_its_own_thread_single_threaded(three_threads):
-    """Seven tasks over three threads: each runs once, the caller's share on the caller's thread
-    and the rest on workers (a worker whose lane finished may take the next lane: concurrency is
-    the next test's), each seeing one intra-op thread and the caller's grad mode (off here), none
-    under autocast; the caller has its three threads back."""
+def test_every_task_runs_once_in_two_lanes_on_their_shares_of_the_threads(three_threads):
+    """Seven tasks with torch at three threads: two lanes (``LANES``), each task once, the
+    caller's lane (every other task from the first) on the caller's thread with two threads, the
+    other on a worker with one; each with the caller's grad mode (off here) and no autocast; the
+    caller has its three threads back."""
+    assert thread_split.LANES == 2 and thread_split.parts() == 2
     seen: dict[int, tuple[int, int, bool, bool]] = {}
 
     def task(i: int):
@@ -47,16 +48,17 @@ def test_every_task_runs_once_on_its_own_thread_single_threaded(three_threads):
         thread_split.side_by_side([task(i) for i in range(7)])
     assert sorted(seen) == list(range(7))
     caller = threading.get_ident()
-    assert [seen[i][0] == caller for i in range(7)] == [i % 3 == 0 for i in range(7)]
-    assert {tuple(rest) for _, *rest in seen.values()} == {(1, False, False)}
-    assert torch.get_num_threads() == 3 and thread_split.parts() == 3
+    assert [seen[i][0] == caller for i in range(7)] == [i % 2 == 0 for i in range(7)]
+    assert [seen[i][1] for i in range(7)] == [2 if i % 2 == 0 else 1 for i in range(7)]
+    assert {tuple(rest) for _, _, *rest in seen.values()} == {(False, False)}
+    assert torch.get_num_threads() == 3
 
 
-def test_the_tasks_run_at_the_same_time(three_threads):
-    """Three tasks that each wait for the other two to start finish (run one after another they
+def test_the_lanes_run_at_the_same_time(three_threads):
+    """Two tasks that each wait for the other to start finish (run one after the other they
     would wait forever: the barrier's timeout fails them)."""
-    barrier = threading.Barrier(3, timeout=10)
-    thread_split.side_by_side([barrier.wait for _ in range(3)])
+    barrier = threading.Barrier(2, timeout=10)
+    thread_split.side_by_side([barrier.wait for _ in range(2)])
 
 
 def test_an_exception_reaches_the_caller_after_every_task_has_finished(three_threads):
