@@ -2,7 +2,7 @@
 # One GPU session's measurements, in one call (a lent GPU's time is short): the CUDA tests,
 # `hf-posenc bench --device cuda --dtype bfloat16` against native SDPA in the same run, profiles.
 # Run from the repository root on a CUDA machine:
-#   OUT=/some/dir STAGES="tests bias frozen other lengths buckets sweep dropin s2 profile" bash scripts/gpu_session.sh
+#   OUT=/some/dir STAGES="tests bias frozen other lengths buckets sweep dropin s2 cpu_lanes profile" bash scripts/gpu_session.sh
 # Narrower stages: TESTS_K (a pytest -k expression within the CUDA tests), BIAS_ENCODINGS,
 # OTHER_ENCODINGS, OTHER_MODES, BUCKETS_ARGS (gpu_flex_buckets.py arguments), PROFILES.
 # Wheels in .whl/ (transformers, flash-linear-attention, fla-core) are installed first when present.
@@ -70,6 +70,11 @@ PY
   if wants s2; then
     stage "S2-Attn (LongLoRA shifted groups) vs full attention, training step"
     timeout ${STAGE_S2:-150} python3 -m hf_posenc.recipes.benchmark.s2_attn --lengths 2048 8192 16384 --group-size 0.25 --hidden-size 1024 --num-layers 8 --num-heads 16 --vocab-size 32000 --rounds 5 --device cuda --dtype bfloat16 --json "$OUT/work/s2.json" 2>&1 | tail -20
+  fi
+  if wants cpu_lanes; then
+    stage "TAPE's CPU attention on the host's cores: two lanes of half the threads vs every operation on all (thread_split)"
+    timeout ${STAGE_CPU_LANES:-120} python3 scripts/tape_value_width_cost.py --rounds 5 2>&1 | tail -9
+    OMP_NUM_THREADS=2 timeout ${STAGE_CPU_LANES:-120} python3 scripts/tape_value_width_cost.py --rounds 5 2>&1 | tail -9
   fi
   if wants profile; then
     stage "profiles"
