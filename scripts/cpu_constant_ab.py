@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import pathlib
 import statistics
 import sys
@@ -28,6 +27,7 @@ import time
 # the checkout this script is in, not whichever hf_posenc is installed: it times the code beside it
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import split_product_probe  # noqa: E402  (beside this script)
 import torch  # noqa: E402
 
 import hf_posenc  # noqa: E402
@@ -55,17 +55,6 @@ def parser() -> argparse.ArgumentParser:
         help="probe the machine's state before each round (split_product_probe.py)",
     )
     return p
-
-
-def _state_probe():
-    """split_product_probe.py beside this script: () -> 'fast' | 'slow'."""
-    spec = importlib.util.spec_from_file_location(
-        "split_product_probe", pathlib.Path(__file__).with_name("split_product_probe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return lambda: "slow" if probe.probe()["split"] > probe.SLOW_MS else "fast"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     values: list[int | None] = list(args.values) or [None]
     times: dict[int | None, list[float]] = {value: [] for value in values}
     native_times: list[float] = []
-    state_of = _state_probe() if args.by_state else None
+    state_of = split_product_probe.state if args.by_state else None
     states: list[str] = []
     try:
         step(model)  # warm-up: first-call allocations and lazy imports

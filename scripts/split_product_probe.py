@@ -48,6 +48,12 @@ def probe() -> dict[str, float]:
     return {"split": split, "batched": batched, "one_thread": single}
 
 
+def state() -> str:
+    """'fast' or 'slow': this machine's state now, by one :func:`probe` (the split product
+    against :data:`SLOW_MS`)."""
+    return "slow" if probe()["split"] > SLOW_MS else "fast"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=0.0, help="keep probing this long (0: once)")

@@ -13,29 +13,23 @@ fast and slow states) and the medians are given per state.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from unittest import mock
 
-import torch
+# the checkout this script is in, not whichever hf_posenc is installed: it times the code beside it
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from hf_posenc.attention import thread_split, wide_values
+import split_product_probe  # noqa: E402  (beside this script)
+import torch  # noqa: E402
+
+from hf_posenc.attention import thread_split, wide_values  # noqa: E402
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _state_of() -> Callable[[], str]:
-    spec = importlib.util.spec_from_file_location(
-        "split_product_probe", pathlib.Path(__file__).with_name("split_product_probe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return lambda: "slow" if probe.probe()["split"] > probe.SLOW_MS else "fast"
 
 
 def main() -> None:
@@ -82,7 +76,7 @@ def main() -> None:
     }
     for case in cases.values():
         case()
-    state_of = _state_of() if args.by_state else (lambda: "all")
+    state_of = split_product_probe.state if args.by_state else (lambda: "all")
     times: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         state = state_of()
