@@ -26,6 +26,7 @@ import time
 
 # the checkout this script is in, not whichever hf_posenc is installed: it times the code beside it
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # split_product_probe, beside it
 
 import split_product_probe  # noqa: E402  (beside this script)
 import torch  # noqa: E402

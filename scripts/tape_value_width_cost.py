@@ -22,6 +22,7 @@ from unittest import mock
 
 # the checkout this script is in, not whichever hf_posenc is installed: it times the code beside it
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # split_product_probe, beside it
 
 import split_product_probe  # noqa: E402  (beside this script)
 import torch  # noqa: E402
@@ -32,14 +33,14 @@ FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--by-state", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     heads, length, dim = args.heads, args.length, args.head_dim
     scale = dim**-0.5

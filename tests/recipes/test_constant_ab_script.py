@@ -80,7 +80,7 @@ def test_rounds_are_reported_per_state_of_the_machine(capsys, monkeypatch):
     group's median is of its own rounds' ratios to native's step."""
     script = _script()
     states = iter(["fast", "slow", "fast"])
-    monkeypatch.setattr(script, "_state_probe", lambda: lambda: next(states))
+    monkeypatch.setattr(script.split_product_probe, "state", lambda: next(states))
     code = script.main(
         ["--encoding", "t5", "--mode", "forward", "--length", "32", "--rounds", "3", "--native", "--by-state"]
     )
@@ -109,4 +109,5 @@ def test_the_state_probe_times_three_products():
     assert sorted(found) == ["batched", "one_thread", "split"]
     assert all(value > 0 for value in found.values())
     assert torch.get_num_threads() == threads
-    assert _script()._state_probe()() in ("fast", "slow")
+    assert probe.state() in ("fast", "slow")
+    assert _script().split_product_probe.state() in ("fast", "slow")
