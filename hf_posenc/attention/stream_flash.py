@@ -88,7 +88,7 @@ def _few_queries(
 ) -> torch.Tensor:
     """The same (B, Tq, Hq*Dv + Hq*S) as :func:`_forward`, from explicit scores, the query heads of
     a KV head as a group dimension (no expanded copy of the keys): softmax(q k^T * scale, masked)
-    times v and times the stream; a row with no allowed key gives 0, as the fused kernel does.
+    times v and times the stream; a row with no allowed key gives 0, as the blocked path does.
     ``allowed`` (B|1, 1, Tq, Tk) bool, or None: causal, bottom-right aligned. Not the eager core (``core.attend``): it takes one value tensor, so v and the stream would be
     concatenated over the whole cache, the copy this path is for avoiding."""
     b, heads, q_len, d = q.shape
