@@ -171,10 +171,11 @@ def dispatch_with_stream(
     (values wider than q/k would send SDPA to its O(T^2) math path). Otherwise, two calls with
     the same queries and keys (their weights are the same function of them).
 
-    On CPU (fp32/fp64, no dropout, no weights asked for) the fused call is torch's fused CPU flash
-    operator, and its backward the fused backward operator, given the forward's output and
-    log-sum-exp (:mod:`.stream_flash`): one forward and one backward, keeping q, k, v, the
-    stream, the output (the views the layer keeps anyway) and the log-sum-exp. Elsewhere (GPUs,
+    On CPU (fp32/fp64, no dropout, no weights asked for) the call is attention in explicit blocks
+    of query rows with the score products at q's width and FlashAttention-2's backward from the
+    forward's log-sum-exp (:mod:`.stream_flash`, :mod:`.wide_values`): one forward and one
+    backward, keeping q, k, v, the stream, the output (the views the layer keeps anyway) and the
+    log-sum-exp. Elsewhere (GPUs,
     bf16) with gradients the fused call keeps only q, k, v and the stream and runs again in backward
     (:func:`~hf_posenc.core.recompute.recomputed`): kept as is, the kernel would hold its padded
     q and k, the widened values and its output, all (Dv + S) wide, twice what plain attention

@@ -38,8 +38,9 @@ Attention and KV cache: the stream is attended with the weights of the values bu
 part of them (``attends_stream``): the values keep the model's head width, so the KV cache
 holds the model's own shapes and the attention stays one fused kernel (the attention core
 appends the stream to the values and zero-pads q and k to the same width, which leaves every
-score unchanged; ``attention/backend.py``, and on CPU with gradients ``attention/stream_flash.py``:
-the fused backward operator too, no second forward). A cached key needs the stream it had, so the
+score unchanged; ``attention/backend.py``; on CPU in fp32/fp64 ``attention/stream_flash.py``
+instead: explicit blocks with the score products at q's width, and a backward from the
+forward's log-sum-exp, no second forward). A cached key needs the stream it had, so the
 stream ``E^l_j`` of the cached keys is TAPE's decoding state (``call.state``), aligned with the
 cache's keys through sliding windows, cropping, batch selection and beam reordering.
 
