@@ -32,8 +32,13 @@ import torch
 
 from ..compat import thread_counts_per_caller
 
+#: lanes of work at most, however many threads torch has: measured with two threads only (the
+#: 2-vCPU VM); with more, each lane's operations take its share of the threads (not measured).
+#: Python threads share one interpreter lock between operations, so more lanes of many small
+#: operations each would mostly wait for it
+LANES = 2
+
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_size = 0
 _pool_lock = threading.Lock()
 _state = threading.local()  # .inside: this thread runs a task of side_by_side (no nested split)
 
@@ -41,8 +46,8 @@ _state = threading.local()  # .inside: this thread runs a task of side_by_side (
 def _forget_workers() -> None:
     """In a forked child: the parent's worker threads do not exist there (a pool that still
     counted them would never run a task), so the next call makes its own."""
-    global _pool, _pool_size
-    _pool, _pool_size = None, 0
+    global _pool
+    _pool = None
 
 
 os.register_at_fork(after_in_child=_forget_workers)
@@ -52,25 +57,15 @@ def _start_worker() -> None:
     _state.inside = True
 
 
-def _workers(count: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's worker threads, at least ``count`` of them (made on first use)."""
-    global _pool, _pool_size
+def _workers() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's worker threads, one per lane but the caller's (made on first use)."""
+    global _pool
     with _pool_lock:
-        if _pool is None or _pool_size < count:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+        if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=count, thread_name_prefix="hf_posenc-split", initializer=_start_worker
+                max_workers=LANES - 1, thread_name_prefix="hf_posenc-split", initializer=_start_worker
             )
-            _pool_size = count
         return _pool
-
-
-#: lanes of work at most, however many threads torch has: measured with two threads only (the
-#: 2-vCPU VM); with more, each lane's operations take its share of the threads (not measured).
-#: Python threads share one interpreter lock between operations, so more lanes of many small
-#: operations each would mostly wait for it
-LANES = 2
 
 
 def parts() -> int:
@@ -110,7 +105,7 @@ def side_by_side(tasks: Sequence[Callable[[], None]]) -> None:
                     first = first or caught
         return first
 
-    pool = _workers(count - 1)
+    pool = _workers()
     torch.set_num_threads(max(1, caller_threads - share * (count - 1)))
     _state.inside = True
     try:

@@ -68,7 +68,7 @@ def key_spans(
     allowed: torch.Tensor | None, q_len: int, k_len: int, rows: int
 ) -> list[tuple[int, int, int, int]]:
     """(first row, end row, first key, end key) of each block of ``rows`` queries: the keys any of
-    its rows may see. ``allowed`` (B|1, 1, Tq, Tk) bool, or None: causal, bottom-right aligned."""
+    its rows may see. ``allowed`` (B|1, 1, Tq|1, Tk) bool, or None: causal, bottom-right aligned."""
     spans = []
     if allowed is None:
         offset = k_len - q_len
@@ -76,10 +76,10 @@ def key_spans(
             end = min(start + rows, q_len)
             spans.append((start, end, 0, min(k_len, end + offset)))
         return spans
-    seen = allowed.any(0)[0]  # (Tq, Tk): allowed for some batch row
+    seen = allowed.any(0)[0]  # (Tq|1, Tk): allowed for some batch row
     index = torch.arange(k_len, device=allowed.device)
-    first = torch.where(seen, index, k_len).amin(-1)  # (Tq,): k_len where no key is allowed
-    last = torch.where(seen, index + 1, 0).amax(-1)  # (Tq,): 0 there
+    first = torch.where(seen, index, k_len).amin(-1).expand(q_len)  # (Tq,): k_len where no key is allowed
+    last = torch.where(seen, index + 1, 0).amax(-1).expand(q_len)  # (Tq,): 0 there
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
         spans.append((start, end, int(first[start:end].min()), int(last[start:end].max())))
@@ -95,11 +95,10 @@ class _Blocks:
         self.batch, heads, self.q_len, self.dim = q.shape
         self.kv_heads, self.k_len = k.shape[1], k.shape[2]
         self.groups = heads // self.kv_heads
-        if allowed is not None:  # (a mask over keys only, (B|1, 1, 1, Tk), read per row)
-            allowed = allowed.expand(allowed.shape[0], 1, self.q_len, self.k_len)
         self.per_product, self.rows = _layout(heads, self.kv_heads, self.k_len, q.element_size(), rows)
         self.spans = key_spans(allowed, self.q_len, self.k_len, self.rows)
-        self.blocked = None if allowed is None else ~allowed  # (B|1, 1, Tq, Tk)
+        # (B|1, 1, Tq|1, Tk): a mask over keys only stays one row, read by every block
+        self.blocked = None if allowed is None else ~allowed
         self.causal_offset = self.k_len - self.q_len
         self.exponent_scale = scale * LOG2E
         # the future keys of a causal block's last rows: key > row + offset
@@ -139,8 +138,9 @@ class _Blocks:
                     self.future[: end - start, :size], -math.inf
                 )
         else:
-            blocked = self.blocked[b if self.blocked.shape[0] > 1 else 0, 0, start:end, first:last]
-            grouped.masked_fill_(blocked, -math.inf)
+            mask = self.blocked[b if self.blocked.shape[0] > 1 else 0, 0]  # (Tq|1, Tk)
+            rows = slice(start, end) if mask.shape[0] > 1 else slice(None)
+            grouped.masked_fill_(mask[rows, first:last], -math.inf)  # (R|1, K) over (h, G, R, K)
 
 
 def forward(

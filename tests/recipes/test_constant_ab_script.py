@@ -3,22 +3,14 @@ leaves the constant as it found it; a name the module lacks is one line, before 
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import torch
+from scripts_by_path import load_script
 
 from hf_posenc.encodings import network_block
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "cpu_constant_ab.py"
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("cpu_constant_ab", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("cpu_constant_ab")
 
 
 def test_every_value_is_timed_and_the_constant_restored(capsys):
@@ -98,12 +90,7 @@ def test_rounds_are_reported_per_state_of_the_machine(capsys, monkeypatch):
 def test_the_state_probe_times_three_products():
     """scripts/split_product_probe.py: the split, batched and one-thread products each take a
     positive time, and torch's thread count is left as it was."""
-    spec = importlib.util.spec_from_file_location(
-        "split_product_probe", SCRIPT.with_name("split_product_probe.py")
-    )
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("split_product_probe")
     threads = torch.get_num_threads()
     found = probe.probe()
     assert sorted(found) == ["batched", "one_thread", "split"]

@@ -3,12 +3,9 @@ of the machine with ``--by-state``, and torch's thread count is left as it was."
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import torch
+from scripts_by_path import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tape_value_width_cost.py"
 CASES = [
     "native forward (width D)",
     "native backward (width D)",
@@ -21,11 +18,7 @@ CASES = [
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("tape_value_width_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tape_value_width_cost")
 
 
 def test_every_case_is_reported_per_state(capsys, monkeypatch):
