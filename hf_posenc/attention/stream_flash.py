@@ -34,6 +34,7 @@ from ..core.recompute import kernel
 from . import wide_values
 
 if TYPE_CHECKING:
+    from ..core.memo import ForwardMemo
     from .backend import AttentionCall
 
 
@@ -65,9 +66,9 @@ def attend_with_stream(call: AttentionCall, stream: torch.Tensor) -> torch.Tenso
     if q_len <= FEW_QUERIES and not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
         with torch.no_grad():
             return _few_queries(*inputs, allowed=call.mask, scale=call.softmax_scale)
-    allowed = call.mask  # None: causal, bottom-right aligned
-    forward = functools.partial(_forward, allowed=allowed, scale=call.softmax_scale)
-    backward = functools.partial(_backward, allowed=allowed, scale=call.softmax_scale)
+    allowed, scale, memo = call.mask, call.softmax_scale, call.score.memo  # mask None: causal, bottom-right
+    forward = functools.partial(_forward, allowed=allowed, scale=scale, memo=memo)
+    backward = functools.partial(_backward, allowed=allowed, scale=scale, memo=memo)
     return kernel(forward, backward, *inputs)
 
 
@@ -123,11 +124,12 @@ def _forward(
     *,
     allowed: torch.Tensor | None,
     scale: float,
+    memo: ForwardMemo | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     b, heads, q_len, _ = q.shape
     dv, s = v.shape[-1], stream.shape[-1]
     flat = q.new_empty(b, q_len, heads * (dv + s))  # (B, Tq, Hq*Dv + Hq*S)
-    lse = wide_values.forward(q, k, (v, stream), allowed, scale, _parts(flat, heads, dv, s))
+    lse = wide_values.forward(q, k, (v, stream), allowed, scale, _parts(flat, heads, dv, s), memo)
     return flat, (flat, lse)
 
 
@@ -138,12 +140,13 @@ def _backward(
     *,
     allowed: torch.Tensor | None,
     scale: float,
+    memo: ForwardMemo | None = None,
 ) -> tuple[torch.Tensor, ...]:
     q, k, v, stream = inputs
     flat, lse = saved
     heads, dv, s = q.shape[1], v.shape[-1], stream.shape[-1]
     outputs, grads = _parts(flat, heads, dv, s), _parts(grad.contiguous(), heads, dv, s)
     grad_q, grad_k, (grad_v, grad_stream) = wide_values.backward(
-        q, k, (v, stream), allowed, scale, outputs, grads, lse
+        q, k, (v, stream), allowed, scale, outputs, grads, lse, memo
     )
     return grad_q, grad_k, grad_v, grad_stream

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..core.memo import ForwardMemo
 from . import thread_split
 from .toeplitz_layout import FLUSH, LOG2E
 
@@ -76,10 +77,12 @@ def key_spans(
             end = min(start + rows, q_len)
             spans.append((start, end, 0, min(k_len, end + offset)))
         return spans
-    seen = allowed.any(0)[0]  # (Tq|1, Tk): allowed for some batch row
-    index = torch.arange(k_len, device=allowed.device)
-    first = torch.where(seen, index, k_len).amin(-1).expand(q_len)  # (Tq,): k_len where no key is allowed
-    last = torch.where(seen, index + 1, 0).amax(-1).expand(q_len)  # (Tq,): 0 there
+    seen = allowed.any(0)[0].to(torch.uint8)  # (Tq|1, Tk): allowed for some batch row (one byte each)
+    sees = seen.amax(-1).bool()  # (Tq|1,)
+    # first and last allowed key per row by argmax (the first maximum) over the keys and over them
+    # reversed: no (Tq, Tk) index tensor
+    first = torch.where(sees, seen.argmax(-1), k_len).expand(q_len)  # (Tq,): k_len where none
+    last = torch.where(sees, k_len - seen.flip(-1).argmax(-1), 0).expand(q_len)  # (Tq,): 0 there
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
         spans.append((start, end, int(first[start:end].min()), int(last[start:end].max())))
@@ -90,13 +93,26 @@ class _Blocks:
     """The blocks of one call: q (B, Hq, Tq, D), k (B, Hkv, Tk, D)."""
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scale: float, rows: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        allowed: torch.Tensor | None,
+        scale: float,
+        rows: int,
+        memo: ForwardMemo | None,
     ) -> None:
         self.batch, heads, self.q_len, self.dim = q.shape
         self.kv_heads, self.k_len = k.shape[1], k.shape[2]
         self.groups = heads // self.kv_heads
         self.per_product, self.rows = _layout(heads, self.kv_heads, self.k_len, q.element_size(), rows)
-        self.spans = key_spans(allowed, self.q_len, self.k_len, self.rows)
+        self.spans = (
+            key_spans(allowed, self.q_len, self.k_len, self.rows)
+            if allowed is None or memo is None  # (a mask is every layer's: read once per forward)
+            else memo.get(
+                ("wide_values.key_spans", id(allowed), self.q_len, self.k_len, self.rows),
+                lambda: key_spans(allowed, self.q_len, self.k_len, self.rows),
+            )
+        )
         # (B|1, 1, Tq|1, Tk): a mask over keys only stays one row, read by every block
         self.blocked = None if allowed is None else ~allowed
         self.causal_offset = self.k_len - self.q_len
@@ -150,15 +166,17 @@ def forward(
     allowed: torch.Tensor | None,
     scale: float,
     outputs: Sequence[torch.Tensor],
+    memo: ForwardMemo | None = None,
 ) -> torch.Tensor:
     """softmax(scale q k^T, masked) times each of ``values``, written into ``outputs`` -> lse
     (B, Hq, Tq).
 
     q (B, Hq, Tq, D); k (B, Hkv, Tk, D); ``values`` (B, Hkv, Tk, X_i), attended with the same
     weights (W = sum X_i wide together); ``outputs`` (B, Hq, Tq, X_i) views, any strides;
-    ``allowed`` (B|1, 1, Tq|1, Tk) bool or None (causal, bottom-right aligned)."""
+    ``allowed`` (B|1, 1, Tq|1, Tk) bool or None (causal, bottom-right aligned); ``memo``: the
+    forward's, where the blocks' key spans of a mask are kept for the other layers."""
     block_rows = FORWARD_ROWS if q.shape[-1] <= 32 else 2 * FORWARD_ROWS
-    blocks = _Blocks(q, k, allowed, scale, block_rows)
+    blocks = _Blocks(q, k, allowed, scale, block_rows, memo)
     g = blocks.groups
     lse = q.new_empty(blocks.batch, q.shape[1], blocks.q_len)
     widths = [x.shape[-1] for x in values]
@@ -214,11 +232,12 @@ def backward(
     outputs: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     lse: torch.Tensor,
+    memo: ForwardMemo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The gradients (dq, dk, [dvalues_i]) of :func:`forward`'s outputs from its ``lse``
     (B, Hq, Tq), its ``outputs`` and their gradients ``grads`` (B, Hq, Tq, X_i) views; the rest
     as :func:`forward`'s (same blocks, same mask)."""
-    blocks = _Blocks(q, k, allowed, scale, BACKWARD_ROWS)
+    blocks = _Blocks(q, k, allowed, scale, BACKWARD_ROWS, memo)
     (batch, kv_heads, k_len, _), g = k.shape, blocks.groups
     widths = [x.shape[-1] for x in values]
     width = sum(widths)

@@ -247,3 +247,22 @@ def test_the_forward_holds_its_output_the_values_and_one_blocks_scores():
     peak = peak_allocated_bytes(run)
     assert peak <= output + values + scores + block, (peak, output, values, scores, block)
     assert peak > output + values + scores // 2  # (the sizes are the ones the call holds)
+
+
+def test_a_masks_key_spans_are_read_once_per_forward_and_once_per_backward(monkeypatch):
+    """A left-padded batch's mask is every layer's: the blocks' key spans are read from it once
+    for the forward's blocks and once for the backward's (kept in the forward's memo), not once
+    per layer and direction."""
+    from hf_posenc.attention import wide_values
+
+    model = make_model("llama", hidden_size=64, num_attention_heads=4).train()
+    patched = patch(model, "tape")
+    ids = token_ids(2, 40)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :5] = 0
+    reads: list[int] = []
+    original = wide_values.key_spans
+    monkeypatch.setattr(wide_values, "key_spans", lambda *a: reads.append(a[-1]) or original(*a))
+    patched(ids, attention_mask=attention_mask, labels=ids, use_cache=False).loss.backward()
+    assert model.config.num_hidden_layers > 1
+    assert sorted(reads) == sorted([wide_values.FORWARD_ROWS, wide_values.BACKWARD_ROWS]), reads
