@@ -181,6 +181,9 @@ def dispatch_with_stream(
     q and k, the widened values and its output, all (Dv + S) wide, twice what plain attention
     keeps per token. The price there is one more forward of the attention per training step.
     """
+    if not stream.shape[-1]:  # nothing to attend beside the values: the model's own attention
+        out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
+        return out.flatten(2), weights
     v = call.v
     stream = stream.to(v.dtype)
     dv = v.shape[-1]
@@ -199,8 +202,6 @@ def dispatch_with_stream(
             return recomputed(lambda *inputs: fused(*inputs)[0], call.q, call.k, v, stream), None
         return fused(call.q, call.k, v, stream)
     out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
-    if not stream.shape[-1]:  # nothing to attend beside the values
-        return out.flatten(2), weights
     attended, _ = dispatch(dataclasses.replace(call, v=stream, want_weights=False))  # (B, Tq, Hq, S)
     return _heads_then_stream(out, attended), weights
 

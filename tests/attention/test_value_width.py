@@ -62,6 +62,29 @@ def test_sdpa_and_the_cache_see_the_models_head_width(case, monkeypatch):
         assert layer.keys.shape[-1] == head_dim and layer.values.shape[-1] == head_dim
 
 
+def test_tapes_last_layer_is_the_models_own_attention(monkeypatch):
+    """TAPE's last layer attends no stream (its (3) would reach no attention): that layer's call
+    is plain SDPA at the model's head width, not the blocked stream path (which would cost its
+    own kernel, and off the CPU a recomputed forward in backward), and the others are blocked."""
+    model = patch(make_model("llama"), "tape")
+    layers = model.config.num_hidden_layers
+    sdpa_widths, blocked = [], []
+    original_sdpa, original_blocked = F.scaled_dot_product_attention, wide_values.forward
+
+    def sdpa(q, k, v, *args, **kwargs):
+        sdpa_widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return original_sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(
+        wide_values, "forward", lambda *args: blocked.append(args[2]) or original_blocked(*args)
+    )
+    model(token_ids(1, stream_flash.FEW_QUERIES + 8)).logits.sum().backward()
+    head_dim = model.config.head_dim
+    assert sdpa_widths == [(head_dim, head_dim, head_dim)]  # the last layer's, once
+    assert len(blocked) == layers - 1
+
+
 def test_tape_keeps_its_stream_as_decoding_state_of_the_cached_length():
     """TAPE's stream of the cached keys is its own state, one (B, Hkv, Tk, D) entry per layer."""
     model = patch(make_model("llama"), "tape")
