@@ -70,9 +70,20 @@ class CAPEConfig(EncodingConfig):
         return dataclasses.replace(self, base_params=resolved.to_dict())
 
 
-#: scores per product of :meth:`HeadMixer.mix` without gradients: the slab's hidden units (32 x
-#: 8192 fp32, 1 MiB) stay in cache between the products and the LeakyReLU
+#: scores per product of :meth:`HeadMixer.mix` without gradients on the CPU: the slab's hidden
+#: units (32 x 8192 fp32, 1 MiB) stay in cache between the products and the LeakyReLU
 MIX_SLAB = 8192
+
+
+def mix_slab(device: torch.device, scores: int) -> int:
+    """Scores per product of a mix without gradients: :data:`MIX_SLAB` on the CPU (its caches);
+    elsewhere the whole block, as the mix with gradients takes it (on a GPU each slab costs five
+    kernel launches: with the CPU's slab a 256-row block of 8192 keys would be 256 slabs, ~1300
+    launches per block; the block's hidden units are what the training mix holds anyway). At
+    least 1 (a block of no keys has no slab)."""
+    return max(1, min(scores, MIX_SLAB if device.type == "cpu" else scores))
+
+
 NEGATIVE_SLOPE = 0.01  # LeakyReLU's (PyTorch's default, the reference's)
 
 
@@ -96,7 +107,7 @@ class HeadMixer(nn.Module):
         W1[:, H:] B + b1): products and in-place passes over (hidden, N) and (H, N) matrices, no
         permuted or concatenated (N, 2H) copy of the block and no copy made by a broadcast
         ``addmm`` input (the token-major form spent about a third of CAPE's forward permuting and
-        concatenating). Without gradients the N scores go in slabs of :data:`MIX_SLAB` through
+        concatenating). Without gradients the N scores go in slabs (:func:`mix_slab`) through
         one reused buffer of hidden units, each slab's W2 product added in place into the output."""
         batch, heads, rows, keys = scores.shape
         n = rows * keys
@@ -110,7 +121,7 @@ class HeadMixer(nn.Module):
                 parts.append((s + base).add_(b2).addmm_(self.outer.weight.to(dtype), self._hidden(s, base)))
             return (parts[0][None] if batch == 1 else torch.stack(parts)).view(batch, heads, rows, keys)
         out = torch.empty(batch, heads, rows, keys, dtype=dtype, device=scores.device)
-        slab = max(1, min(n, MIX_SLAB))  # (a block of no keys: no slab)
+        slab = mix_slab(scores.device, n)
         buffer = torch.empty(self.inner.out_features, slab, dtype=dtype, device=scores.device)
         w2 = self.outer.weight.to(dtype)  # (H, F)
         for b in range(batch):

@@ -35,6 +35,28 @@ def _mixed_formula(mixer, scores, bias):
     return scores + bias + torch.einsum("hf,bfrk->bhrk", w2, hidden) + b2[:, None, None]
 
 
+def test_cape_mixer_takes_a_block_in_one_slab_off_the_cpu(monkeypatch):
+    """Without gradients the mix goes in cache-sized slabs on the CPU only: on another device (a
+    GPU, where each slab is five kernel launches) a block is one slab per batch row, as the mix
+    with gradients takes it. Counted on the meta device, which runs the same code without data."""
+    assert cape.mix_slab(torch.device("cpu"), 10**6) == cape.MIX_SLAB
+    assert cape.mix_slab(torch.device("cpu"), 100) == 100
+    assert cape.mix_slab(torch.device("cuda"), 10**6) == 10**6
+    assert cape.mix_slab(torch.device("cuda"), 0) == 1  # a block of no keys
+    activations = []
+    original = cape.F.leaky_relu_
+    monkeypatch.setattr(
+        cape.F, "leaky_relu_", lambda x, slope: activations.append(x.shape) or original(x, slope)
+    )
+    for device, slabs in (("meta", 2), ("cpu", 2 * -(-64 * 300 // cape.MIX_SLAB))):
+        activations.clear()
+        mixer = cape.HeadMixer(4, 6).to(device)
+        scores = torch.zeros(2, 4, 64, 300, device=device)
+        with torch.no_grad():
+            mixer.mix(scores, torch.zeros(1, 4, 64, 300, device=device))
+        assert len(activations) == slabs, (device, activations)
+
+
 @SETTINGS
 @given(
     batch=st.integers(1, 3),
