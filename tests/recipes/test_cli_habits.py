@@ -128,3 +128,39 @@ def test_rows_are_named_after_the_run(tmp_path, monkeypatch):
     (tmp_path / "my-run" / "final").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "my-run")
     assert run_name("final") == "my-run" and run_name("./final") == "my-run"
+
+
+@pytest.mark.parametrize(
+    ("argv", "typo", "meant"),
+    [
+        (["perplexity", "--modle", "m"], "--modle", "--model"),  # a command with required options
+        (["train", "--modle", "m"], "--modle", "--model"),
+        (["bench", "--lenghts", "64"], "--lenghts", "--lengths"),  # one without
+        (["study", "--encodng", "rope"], "--encodng", "--encodings"),
+    ],
+)
+def test_a_mistyped_option_is_named_with_the_option_meant(argv, typo, meant, capsys):
+    """One line naming the unknown option and the known option closest to it, before anything
+    runs, instead of the required options still missing or a bare "unrecognized arguments"."""
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"hf-posenc {argv[0]}: error: unrecognized arguments: {typo} (did you mean {meant}?)", last
+
+
+def test_an_unknown_option_far_from_every_known_one_is_named_alone(capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--zzzz"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hf-posenc export: error: unrecognized arguments: --zzzz"
+    )
+
+
+def test_abbreviations_and_values_are_read_as_before():
+    """argparse's unique prefixes still name their option (``--len`` is ``--lengths``), and a value
+    that starts with a dash is a value (``--lengths -5`` reaches the command's own check)."""
+    args = build_parser().parse_args(["bench", "--len", "64", "128", "--encodings", "rope"])
+    assert args.lengths == [64, 128]
+    args = build_parser().parse_args(["bench", "--lengths", "-5"])
+    assert args.lengths == [-5]

@@ -23,7 +23,7 @@ from . import longeval as longeval_command
 from . import perplexity as perplexity_command
 from . import study as study_command
 from . import train as train_command
-from .common import DefaultsHelpFormatter
+from .common import CommandParser, DefaultsHelpFormatter
 
 #: modules whose ``register(subparsers)`` adds subcommands, in the order ``--help`` lists them
 COMMAND_MODULES = [
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-posenc", description="Positional encodings for transformers models."
     )
     parser.add_argument("--version", action="version", version=f"hf-posenc {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     for module in COMMAND_MODULES:
         module.register(commands)
     for name, subparser in commands.choices.items():

@@ -3,9 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that names an unknown option first, with the known ones it is
+    closest to: ``--modle x`` reads "unrecognized arguments: --modle (did you mean --model?)",
+    where argparse alone reports the required options still missing (``--model`` among them)
+    or, for a command with none, "hf-posenc: error: unrecognized arguments" without a hint."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        unknown = self._unknown_options(args)
+        if unknown:
+            self.error(f"unrecognized arguments: {', '.join(map(self._with_suggestion, unknown))}")
+        return super().parse_known_args(args, namespace)
+
+    def _unknown_options(self, args: list[str]) -> list[str]:
+        """The options in ``args`` that no action of this parser takes (argparse's own reading,
+        abbreviations included), found by parsing with no option required."""
+        required = [action for action in self._actions if action.required]
+        for action in required:
+            action.required = False
+        try:
+            _, extras = super().parse_known_args(args, argparse.Namespace())
+        finally:
+            for action in required:
+                action.required = True
+        return [extra.split("=", 1)[0] for extra in extras if extra.startswith("-") and extra != "-"]
+
+    def _with_suggestion(self, option: str) -> str:
+        known = [name for action in self._actions for name in action.option_strings]
+        close = difflib.get_close_matches(option, known, n=2, cutoff=0.75)
+        return f"{option} (did you mean {' or '.join(close)}?)" if close else option
 
 
 def parse_encoding_params(items: list[str] | None) -> dict[str, Any]:
