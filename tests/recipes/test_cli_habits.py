@@ -164,3 +164,21 @@ def test_abbreviations_and_values_are_read_as_before():
     assert args.lengths == [64, 128]
     args = build_parser().parse_args(["bench", "--lengths", "-5"])
     assert args.lengths == [-5]
+
+
+def test_a_required_choice_of_options_is_kept_while_a_typo_is_named(capsys):
+    """The unknown-option check parses with nothing required and puts every required flag back
+    (a required mutually exclusive group included): a later parse still requires them."""
+    from hf_posenc.recipes.cli.common import CommandParser
+
+    parser = CommandParser(prog="hf-posenc x")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--alpha")
+    group.add_argument("--beta")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--alpah", "1"])
+    assert "unrecognized arguments: --alpah (did you mean --alpha?)" in capsys.readouterr().err
+    assert parser.parse_args(["--beta", "2"]).beta == "2"
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    assert "one of the arguments --alpha --beta is required" in capsys.readouterr().err

@@ -26,15 +26,23 @@ class CommandParser(argparse.ArgumentParser):
     def _unknown_options(self, args: list[str]) -> list[str]:
         """The options in ``args`` that no action of this parser takes (argparse's own reading,
         abbreviations included), found by parsing with no option required."""
-        required = [action for action in self._actions if action.required]
-        for action in required:
-            action.required = False
+        actions = [action for action in self._actions if action.required]
+        groups = [group for group in self._mutually_exclusive_groups if group.required]
+        self._set_required(actions, groups, False)
         try:
             _, extras = super().parse_known_args(args, argparse.Namespace())
         finally:
-            for action in required:
-                action.required = True
+            self._set_required(actions, groups, True)
         return [extra.split("=", 1)[0] for extra in extras if extra.startswith("-") and extra != "-"]
+
+    @staticmethod
+    def _set_required(
+        actions: list[argparse.Action], groups: list[argparse._MutuallyExclusiveGroup], value: bool
+    ) -> None:
+        for action in actions:
+            action.required = value
+        for group in groups:
+            group.required = value
 
     def _with_suggestion(self, option: str) -> str:
         known = [name for action in self._actions for name in action.option_strings]
