@@ -14,7 +14,7 @@ import torch
 from capture import run_and_capture
 from conftest import ONE_ROTATION_FAMILIES, make_model, patch, token_ids
 from encoding_cases import case_id, cases_of
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from references import REFERENCES
 from references.comrope import comrope_generators, comrope_matrix
@@ -244,16 +244,28 @@ def test_comrope_generators_commute(case, seed, layer):
     seed=st.integers(0, 2**16),
     coords=st.lists(st.floats(-20, 20, allow_nan=False), min_size=4, max_size=4),
 )
+@example(  # a block turning by 59.5 rad: fp32's drift 5.3e-5
+    case=("comrope", {"variant": "ld", "block_size": 2, "axes": 4}),
+    seed=231,
+    coords=[1.875, -19.875, 0.75, 20.0],
+)
 def test_comrope_rotations_are_orthogonal_and_match_the_matrix_exponential(case, seed, coords):
     """R(x) = exp(sum_a x_a A_a) is orthogonal (R^T R = I, det 1) and the module's blockwise fp32
-    exponential equals the full fp64 matrix exponential."""
+    exponential equals the full fp64 matrix exponential, each block to within its fp32 drift:
+    32 eps (|theta| + 1), theta the block's exponent's spectral norm (the module documents that
+    fp32's matrix_exp drifts in proportion to the angle; 900 random cases here peaked at 12.4
+    eps (|theta| + 1), and a fixed 5e-5 failed at theta = 59.5 with 5.3e-5)."""
     name, params = case
     posenc = randomized(name, params, seed)
     axes = axes_of(name, params)
     x = torch.tensor([coords[:axes]], dtype=torch.float32)  # (1, N)
     blocks = posenc.rotation(0, x)[0].double()  # (Hkv, m, b, b)
     eye = torch.eye(blocks.shape[-1], dtype=torch.float64)
-    torch.testing.assert_close(blocks.transpose(-1, -2) @ blocks, eye.expand_as(blocks), atol=5e-5, rtol=0)
+    weight = x @ posenc.coefficients(0, torch.float32)  # (1, m)
+    exponent = weight[0, None, :, None, None].double() * posenc.skew(0, torch.float32).double()
+    drift = 32 * 2.0**-23 * (torch.linalg.matrix_norm(exponent.detach(), ord=2) + 1)  # (Hkv, m)
+    orthogonality = (blocks.transpose(-1, -2) @ blocks - eye).abs().amax((-1, -2))  # (Hkv, m)
+    assert bool((orthogonality <= drift).all()), (orthogonality / drift).max()
     full = comrope_matrix(posenc, 0, 1, [float(v) for v in x[0]])
     torch.testing.assert_close(
         full.T @ full, torch.eye(full.shape[0], dtype=torch.float64), atol=1e-9, rtol=0
@@ -263,7 +275,7 @@ def test_comrope_rotations_are_orthogonal_and_match_the_matrix_exponential(case,
     m = blocks.shape[1]
     for j in range(m):
         idx = [j + r * m for r in range(blocks.shape[-1])]
-        torch.testing.assert_close(blocks[1, j], full[idx][:, idx], atol=1e-4, rtol=0)
+        torch.testing.assert_close(blocks[1, j], full[idx][:, idx], atol=float(drift[1, j]), rtol=0)
     assert d == m * blocks.shape[-1]
 
 
