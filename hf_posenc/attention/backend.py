@@ -182,6 +182,12 @@ def dispatch_with_stream(
     keeps per token. The price there is one more forward of the attention per training step.
     """
     if not stream.shape[-1]:  # nothing to attend beside the values: the model's own attention
+        # Not dispatch_chained, though TAPE's rotated q and k come from a recomputed step: it would
+        # run this attention's forward again in backward to keep the raw q, k instead of the rotated
+        # ones. The bench's TAPE (T=2048, vocab 256) trained at 1.25x-1.29x native that way against
+        # 1.22x-1.25x plain (two trees alternating, 5 rounds each, 2026-11-28 12:04 UTC), for a
+        # peak of 170 against 174 MiB by the profiler's count (native 157; 177 when this layer
+        # took the blocked stream path).
         out, weights = dispatch(call)  # (B, Tq, Hq, Dv)
         return out.flatten(2), weights
     v = call.v
